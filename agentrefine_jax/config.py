@@ -1,0 +1,268 @@
+"""Typed run configuration: plain Python files in `configs/` return a `Config`.
+
+A config file defines `def config() -> Config`. The CLI resolves a bare name inside
+`configs/`, then applies `--set a.b=value` overrides; values are parsed against the
+field's declared type so a typo fails at start-up instead of mid-run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import pathlib
+import types
+import typing
+from typing import Any
+
+from agentrefine_jax.models.config import ModelConfig, RopeScaling
+
+CONFIGS_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclasses.dataclass
+class DataConfig:
+    # Training files (JSONL / JSON / parquet) or `datasets` names; see docs/data.md.
+    train_files: tuple[str, ...] = ()
+    eval_files: tuple[str, ...] = ()
+    # Fraction of training rows held out for eval loss when no eval_files are given.
+    eval_fraction: float = 0.0
+    # Row layout: "auto" | "canonical" | "sharegpt" | "agentflan" | "custom" (see field_map).
+    format: str = "auto"
+    # Overrides for custom layouts, e.g. {"turns": "conversations", "role": "from", ...}.
+    field_map: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tokenizer: str = "llama3"
+    template: str = "llama3"
+    # Which assistant-turn categories carry loss (paper Eq. 1: correct + refinement).
+    loss_on: tuple[str, ...] = ("correct", "refinement")
+    drop_refinement_data: bool = False
+    max_length: int = 8192
+    # What to do with over-length trajectories: "truncate" (at a turn boundary) or "drop".
+    overlength: str = "truncate"
+    pack: bool = True
+    shuffle: bool = True
+    seed: int = 0
+    num_workers: int = 0
+    prefetch: int = 2
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    learning_rate: float = 5e-6
+    schedule: str = "cosine"  # "cosine" | "constant"
+    warmup_steps: int = 0
+    # Cosine decays to learning_rate * final_lr_fraction.
+    final_lr_fraction: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 1.0
+
+
+@dataclasses.dataclass
+class MeshConfig:
+    # Sizes of the named mesh axes; -1 on one axis means "all remaining devices".
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    # Logical axis name -> mesh axis (or tuple of mesh axes, or None for replicated).
+    rules: tuple[tuple[str, Any], ...] = (
+        ("batch", ("data", "fsdp")),
+        ("activation_seq", None),
+        ("activation_embed", None),
+        ("activation_heads", "tensor"),
+        ("activation_kv_heads", "tensor"),
+        ("activation_mlp", "tensor"),
+        ("activation_vocab", "tensor"),
+        ("layers", None),
+        ("vocab", "tensor"),
+        ("embed", "fsdp"),
+        ("heads", "tensor"),
+        ("kv_heads", "tensor"),
+        ("head_dim", None),
+        ("mlp", "tensor"),
+        ("norm", None),
+    )
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    run_dir: str = "runs/default"
+    global_batch_size: int = 64
+    micro_batch_size: int | None = None  # None: no gradient accumulation
+    num_epochs: int = 10
+    max_steps: int | None = None
+    log_every: int = 1
+    eval_every: int = 0
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 3
+    # Loss is computed over the vocabulary in sequence chunks of this many tokens.
+    loss_chunk_size: int = 1024
+    seed: int = 0
+    init_from_hf: str | None = None
+    export_hf_at_end: str | None = None
+    export_dtype: str = "bfloat16"
+    # Peak FLOP/s per device used for MFU; 0 = look it up from the device kind.
+    peak_flops_per_device: float = 0.0
+
+
+@dataclasses.dataclass
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def resolve_config_path(name_or_path: str) -> pathlib.Path:
+    """A path that exists wins; otherwise a bare name (with or without `.py`) in configs/."""
+    p = pathlib.Path(name_or_path)
+    if p.is_file():
+        return p
+    stem = name_or_path[:-3] if name_or_path.endswith(".py") else name_or_path
+    candidate = CONFIGS_DIR / f"{stem}.py"
+    if candidate.is_file():
+        return candidate
+    available = sorted(q.stem for q in CONFIGS_DIR.glob("*.py") if not q.stem.startswith("_"))
+    raise FileNotFoundError(f"no config {name_or_path!r}: not a file, and not one of configs/: {available}")
+
+
+def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Config:
+    path = resolve_config_path(name_or_path)
+    spec = importlib.util.spec_from_file_location(f"agentrefine_config_{path.stem}", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "config"):
+        raise AttributeError(f"{path} must define `def config() -> Config`")
+    cfg = module.config()
+    if not isinstance(cfg, Config):
+        raise TypeError(f"{path}: config() returned {type(cfg).__name__}, expected Config")
+    return apply_overrides(cfg, overrides)
+
+
+def apply_overrides(cfg: Config, overrides: typing.Sequence[str]) -> Config:
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        cfg = _set_path(cfg, key.strip().split("."), raw, key)
+    return cfg
+
+
+def _set_path(obj: Any, parts: list[str], raw: str, full_key: str) -> Any:
+    if not dataclasses.is_dataclass(obj):
+        raise KeyError(f"--set {full_key}: {type(obj).__name__} has no sub-fields")
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    name = parts[0]
+    if name not in fields:
+        raise KeyError(f"--set {full_key}: unknown key {name!r}; choose from {sorted(fields)}")
+    hints = typing.get_type_hints(type(obj))
+    if len(parts) == 1:
+        value = parse_value(raw, hints[name], full_key)
+    else:
+        value = _set_path(getattr(obj, name), parts[1:], raw, full_key)
+    return dataclasses.replace(obj, **{name: value})
+
+
+def parse_value(raw: str, tp: Any, key: str = "") -> Any:
+    """Parse a CLI string into `tp` (bool/int/float/str/tuple/dict/Optional/dataclass)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if raw.lower() in ("none", "null") and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return parse_value(raw, arg, key)
+            except (ValueError, TypeError) as e:
+                errors.append(str(e))
+        raise ValueError(f"--set {key}: cannot parse {raw!r} as {tp}: {errors}")
+    if origin is typing.Literal:
+        if raw not in args:
+            raise ValueError(f"--set {key}: {raw!r} not one of {args}")
+        return raw
+    if tp is bool:
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"--set {key}: {raw!r} is not a boolean")
+    if tp is int:
+        return int(raw)
+    if tp is float:
+        return float(raw)
+    if tp is str:
+        return raw
+    if origin is tuple:
+        if raw.startswith("["):
+            items = json.loads(raw)
+        else:
+            items = [s for s in raw.split(",") if s.strip()] if raw else []
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(parse_value(str(i).strip(), args[0], key) for i in items)
+        return tuple(items)
+    if origin is dict or tp is dict:
+        value = json.loads(raw)
+        if not isinstance(value, dict):
+            raise ValueError(f"--set {key}: expected a JSON object")
+        return value
+    if tp is RopeScaling:
+        return RopeScaling(**json.loads(raw))
+    if tp is Any:
+        return json.loads(raw) if raw[:1] in "[{\"" or raw in ("null", "true", "false") else raw
+    raise TypeError(f"--set {key}: unsupported field type {tp}")
+
+
+def to_dict(cfg: Any) -> Any:
+    """JSON-ready view of a (nested) config, for run directories and logs."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return cfg
+
+
+def from_dict(d: dict[str, Any]) -> Config:
+    """Inverse of `to_dict` (used to rebuild the resolved config saved in a run)."""
+    return _build(Config, d)
+
+
+def _build(cls: Any, d: Any) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in d:
+            continue
+        kwargs[f.name] = _coerce(d[f.name], hints[f.name])
+    return cls(**kwargs)
+
+
+def _coerce(v: Any, tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if v is None:
+        return None
+    if origin in (typing.Union, types.UnionType):
+        for arg in args:
+            if arg is type(None):
+                continue
+            if dataclasses.is_dataclass(arg) and isinstance(v, dict):
+                return _build(arg, v)
+        return _coerce(v, next(a for a in args if a is not type(None)))
+    if dataclasses.is_dataclass(tp) and isinstance(v, dict):
+        return _build(tp, v)
+    if origin is tuple and isinstance(v, list):
+        inner = args[0] if args and len(args) == 2 and args[1] is Ellipsis else Any
+        return tuple(_coerce(x, inner) if not isinstance(x, list) else tuple(x) for x in v)
+    return v

@@ -1,0 +1,172 @@
+"""Tokenizers built offline from the vendors' own files, as Hugging Face fast tokenizers.
+
+`llama3`  -> the tiktoken BPE file shipped in `llama-models` (Meta's `Tokenizer`), with Meta's
+             256 special tokens at ids 128000..128255.
+`mistral` -> the v3 SentencePiece model shipped in `mistral-common` (`[INST]`, `[/INST]`, ...
+             are control pieces, byte fallback on), as used by Mistral-7B-Instruct-v0.3.
+Anything else is taken as a local Hugging Face tokenizer directory (never `trust_remote_code`).
+
+Both built-ins are checked token for token against the vendors' encoders in
+tests/test_data_tokenizers.py. Building the Llama-3 merges takes a few seconds, so each
+tokenizer is built once per process and cached.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+from tokenizers.models import BPE
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode, generate_merges
+
+BUILTIN_TOKENIZERS = ("llama3", "mistral")
+
+# Meta's pre-tokenization regex (llama_models/llama3/tokenizer.py, Tokenizer.pat_str).
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_NUM_RESERVED_SPECIAL = 256
+
+
+def llama3_model_path() -> pathlib.Path:
+    import llama_models.llama3
+
+    return pathlib.Path(llama_models.llama3.__file__).parent / "tokenizer.model"
+
+
+def mistral_v3_model_path() -> pathlib.Path:
+    import mistral_common
+
+    return pathlib.Path(mistral_common.__file__).parent / "data" / "mistral_instruct_tokenizer_240323.model.v3"
+
+
+def llama3_special_tokens() -> list[str]:
+    """Meta's special-token list, in id order (same construction as llama_models' Tokenizer)."""
+    named = [
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|reserved_special_token_0|>",
+        "<|reserved_special_token_1|>",
+        "<|finetune_right_pad_id|>",
+        "<|step_id|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eom_id|>",
+        "<|eot_id|>",
+        "<|python_tag|>",
+        "<|image|>",
+    ]
+    reserved = [f"<|reserved_special_token_{2 + i}|>" for i in range(LLAMA3_NUM_RESERVED_SPECIAL - len(named))]
+    return named + reserved
+
+
+def _build_llama3() -> PreTrainedTokenizerFast:
+    from llama_models.tokenizer_utils import load_bpe_file
+
+    ranks = load_bpe_file(llama3_model_path())
+    byte_encoder = bytes_to_unicode()
+
+    def to_str(b: bytes) -> str:
+        return "".join(byte_encoder[x] for x in b)
+
+    vocab = {to_str(tok): rank for tok, rank in ranks.items()}
+    # tiktoken merges greedily by the rank of the merged token; a merge list ordered by that
+    # rank with `ignore_merges` (whole-word vocab hits first) reproduces it exactly.
+    merges: list[tuple[int, bytes, bytes]] = []
+    for tok, rank in ranks.items():
+        for i in range(1, len(tok)):
+            left, right = tok[:i], tok[i:]
+            if left in ranks and right in ranks:
+                merges.append((rank, left, right))
+    merges.sort(key=lambda m: (m[0], ranks[m[1]], ranks[m[2]]))
+    bpe = BPE(vocab, [(to_str(a), to_str(b)) for _, a, b in merges], fuse_unk=False, ignore_merges=True)
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    specials = llama3_special_tokens()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    base = len(ranks)
+    for i, s in enumerate(specials):  # ids must be Meta's, not just "appended somewhere"
+        assert tok.token_to_id(s) == base + i, s
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|begin_of_text|>",
+        # Instruct models end a turn with <|eot_id|>; generation also stops on the other two
+        # (see ChatTemplate.stop_token_ids).
+        eos_token="<|eot_id|>",
+        pad_token="<|finetune_right_pad_id|>",
+        clean_up_tokenization_spaces=False,
+        model_max_length=131072,
+    )
+
+
+def _build_mistral_v3() -> PreTrainedTokenizerFast:
+    from sentencepiece import sentencepiece_model_pb2 as sp_pb2
+
+    proto = sp_pb2.ModelProto()
+    proto.ParseFromString(mistral_v3_model_path().read_bytes())
+    spec = proto.normalizer_spec
+    if proto.trainer_spec.model_type != 2 or not proto.trainer_spec.byte_fallback:
+        raise ValueError("expected a SentencePiece BPE model with byte fallback (Mistral v3)")
+    if spec.name != "identity" or spec.remove_extra_whitespaces or not spec.add_dummy_prefix:
+        raise ValueError(f"unexpected SentencePiece normalizer spec {spec.name!r} for Mistral v3")
+    pieces = list(proto.pieces)
+    vocab = {p.piece: i for i, p in enumerate(pieces)}
+    normal = {p.piece: p.score for p in pieces if p.type == 1}  # 1 = NORMAL
+    # SentencePiece BPE merges the adjacent pair whose merged piece scores highest; only
+    # normal pieces take part (control, unknown and byte pieces are never merge results).
+    skip = {p.piece for p in pieces if p.type != 1}
+    merges = generate_merges(vocab, normal, skip_tokens=skip)
+    bpe = BPE(vocab, merges, unk_token=proto.trainer_spec.unk_piece, fuse_unk=True, byte_fallback=True)
+    tok = Tokenizer(bpe)
+    # SentencePiece's dummy prefix: one "▁" in front of every encode() call, spaces -> "▁".
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    controls = [p.piece for p in pieces if p.type in (2, 3)]  # unknown + control pieces
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in controls])
+    for s in controls:
+        assert tok.token_to_id(s) == vocab[s], s
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+        model_max_length=32768,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _load_cached(name_or_path: str) -> PreTrainedTokenizerFast:
+    if name_or_path == "llama3":
+        return _build_llama3()
+    if name_or_path == "mistral":
+        return _build_mistral_v3()
+    path = pathlib.Path(name_or_path).expanduser()
+    if not path.is_dir():
+        raise ValueError(
+            f"unknown tokenizer {name_or_path!r}: use one of {BUILTIN_TOKENIZERS} or a local Hugging Face "
+            "tokenizer directory (tokenizer.json / tokenizer_config.json)"
+        )
+    tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
+    if not isinstance(tok, PreTrainedTokenizerFast):
+        raise TypeError(f"{path}: need a fast (tokenizers-backed) tokenizer, got {type(tok).__name__}")
+    return tok
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerFast:
+    """`llama3` / `mistral` built offline from vendor files, or a local HF tokenizer directory.
+
+    The returned object is shared (cached per process): do not mutate it.
+    """
+    return _load_cached(str(name_or_path))

@@ -1,0 +1,123 @@
+"""Model configuration and the shipped presets.
+
+One dataclass describes every LLaMA-3 / Mistral variant we support; the model code
+branches only on these fields, never on a family name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1 style ("llama3") frequency scaling of rotary embeddings."""
+
+    rope_type: Literal["llama3"] = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    family: Literal["llama", "mistral"] = "llama"
+    vocab_size: int = 128256
+    hidden_size: int = 4096
+    intermediate_size: int = 14336
+    num_layers: int = 32
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 8192
+    tie_embeddings: bool = False
+    sliding_window: int | None = None
+    initializer_range: float = 0.02
+    # Storage dtype of parameters (master weights) vs the dtype matmuls run in.
+    param_dtype: str = "float32"
+    dtype: str = "bfloat16"
+    # "none" | "full" | "dots" | "dots_no_batch" | "save_attn_out": what the backward pass keeps.
+    remat_policy: str = "none"
+    # lax.scan over the stacked layers: one compiled layer body instead of N copies.
+    scan_layers: bool = True
+    # Queries are processed in blocks of this many tokens so the [heads, S, S] score
+    # matrix never exists whole (0 = one block). Exact: no approximation involved.
+    attention_block_size: int = 0
+    bos_token_id: int = 128000
+    eos_token_ids: tuple[int, ...] = (128001, 128009)
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        for name in ("param_dtype", "dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"{name} must be float32, bfloat16 or float16, got {getattr(self, name)!r}")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_attn_out")
+
+_LLAMA3_8B = ModelConfig()
+_LLAMA3_70B = dataclasses.replace(
+    _LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8
+)
+_LLAMA31 = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+PRESETS: dict[str, ModelConfig] = {
+    "llama3_8b": _LLAMA3_8B,
+    "llama3.1_8b": dataclasses.replace(_LLAMA3_8B, rope_scaling=_LLAMA31, max_position_embeddings=131072),
+    "llama3_70b": _LLAMA3_70B,
+    "llama3.1_70b": dataclasses.replace(_LLAMA3_70B, rope_scaling=_LLAMA31, max_position_embeddings=131072),
+    "mistral_7b_v0.3": ModelConfig(
+        family="mistral",
+        vocab_size=32768,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=32768,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    ),
+    # Small enough to train on two CPU cores in minutes; same architecture as Llama-3.
+    # The vocabulary is Llama-3's so the real tokenizer and chat template apply unchanged.
+    "tiny": ModelConfig(
+        vocab_size=128256,
+        hidden_size=64,
+        intermediate_size=192,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=500000.0,
+        max_position_embeddings=2048,
+        tie_embeddings=True,
+        param_dtype="float32",
+        dtype="float32",
+    ),
+}
+
+
+def preset(name: str, **overrides: object) -> ModelConfig:
+    try:
+        base = PRESETS[name]
+    except KeyError:
+        raise KeyError(f"unknown model preset {name!r}; choose from {sorted(PRESETS)}") from None
+    return dataclasses.replace(base, **overrides)

@@ -1,0 +1,129 @@
+"""Logical-axis sharding: names on parameters/activations, mapped to mesh axes by rules.
+
+Models only ever say *what* a dimension is ("embed", "heads", "batch"); which mesh axis
+shards it is decided here from the config's rules. A dimension that a mesh axis does not
+divide evenly is replicated rather than failing, so tiny test models run on any mesh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+Rules = Sequence[tuple[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingContext:
+    mesh: Mesh
+    rules: tuple[tuple[str, Any], ...]
+
+
+_CONTEXT: contextvars.ContextVar[ShardingContext | None] = contextvars.ContextVar(
+    "agentrefine_sharding", default=None
+)
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh; one axis may be -1 to take the remaining devices."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    unknown = [k for k, v in sizes.items() if v == -1]
+    if len(unknown) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got {sizes}")
+    known = math.prod(v for v in sizes.values() if v != -1)
+    if unknown:
+        if len(devices) % known:
+            raise ValueError(f"{len(devices)} devices do not divide into mesh {sizes}")
+        sizes[unknown[0]] = len(devices) // known
+    total = math.prod(sizes.values())
+    if total != len(devices):
+        raise ValueError(f"mesh {sizes} needs {total} devices, {len(devices)} available")
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    try:
+        arr = jax.experimental.mesh_utils.create_device_mesh(shape, devices=devices)
+    except Exception:  # CPU / odd topologies: plain row-major placement is fine
+        arr = np.asarray(devices).reshape(shape)
+    return Mesh(arr, MESH_AXES)
+
+
+def logical_to_spec(
+    names: Sequence[str | None], rules: Rules, shape: Sequence[int] | None = None, mesh: Mesh | None = None
+) -> PartitionSpec:
+    """Map logical names to a PartitionSpec; each mesh axis is used at most once."""
+    table = dict(rules)
+    used: set[str] = set()
+    out: list[Any] = []
+    for i, name in enumerate(names):
+        target = table.get(name) if name is not None else None
+        axes = (target,) if isinstance(target, str) else tuple(target or ())
+        axes = tuple(a for a in axes if a not in used)
+        if mesh is not None:
+            axes = tuple(a for a in axes if mesh.shape[a] > 1)
+            if shape is not None and axes and shape[i] % math.prod(mesh.shape[a] for a in axes):
+                axes = ()
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*out)
+
+
+@contextlib.contextmanager
+def use_sharding(mesh: Mesh, rules: Rules) -> Iterator[ShardingContext]:
+    """Activate mesh + rules so `constrain` annotates activations while tracing."""
+    ctx = ShardingContext(mesh, tuple(rules))
+    token = _CONTEXT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CONTEXT.reset(token)
+
+
+def current() -> ShardingContext | None:
+    return _CONTEXT.get()
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Sharding hint for an activation; a no-op outside `use_sharding`."""
+    ctx = _CONTEXT.get()
+    if ctx is None:
+        return x
+    spec = logical_to_spec(names, ctx.rules, x.shape, ctx.mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, spec))
+
+
+def _is_var(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def state_shardings(state: Any, mesh: Mesh, rules: Rules) -> Any:
+    """NamedSharding for every leaf of an nnx State (or a tree of ShapeDtypeStructs under Variables).
+
+    Variables without `axes` metadata (e.g. RNG counters) are replicated.
+    """
+
+    def one(v: Any) -> Any:
+        if isinstance(v, nnx.Variable):
+            value = v.get_value()
+            names = v.get_metadata().get("axes")
+            shape = getattr(value, "shape", ())
+            spec = logical_to_spec(names, rules, shape, mesh) if names else PartitionSpec()
+            return v.replace(NamedSharding(mesh, spec))
+        return NamedSharding(mesh, PartitionSpec())
+
+    return jax.tree.map(one, state, is_leaf=_is_var)
+
+
+def batch_sharding(mesh: Mesh, rules: Rules, ndim: int = 2) -> NamedSharding:
+    """Sharding for a [batch, seq, ...] input array."""
+    names = ("batch",) + (None,) * (ndim - 1)
+    return NamedSharding(mesh, logical_to_spec(names, rules, None, mesh))

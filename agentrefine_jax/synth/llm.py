@@ -1,0 +1,211 @@
+"""OpenAI-compatible chat-completions backend (GPT-4o, DeepSeek, a local vLLM server, ...).
+
+The `openai` client's own retries are disabled so that the policy lives here: exponential
+backoff with jitter on 429 / 5xx / 408 / 409 / timeouts / connection errors (honouring
+Retry-After), a fatal error on other 4xx (a bad key or model name would fail every request).
+The API key is read from an environment variable and never printed: error texts pass through
+`redact` before they reach a log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import openai
+
+PLACEHOLDER_KEY = "EMPTY"  # what local servers (vLLM, llama.cpp) accept when no key is set
+
+
+class APIFatalError(RuntimeError):
+    """A non-retryable API error (authentication, unknown model, bad request)."""
+
+
+class APITransientError(RuntimeError):
+    """A retryable API error that persisted through every retry."""
+
+
+class JSONExtractError(ValueError):
+    """The reply contains no parseable JSON value."""
+
+
+@dataclasses.dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    calls: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def add(self, other: Usage) -> None:
+        self.prompt_tokens += other.prompt_tokens
+        self.completion_tokens += other.completion_tokens
+        self.calls += other.calls
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+            "calls": self.calls,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> Usage:
+        d = d or {}
+        return cls(int(d.get("prompt_tokens", 0)), int(d.get("completion_tokens", 0)), int(d.get("calls", 0)))
+
+
+@dataclasses.dataclass
+class Reply:
+    text: str
+    usage: Usage
+    finish_reason: str | None = None
+
+
+@dataclasses.dataclass
+class LLMSettings:
+    base_url: str
+    model: str
+    api_key_env: str = "OPENAI_API_KEY"
+    temperature: float = 1.0
+    max_tokens: int | None = None
+    timeout: float = 300.0
+    # Retries of one request on transient errors, and the backoff schedule between them.
+    max_api_retries: int = 6
+    backoff_base: float = 1.0
+    backoff_max: float = 60.0
+
+
+def _retry_after(err: openai.APIStatusError) -> float | None:
+    try:
+        value = err.response.headers.get("retry-after")
+        return float(value) if value is not None else None
+    except (AttributeError, ValueError):
+        return None
+
+
+class ChatClient:
+    """Thread-safe chat-completions client with retries; one per stage (script / trajectory)."""
+
+    def __init__(
+        self,
+        settings: LLMSettings,
+        *,
+        log: Callable[[str], None] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        self.settings = settings
+        self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self._sleep = sleep
+        key = os.environ.get(settings.api_key_env, "")
+        if not key:
+            self._log(
+                f"[synth] warning: ${settings.api_key_env} is not set; sending a placeholder key "
+                "(fine for local servers, rejected by hosted APIs)"
+            )
+        self._key = key or PLACEHOLDER_KEY
+        self._client = openai.OpenAI(
+            api_key=self._key, base_url=settings.base_url, timeout=settings.timeout, max_retries=0
+        )
+        self._lock = threading.Lock()
+        self.usage = Usage()
+        self.retries = 0
+
+    def redact(self, text: str) -> str:
+        return text.replace(self._key, "***") if self._key != PLACEHOLDER_KEY else text
+
+    def _backoff(self, attempt: int, hint: float | None) -> float:
+        s = self.settings
+        delay = min(s.backoff_max, s.backoff_base * (2**attempt)) * random.uniform(0.5, 1.0)
+        if hint is not None:
+            delay = max(delay, min(hint, s.backoff_max))
+        return delay
+
+    def complete(self, messages: list[dict[str, str]], *, tag: str = "") -> Reply:
+        """One chat completion, retried on transient errors; raises APIFatalError/APITransientError."""
+        s = self.settings
+        kwargs: dict[str, Any] = {"model": s.model, "messages": messages, "temperature": s.temperature}
+        if s.max_tokens is not None:
+            kwargs["max_tokens"] = s.max_tokens
+        last = ""
+        for attempt in range(s.max_api_retries + 1):
+            hint = None
+            try:
+                resp = self._client.chat.completions.create(**kwargs)
+            except openai.APIStatusError as e:
+                code = e.status_code
+                if code not in (408, 409, 429) and code < 500:
+                    raise APIFatalError(
+                        f"HTTP {code} from {s.base_url} (model {s.model!r}): {self.redact(str(e))[:500]}"
+                    ) from None
+                hint = _retry_after(e)
+                last = f"HTTP {code}"
+            except (openai.APITimeoutError, openai.APIConnectionError) as e:
+                last = type(e).__name__
+            else:
+                return self._record(resp)
+            if attempt == s.max_api_retries:
+                break
+            delay = self._backoff(attempt, hint)
+            with self._lock:
+                self.retries += 1
+            self._log(f"[synth] {tag}{last}; retry {attempt + 1}/{s.max_api_retries} in {delay:.2f}s")
+            self._sleep(delay)
+        raise APITransientError(f"{last} from {s.base_url} persisted through {s.max_api_retries} retries")
+
+    def _record(self, resp: Any) -> Reply:
+        u = getattr(resp, "usage", None)
+        usage = Usage(
+            prompt_tokens=int(getattr(u, "prompt_tokens", 0) or 0),
+            completion_tokens=int(getattr(u, "completion_tokens", 0) or 0),
+            calls=1,
+        )
+        with self._lock:
+            self.usage.add(usage)
+        choices = getattr(resp, "choices", None) or []
+        if not choices:
+            return Reply("", usage, None)
+        msg = choices[0].message
+        return Reply(msg.content or "", usage, choices[0].finish_reason)
+
+
+# ------------------------------------------------------------------ JSON extraction
+
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
+_FENCE = re.compile(r"```[a-zA-Z0-9_-]*\s*\n?(.*?)```", re.DOTALL)
+
+
+def extract_json(text: str) -> Any:
+    """The JSON value in an LLM reply: bare, fenced (```json), or embedded in prose.
+
+    Reasoning blocks (<think>...</think>) are ignored.  Raises JSONExtractError.
+    """
+    text = _THINK.sub("", text).strip()
+    candidates = [m.group(1).strip() for m in _FENCE.finditer(text)] + [text]
+    decoder = json.JSONDecoder()
+    for cand in candidates:
+        try:
+            return json.loads(cand)
+        except json.JSONDecodeError:
+            pass
+        # First '{' or '[' from which a complete JSON object/array decodes.
+        for m in re.finditer(r"[\[{]", cand):
+            try:
+                value, _ = decoder.raw_decode(cand, m.start())
+            except json.JSONDecodeError:
+                continue
+            if isinstance(value, (dict, list)):
+                return value
+    snippet = text[:200].replace("\n", " ")
+    raise JSONExtractError(f"no JSON object in reply ({len(text)} chars): {snippet!r}")
