@@ -44,6 +44,9 @@ class DataConfig:
     seed: int = 0
     num_workers: int = 0
     prefetch: int = 2
+    # Fail (instead of training on what is left) when more than this fraction of a process's
+    # records is skipped: usually a wrong format / field_map.
+    max_skip_fraction: float = 0.5
 
 
 @dataclasses.dataclass
@@ -218,7 +221,7 @@ def parse_value(raw: str, tp: Any, key: str = "") -> Any:
     if tp is RopeScaling:
         return RopeScaling(**json.loads(raw))
     if tp is Any:
-        return json.loads(raw) if raw[:1] in "[{\"" or raw in ("null", "true", "false") else raw
+        return json.loads(raw) if raw[:1] in '[{"' or raw in ("null", "true", "false") else raw
     raise TypeError(f"--set {key}: unsupported field type {tp}")
 
 

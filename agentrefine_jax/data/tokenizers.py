@@ -14,8 +14,12 @@ tokenizer is built once per process and cached.
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 import pathlib
+from collections.abc import Callable
 
+import tokenizers
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -29,6 +33,7 @@ LLAMA3_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 LLAMA3_NUM_RESERVED_SPECIAL = 256
+_CACHE_VERSION = 1  # bump when a builder changes
 
 
 def llama3_model_path() -> pathlib.Path:
@@ -40,7 +45,37 @@ def llama3_model_path() -> pathlib.Path:
 def mistral_v3_model_path() -> pathlib.Path:
     import mistral_common
 
-    return pathlib.Path(mistral_common.__file__).parent / "data" / "mistral_instruct_tokenizer_240323.model.v3"
+    data = pathlib.Path(mistral_common.__file__).parent / "data"
+    return data / "mistral_instruct_tokenizer_240323.model.v3"
+
+
+def _cache_dir() -> pathlib.Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(root) / "agentrefine_jax" / "tokenizers"
+
+
+def _cached_backend(name: str, source: pathlib.Path, build: Callable[[], Tokenizer]) -> Tokenizer:
+    """Build once, then reuse a tokenizer.json keyed by the vendor file's hash and library version.
+
+    The Llama-3 merge table takes seconds to derive; loading the JSON takes well under one.
+    A cache that cannot be read or written is ignored (rebuilt), never trusted blindly.
+    """
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    path = _cache_dir() / f"{name}-{digest}-tokenizers{tokenizers.__version__}-v{_CACHE_VERSION}.json"
+    if path.is_file():
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception:  # corrupt / partial file: rebuild below
+            pass
+    tok = build()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tok.save(str(tmp))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return tok
 
 
 def llama3_special_tokens() -> list[str]:
@@ -59,30 +94,30 @@ def llama3_special_tokens() -> list[str]:
         "<|python_tag|>",
         "<|image|>",
     ]
-    reserved = [f"<|reserved_special_token_{2 + i}|>" for i in range(LLAMA3_NUM_RESERVED_SPECIAL - len(named))]
+    n_reserved = LLAMA3_NUM_RESERVED_SPECIAL - len(named)
+    reserved = [f"<|reserved_special_token_{2 + i}|>" for i in range(n_reserved)]
     return named + reserved
 
 
-def _build_llama3() -> PreTrainedTokenizerFast:
+def _llama3_backend() -> Tokenizer:
     from llama_models.tokenizer_utils import load_bpe_file
 
     ranks = load_bpe_file(llama3_model_path())
-    byte_encoder = bytes_to_unicode()
-
-    def to_str(b: bytes) -> str:
-        return "".join(byte_encoder[x] for x in b)
-
-    vocab = {to_str(tok): rank for tok, rank in ranks.items()}
+    # GPT-2 byte-to-unicode mapping, applied with str.translate (much faster than per-byte joins).
+    table = {b: c for b, c in bytes_to_unicode().items()}
+    strs = {tok: tok.decode("latin-1").translate(table) for tok in ranks}
+    vocab = {strs[tok]: rank for tok, rank in ranks.items()}
     # tiktoken merges greedily by the rank of the merged token; a merge list ordered by that
     # rank with `ignore_merges` (whole-word vocab hits first) reproduces it exactly.
-    merges: list[tuple[int, bytes, bytes]] = []
+    merges: list[tuple[int, int, int, bytes, bytes]] = []
     for tok, rank in ranks.items():
         for i in range(1, len(tok)):
             left, right = tok[:i], tok[i:]
-            if left in ranks and right in ranks:
-                merges.append((rank, left, right))
-    merges.sort(key=lambda m: (m[0], ranks[m[1]], ranks[m[2]]))
-    bpe = BPE(vocab, [(to_str(a), to_str(b)) for _, a, b in merges], fuse_unk=False, ignore_merges=True)
+            rl, rr = ranks.get(left), ranks.get(right)
+            if rl is not None and rr is not None:
+                merges.append((rank, rl, rr, left, right))
+    merges.sort()
+    bpe = BPE(vocab, [(strs[m[3]], strs[m[4]]) for m in merges], fuse_unk=False, ignore_merges=True)
     tok = Tokenizer(bpe)
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -96,8 +131,12 @@ def _build_llama3() -> PreTrainedTokenizerFast:
     base = len(ranks)
     for i, s in enumerate(specials):  # ids must be Meta's, not just "appended somewhere"
         assert tok.token_to_id(s) == base + i, s
+    return tok
+
+
+def _build_llama3() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+        tokenizer_object=_cached_backend("llama3", llama3_model_path(), _llama3_backend),
         bos_token="<|begin_of_text|>",
         # Instruct models end a turn with <|eot_id|>; generation also stops on the other two
         # (see ChatTemplate.stop_token_ids).
@@ -108,7 +147,7 @@ def _build_llama3() -> PreTrainedTokenizerFast:
     )
 
 
-def _build_mistral_v3() -> PreTrainedTokenizerFast:
+def _mistral_v3_backend() -> Tokenizer:
     from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
     proto = sp_pb2.ModelProto()
@@ -136,8 +175,12 @@ def _build_mistral_v3() -> PreTrainedTokenizerFast:
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in controls])
     for s in controls:
         assert tok.token_to_id(s) == vocab[s], s
+    return tok
+
+
+def _build_mistral_v3() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+        tokenizer_object=_cached_backend("mistral-v3", mistral_v3_model_path(), _mistral_v3_backend),
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",

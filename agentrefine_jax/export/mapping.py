@@ -31,7 +31,9 @@ _LAYER_NAMES = {
 _OURS_TO_HF_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
 
 
-def hf_to_ours(name: str, tensor: np.ndarray, cfg: ModelConfig) -> tuple[tuple[str, ...], int | None, np.ndarray]:
+def hf_to_ours(
+    name: str, tensor: np.ndarray, cfg: ModelConfig
+) -> tuple[tuple[str, ...], int | None, np.ndarray]:
     """Map one HF tensor to (our parameter path, layer index or None, array in our layout).
 
     Raises KeyError for a tensor we do not know — a silently ignored weight is a bug.
@@ -60,32 +62,84 @@ def hf_to_ours(name: str, tensor: np.ndarray, cfg: ModelConfig) -> tuple[tuple[s
     return ("layers", ours), layer, out
 
 
-def ours_to_hf(path: tuple[str, ...], array: np.ndarray, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """Inverse of `hf_to_ours` for one (possibly layer-stacked) parameter."""
+def layer_to_hf(name: str, layer: int, array: np.ndarray, cfg: ModelConfig) -> tuple[str, np.ndarray]:
+    """One layer's slice of our stacked parameter `name` -> (HF tensor name, HF-layout array)."""
+    if name not in _OURS_TO_HF_LAYER:
+        raise KeyError(f"unexpected layer parameter {name}")
     d = cfg.hidden_size
+    if name in ("attn_norm", "mlp_norm"):
+        out = array
+    elif name in ("wq", "wk", "wv"):
+        out = array.reshape(d, -1).T
+    elif name == "wo":
+        out = array.reshape(-1, d).T
+    else:
+        out = array.T
+    return f"model.layers.{layer}.{_OURS_TO_HF_LAYER[name]}.weight", np.ascontiguousarray(out)
+
+
+def top_level_to_hf(path: tuple[str, ...], array: np.ndarray) -> tuple[str, np.ndarray]:
+    """A non-layer parameter (embed, final_norm, lm_head) -> (HF tensor name, HF-layout array)."""
     if path == ("embed",):
-        yield "model.embed_tokens.weight", array
-        return
+        return "model.embed_tokens.weight", array
     if path == ("final_norm",):
-        yield "model.norm.weight", array
-        return
+        return "model.norm.weight", array
     if path == ("lm_head",):
-        yield "lm_head.weight", np.ascontiguousarray(array.T)
+        return "lm_head.weight", np.ascontiguousarray(array.T)
+    raise KeyError(f"unexpected parameter {'.'.join(path)}")
+
+
+def ours_to_hf(
+    path: tuple[str, ...], array: np.ndarray, cfg: ModelConfig
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Inverse of `hf_to_ours` for one (possibly layer-stacked) parameter."""
+    if len(path) == 2 and path[0] == "layers":
+        for i in range(array.shape[0]):
+            yield layer_to_hf(path[1], i, array[i], cfg)
         return
-    if len(path) != 2 or path[0] != "layers" or path[1] not in _OURS_TO_HF_LAYER:
-        raise KeyError(f"unexpected parameter {'.'.join(path)}")
-    ours = path[1]
-    for i in range(array.shape[0]):
-        a = array[i]
-        if ours in ("attn_norm", "mlp_norm"):
-            out = a
-        elif ours in ("wq", "wk", "wv"):
-            out = a.reshape(d, -1).T
-        elif ours == "wo":
-            out = a.reshape(-1, d).T
-        else:
-            out = a.T
-        yield f"model.layers.{i}.{_OURS_TO_HF_LAYER[ours]}.weight", np.ascontiguousarray(out)
+    yield top_level_to_hf(path, array)
+
+
+def hf_layer_order() -> tuple[str, ...]:
+    """Our per-layer parameter names in the order transformers writes a layer's tensors."""
+    return tuple(_LAYER_NAMES.values())
+
+
+def hf_layer_tensor_name(name: str, layer: int) -> str:
+    """HF tensor name of layer `layer` of our stacked parameter `name`."""
+    return f"model.layers.{layer}.{_OURS_TO_HF_LAYER[name]}.weight"
+
+
+def hf_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
+    """The HF shape a tensor named `name` must have under `cfg` (KeyError for unknown names)."""
+    d, h, kv, hd, f, v = (
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+    )
+    if name == "model.embed_tokens.weight":
+        return (v, d)
+    if name == "model.norm.weight":
+        return (d,)
+    if name == "lm_head.weight":
+        return (v, d)
+    m = _LAYER_RE.match(name)
+    if not m or m.group(2) not in _LAYER_NAMES:
+        raise KeyError(f"unexpected tensor in HF checkpoint: {name}")
+    return {
+        "input_layernorm": (d,),
+        "post_attention_layernorm": (d,),
+        "self_attn.q_proj": (h * hd, d),
+        "self_attn.k_proj": (kv * hd, d),
+        "self_attn.v_proj": (kv * hd, d),
+        "self_attn.o_proj": (d, h * hd),
+        "mlp.gate_proj": (f, d),
+        "mlp.up_proj": (f, d),
+        "mlp.down_proj": (d, f),
+    }[m.group(2)]
 
 
 def expected_hf_names(cfg: ModelConfig) -> set[str]:

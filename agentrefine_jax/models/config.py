@@ -74,7 +74,9 @@ _LLAMA3_8B = ModelConfig()
 _LLAMA3_70B = dataclasses.replace(
     _LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8
 )
-_LLAMA31 = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+_LLAMA31 = RopeScaling(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
 
 PRESETS: dict[str, ModelConfig] = {
     "llama3_8b": _LLAMA3_8B,

@@ -15,8 +15,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from agentrefine_jax.models import rope
 from agentrefine_jax.models.config import ModelConfig
@@ -135,7 +135,9 @@ def layer_forward(
         k, v = k_cache.astype(dt), v_cache.astype(dt)
     mask = attention_mask(q_seg, q_pos, k_seg, k_pos, cfg.sliding_window)
     qg = q.reshape(b, s, cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim)
-    attn = _attend_blocked(qg, k, v, mask, cfg.attention_block_size).reshape(b, s, cfg.num_heads, cfg.head_dim)
+    attn = _attend_blocked(qg, k, v, mask, cfg.attention_block_size).reshape(
+        b, s, cfg.num_heads, cfg.head_dim
+    )
     attn = checkpoint_name(attn, "attn_out")
     x = x + jnp.einsum("bshk,hkd->bsd", attn, p["wo"].astype(dt))
     x = constrain(x, ("batch", "activation_seq", "activation_embed"))

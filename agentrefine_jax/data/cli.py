@@ -1,0 +1,249 @@
+"""`python -m agentrefine_jax.data {dump,stats,show}`: look at exactly what training will see.
+
+dump   one JSON object per example (`--no-pack`) or per packed row: input_ids, loss_mask
+       (loss_mask[i] == 1 when input_ids[i] is a token the loss trains the model to produce),
+       plus segment_ids / positions for packed rows.
+stats  length distribution, loss-token fraction, turn categories, packing vs padding.
+show   one conversation in the terminal, trained spans in green, untrained ones dimmed.
+
+All three run the same code as the training pipeline (`build_local`), so what they show is
+what the trainer gets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from agentrefine_jax.config import DataConfig
+from agentrefine_jax.data.examples import prepare_messages
+from agentrefine_jax.data.packing import materialize, padding_efficiency
+from agentrefine_jax.data.pipeline import build_local, build_template
+from agentrefine_jax.data.report import DataReport
+from agentrefine_jax.data.schema import (
+    FORMATS,
+    RowError,
+    assistant_categories,
+    check_loss_on,
+    resolve_field_map,
+)
+from agentrefine_jax.data.sources import RecordSet
+from agentrefine_jax.data.templates import TEMPLATES
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    d = DataConfig()
+    p.add_argument(
+        "--input", "-i", action="append", required=True, help="JSONL/JSON/parquet file, dir or glob"
+    )
+    p.add_argument("--template", choices=TEMPLATES, default=d.template)
+    p.add_argument(
+        "--tokenizer", default=None, help="llama3 | mistral | HF tokenizer dir (default: the template)"
+    )
+    p.add_argument(
+        "--loss-on", default=",".join(d.loss_on), help="comma list of correct,refinement,erroneous"
+    )
+    p.add_argument("--max-length", type=int, default=d.max_length)
+    p.add_argument("--overlength", choices=("truncate", "drop"), default=d.overlength)
+    p.add_argument(
+        "--drop-refinement-data", action="store_true", help="remove erroneous turns + their feedback"
+    )
+    p.add_argument("--format", choices=FORMATS, default=d.format)
+    p.add_argument("--field-map", default="{}", help='JSON, e.g. {"turns": "conversations", "role": "from"}')
+    p.add_argument(
+        "--max-skip-fraction", type=float, default=1.0, help="fail when more rows than this are skipped"
+    )
+
+
+def _config(args: argparse.Namespace, pack: bool) -> DataConfig:
+    try:
+        field_map = json.loads(args.field_map)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--field-map is not valid JSON: {e}") from None
+    if not isinstance(field_map, dict):
+        raise SystemExit("--field-map must be a JSON object")
+    return DataConfig(
+        train_files=tuple(args.input),
+        format=args.format,
+        field_map=field_map,
+        tokenizer=args.tokenizer or args.template,
+        template=args.template,
+        loss_on=tuple(sorted(check_loss_on(args.loss_on))),
+        drop_refinement_data=args.drop_refinement_data,
+        max_length=args.max_length,
+        overlength=args.overlength,
+        pack=pack,
+        shuffle=False,
+        max_skip_fraction=args.max_skip_fraction,
+    )
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    cfg = _config(args, pack=not args.no_pack)
+    _log(f"tokenizing {', '.join(cfg.train_files)} with template {cfg.template} ...")
+    local = build_local(cfg, "train", 0, 1)
+    store = local.store
+    tok = build_template(cfg).tokenizer
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    n = 0
+    with open(args.out, "w", encoding="utf-8") as f:
+        if args.no_pack:
+            for i in range(len(store)):
+                ids, mask = store.example(i)
+                rec = {
+                    "source": store.where[i],
+                    "input_ids": ids.tolist(),
+                    "loss_mask": mask.astype(int).tolist(),
+                }
+                f.write(json.dumps(rec) + "\n")
+                n += 1
+        else:
+            for row in local.rows:
+                arrays = materialize(store, row, cfg.max_length, pad_id)
+                rec: dict[str, Any] = {"sources": [store.where[i] for i in row]}
+                rec.update({k: v.tolist() for k, v in arrays.items()})
+                f.write(json.dumps(rec) + "\n")
+                n += 1
+    _log(local.report.summary())
+    _log(f"wrote {n} {'examples' if args.no_pack else 'packed rows'} to {args.out}")
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    cfg = _config(args, pack=True)
+    local = build_local(cfg, "train", 0, 1)
+    rep = local.report
+    lengths = local.store.lengths
+    stats = rep.to_dict()
+    stats["per_batch_padding_efficiency"] = padding_efficiency(lengths, args.batch_size)
+    stats["batch_size_for_padding"] = args.batch_size
+    stats.pop("skipped_at", None)
+    if args.json:
+        print(json.dumps(stats, indent=2, default=str))
+        return 0
+    print(rep.summary())
+    if len(lengths):
+        edges = [0, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 1 << 62]
+        hist, _ = np.histogram(lengths, bins=edges)
+        print("  length histogram:")
+        for lo, hi, c in zip(edges[:-1], edges[1:], hist, strict=True):
+            if c:
+                label = f"{lo}-{hi - 1}" if hi < (1 << 62) else f">={lo}"
+                print(f"    {label:>12}: {c:6d} {'#' * max(1, int(50 * c / len(lengths)))}")
+    print(
+        f"  token fill: packed {rep.packing_efficiency:.1%} | padded per batch of {args.batch_size} "
+        f"{stats['per_batch_padding_efficiency']:.1%} | padded to max_length {rep.padded_efficiency:.1%}"
+    )
+    return 0
+
+
+_GREEN, _DIM, _RED, _BOLD, _RESET = "\x1b[32m", "\x1b[2m", "\x1b[31m", "\x1b[1m", "\x1b[0m"
+
+
+def render_conversation(
+    messages: list[dict[str, Any]], cfg: DataConfig, color: bool = True
+) -> tuple[str, int, int]:
+    """Token-exact rendering with trained spans highlighted; returns (text, tokens, loss tokens)."""
+    template = build_template(cfg)
+    ids, mask, ends = template.encode_batch([messages], cfg.loss_on)[0]
+    cats = assistant_categories(messages)
+
+    def span(a: int, b: int, label: str | None) -> str:
+        out = []
+        j = a
+        while j < b:
+            k = j
+            while k < b and mask[k] == mask[j]:
+                k += 1
+            text = template.decode(ids[j:k], skip_special_tokens=False)
+            if color:
+                style = _GREEN if mask[j] else (_RED if label == "erroneous" else _DIM)
+                out.append(f"{style}{text}{_RESET}")
+            else:
+                out.append(f"⟦{text}⟧" if mask[j] else text)
+            j = k
+        return "".join(out)
+
+    parts = []
+    start = 0
+    for k, m in enumerate(messages):
+        end = ends[k]
+        cat = cats[k]
+        tag = m["role"] + (f" · {cat} · {'TRAINED' if cat in cfg.loss_on else 'no loss'}" if cat else "")
+        head = f"{_BOLD}── {tag} ──{_RESET}" if color else f"── {tag} ──"
+        parts.append(head + "\n" + span(start, end, cat))
+        start = end
+    return "\n".join(parts), len(ids), int(sum(mask))
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    cfg = _config(args, pack=False)
+    records = RecordSet(cfg.train_files)
+    if not 0 <= args.row < len(records):
+        raise SystemExit(f"--row {args.row} out of range: {len(records)} records in {records.describe()}")
+    where, row = records.read([args.row])[0]
+    report = DataReport()
+    try:
+        if isinstance(row, RowError):
+            raise row
+        messages = prepare_messages(
+            row, resolve_field_map(cfg.format, cfg.field_map), where, cfg.drop_refinement_data, report
+        )
+    except RowError as e:
+        print(f"{where}: skipped by the pipeline: {e}", file=sys.stderr)
+        return 1
+    color = sys.stdout.isatty() if args.color == "auto" else args.color == "always"
+    text, n, n_loss = render_conversation(messages, cfg, color=color)
+    print(text)
+    legend = (
+        f"{_GREEN}trained{_RESET}  {_DIM}not trained{_RESET}  {_RED}erroneous (no loss){_RESET}"
+        if color
+        else "⟦trained⟧, everything else not trained"
+    )
+    frac = n_loss / max(n, 1)
+    print(f"\n{where}: {n} tokens, {n_loss} with loss ({frac:.1%}); loss_on={','.join(cfg.loss_on)}")
+    print(legend)
+    if n > cfg.max_length:
+        print(f"note: {n} > max_length {cfg.max_length}: training would {cfg.overlength} this trajectory")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m agentrefine_jax.data", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("dump", help="write token ids + loss masks as JSONL")
+    _common(p)
+    p.add_argument("--no-pack", action="store_true", help="one object per example instead of per packed row")
+    p.add_argument("--out", "-o", required=True)
+    p.set_defaults(fn=cmd_dump)
+    p = sub.add_parser("stats", help="length / loss / category / packing statistics")
+    _common(p)
+    p.add_argument(
+        "--batch-size", type=int, default=8, help="batch size for the per-batch padding comparison"
+    )
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_stats)
+    p = sub.add_parser("show", help="render one conversation with trained spans coloured")
+    _common(p)
+    p.add_argument("--row", type=int, default=0, help="record index (0-based, over all inputs)")
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+    p.set_defaults(fn=cmd_show)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

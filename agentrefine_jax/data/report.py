@@ -1,0 +1,126 @@
+"""What happened to every record: parsed, skipped (why and where), truncated, packed."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+MAX_KEPT_LOCATIONS = 10_000  # counts stay exact beyond this; only the location list is capped
+
+
+@dataclasses.dataclass
+class DataReport:
+    split: str = "train"
+    process_index: int = 0
+    process_count: int = 1
+    sources: str = ""
+    records_total: int = 0  # all records in the inputs (before the split / shard)
+    records_in_shard: int = 0  # records this process read
+    parsed: int = 0  # rows that passed validation
+    skipped: Counter = dataclasses.field(default_factory=Counter)  # reason -> count
+    skipped_at: list[tuple[str, str, str]] = dataclasses.field(
+        default_factory=list
+    )  # (where, reason, detail)
+    trailing_user_turns_trimmed: int = 0
+    refinement_turns_removed: int = 0  # drop_refinement_data: erroneous turns + their feedback
+    truncated: int = 0
+    examples: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    turns: Counter = dataclasses.field(default_factory=Counter)  # category -> assistant turns kept
+    trained_turns: Counter = dataclasses.field(default_factory=Counter)  # category -> turns with loss
+    lengths: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
+    max_length: int = 0
+    packed: bool = True
+    rows: int = 0  # packed (or padded) rows this process holds
+    rows_per_epoch: int = 0  # rows this process emits per epoch (steps_per_epoch * local batch)
+    steps_per_epoch: int = 0
+    last_batch: str = "drop"
+
+    def skip(self, where: str, reason: str, detail: str) -> None:
+        self.skipped[reason] += 1
+        if len(self.skipped_at) < MAX_KEPT_LOCATIONS:
+            self.skipped_at.append((where, reason, detail))
+
+    @property
+    def skipped_total(self) -> int:
+        return sum(self.skipped.values())
+
+    @property
+    def packing_efficiency(self) -> float:
+        """Fraction of row slots holding real tokens (1.0 = no padding)."""
+        return self.tokens / (self.rows * self.max_length) if self.rows and self.max_length else 0.0
+
+    @property
+    def padded_efficiency(self) -> float:
+        """Same fraction if every example were padded to max_length on its own row."""
+        return self.tokens / (self.examples * self.max_length) if self.examples and self.max_length else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("lengths",)}
+        d["skipped"] = dict(self.skipped)
+        d["turns"] = dict(self.turns)
+        d["trained_turns"] = dict(self.trained_turns)
+        d["skipped_total"] = self.skipped_total
+        d["packing_efficiency"] = self.packing_efficiency
+        d["padded_efficiency"] = self.padded_efficiency
+        d["length_percentiles"] = self.length_percentiles()
+        return d
+
+    def length_percentiles(self) -> dict[str, int]:
+        if not len(self.lengths):
+            return {}
+        qs = (0, 50, 90, 99, 100)
+        return {
+            f"p{q}": int(v)
+            for q, v in zip(qs, np.percentile(self.lengths, qs, method="nearest"), strict=True)
+        }
+
+    def summary(self, max_locations: int = 5) -> str:
+        who = f" (process {self.process_index}/{self.process_count})" if self.process_count > 1 else ""
+        lines = [f"data[{self.split}]{who}: {self.sources}"]
+        lines.append(
+            f"  records: {self.records_in_shard} read of {self.records_total}, {self.parsed} valid, "
+            f"{self.skipped_total} skipped"
+        )
+        for reason, n in sorted(self.skipped.items(), key=lambda kv: -kv[1]):
+            at = [w for w, r, _ in self.skipped_at if r == reason][:max_locations]
+            first = next((d for _, r, d in self.skipped_at if r == reason), "")
+            lines.append(f"    - {reason}: {n} (e.g. {', '.join(at)}{'...' if n > len(at) else ''}) {first}")
+        if self.truncated:
+            lines.append(f"  truncated at a turn boundary to {self.max_length} tokens: {self.truncated}")
+        if self.trailing_user_turns_trimmed:
+            lines.append(f"  trailing user turns trimmed (no loss): {self.trailing_user_turns_trimmed}")
+        if self.refinement_turns_removed:
+            lines.append(f"  drop_refinement_data removed {self.refinement_turns_removed} turns")
+        frac = self.loss_tokens / self.tokens if self.tokens else 0.0
+        lines.append(
+            f"  examples: {self.examples}, tokens: {self.tokens}, "
+            f"loss tokens: {self.loss_tokens} ({frac:.1%})"
+        )
+        if len(self.lengths):
+            lines.append("  length " + " ".join(f"{k}={v}" for k, v in self.length_percentiles().items()))
+        if self.turns:
+            turns = ", ".join(
+                f"{c}={self.turns[c]} (trained {self.trained_turns[c]})" for c in sorted(self.turns)
+            )
+            lines.append(f"  assistant turns: {turns}")
+        mode = "packed" if self.packed else "padded"
+        lines.append(
+            f"  {mode} rows: {self.rows} x {self.max_length}, fill {self.packing_efficiency:.1%} "
+            f"(one example per row: {self.padded_efficiency:.1%})"
+        )
+        unused = self.rows - self.rows_per_epoch
+        tail = (
+            f"; {unused} rows/epoch not used (final partial batch dropped, reshuffled each epoch)"
+            if unused > 0
+            else ""
+        )
+        if unused < 0:
+            tail = f"; {-unused} empty padding rows/epoch (final partial batch padded)"
+        if self.steps_per_epoch:  # only once a pipeline has fixed the batch layout
+            lines.append(f"  steps/epoch: {self.steps_per_epoch}{tail}")
+        return "\n".join(lines)

@@ -1,0 +1,170 @@
+"""`python -m agentrefine_jax.export {from-hf,to-hf,verify}`: Hugging Face interop from the shell.
+
+Exit codes: 0 success, 1 `verify` out of tolerance (or structurally different), 2 bad
+input (missing files, refused weights, config mismatch while loading, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from agentrefine_jax.models.llama import param_count
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def parse_mesh(text: str) -> Any:
+    """'auto' (fsdp over all devices when there are several), 'none', or 'data=1,fsdp=-1,tensor=2'."""
+    from agentrefine_jax.sharding import make_mesh
+
+    if text == "none":
+        return None
+    if text == "auto":
+        return make_mesh(data=1, fsdp=-1, tensor=1) if jax.device_count() > 1 else None
+    sizes: dict[str, int] = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        if key.strip() not in ("data", "fsdp", "tensor") or not value.strip().lstrip("-").isdigit():
+            raise ValueError(
+                f"--mesh: expected 'auto', 'none' or e.g. 'data=1,fsdp=-1,tensor=2', got {text!r}"
+            )
+        sizes[key.strip()] = int(value)
+    return make_mesh(**sizes)
+
+
+def _describe_mesh(mesh: Any) -> str:
+    return "single device" if mesh is None else f"mesh {dict(mesh.shape)}"
+
+
+def cmd_from_hf(args: argparse.Namespace) -> int:
+    import pathlib
+
+    from agentrefine_jax.checkpoint import save_model
+    from agentrefine_jax.export.hf_io import load_hf_model, read_hf_config
+
+    mesh = parse_mesh(args.mesh)
+    cfg = read_hf_config(args.hf, param_dtype=args.param_dtype)
+    _log(
+        f"reading {args.hf}: {cfg.family}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"heads {cfg.num_heads}/{cfg.num_kv_heads} kv, vocab {cfg.vocab_size}, rope theta {cfg.rope_theta:g}"
+        f"{', llama3 scaling' if cfg.rope_scaling else ''}"
+        f"{f', sliding window {cfg.sliding_window}' if cfg.sliding_window else ''}; "
+        f"params as {cfg.param_dtype} on {_describe_mesh(mesh)}"
+    )
+    tokenizer = args.tokenizer
+    hf = pathlib.Path(args.hf)
+    if tokenizer is None and ((hf / "tokenizer.json").exists() or (hf / "tokenizer_config.json").exists()):
+        tokenizer = str(hf.resolve())
+        _log(f"note: recording the tokenizer in {tokenizer} (override with --tokenizer NAME)")
+    t0 = time.time()
+    cfg, model = load_hf_model(
+        args.hf, mesh=mesh, param_dtype=args.param_dtype, log=None if args.quiet else _log
+    )
+    _log(
+        f"loaded {param_count(model):,} parameters in {time.time() - t0:.1f}s; writing checkpoint {args.out}"
+    )
+    step_dir = save_model(args.out, model, cfg, step=0, tokenizer=tokenizer, template=args.template)
+    _log(f"done: {step_dir}")
+    return 0
+
+
+def cmd_to_hf(args: argparse.Namespace) -> int:
+    from agentrefine_jax.checkpoint import load_model, resolve_checkpoint
+    from agentrefine_jax.export.hf_io import parse_size, save_hf
+
+    mesh = parse_mesh(args.mesh)
+    max_shard = parse_size(args.max_shard_size)
+    root, step = resolve_checkpoint(args.checkpoint)
+    _log(f"loading checkpoint {root} step {step} on {_describe_mesh(mesh)}")
+    cfg, model, meta = load_model(args.checkpoint, mesh=mesh)
+    tokenizer = args.tokenizer or meta.get("tokenizer")
+    _log(f"writing {param_count(model):,} parameters as {args.dtype} to {args.out}")
+    save_hf(model, cfg, args.out, dtype=args.dtype, max_shard_bytes=max_shard, tokenizer=tokenizer, log=_log)
+    _log(f"done: {args.out}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from agentrefine_jax.export.verify import result_dict, summary, verify
+
+    seq_lens = [int(x) for x in args.seq_lens.split(",") if x.strip()]
+    mesh = parse_mesh(args.mesh)
+    _log(f"verifying {args.checkpoint} against {args.hf} ({args.dtype} compute, lengths {seq_lens})")
+    result = verify(
+        args.checkpoint,
+        args.hf,
+        atol=args.atol,
+        kl_tol=args.kl_tol,
+        compute_dtype=args.dtype,
+        seq_lens=seq_lens,
+        seed=args.seed,
+        mesh=mesh,
+        log=_log,
+    )
+    _log(summary(result))
+    if args.json:
+        print(json.dumps(result_dict(result)))
+    return 0 if result.passed else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m agentrefine_jax.export",
+        description="Convert Hugging Face Llama/Mistral checkpoints to and from project checkpoints; verify.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    mesh_help = "device mesh: auto (fsdp over all devices if several), none, or data=1,fsdp=-1,tensor=2"
+
+    a = sub.add_parser("from-hf", help="HF safetensors checkpoint -> project checkpoint (Orbax)")
+    a.add_argument("--hf", required=True, help="transformers model directory (config.json + safetensors)")
+    a.add_argument("--out", required=True, help="checkpoint root to create (step 0 is written)")
+    a.add_argument("--tokenizer", help="tokenizer name/path to record (default: the HF dir if it has one)")
+    a.add_argument("--template", help="chat template name to record (e.g. llama3, mistral)")
+    a.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    a.add_argument("--mesh", default="auto", help=mesh_help)
+    a.add_argument("--quiet", action="store_true", help="no per-tensor progress lines")
+    a.set_defaults(func=cmd_from_hf)
+
+    b = sub.add_parser("to-hf", help="project checkpoint -> HF safetensors directory")
+    b.add_argument("--checkpoint", required=True, help="run dir, checkpoint root (latest step) or step dir")
+    b.add_argument("--out", required=True, help="output directory (must not already hold a model)")
+    b.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    b.add_argument(
+        "--max-shard-size", default="5GB", help="split safetensors past this size (e.g. 5GB, 500MB)"
+    )
+    b.add_argument("--tokenizer", help="tokenizer to write (default: the one recorded in the checkpoint)")
+    b.add_argument("--mesh", default="auto", help=mesh_help)
+    b.set_defaults(func=cmd_to_hf)
+
+    c = sub.add_parser("verify", help="compare our forward pass with transformers' on the same inputs")
+    c.add_argument("--checkpoint", required=True, help="run dir, checkpoint root (latest step) or step dir")
+    c.add_argument("--hf", required=True, help="transformers model directory")
+    c.add_argument("--atol", type=float, help="max |Δlogit| allowed (default: 5e-3 float32, 1.0 bfloat16)")
+    c.add_argument("--kl-tol", type=float, help="mean KL allowed (default: 1e-5 float32, 2e-2 bfloat16)")
+    c.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype, both sides"
+    )
+    c.add_argument("--seq-lens", default="16,128,512", help="comma-separated test sequence lengths")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--mesh", default="none", help=mesh_help)
+    c.add_argument("--json", action="store_true", help="also print the result as one JSON line")
+    c.set_defaults(func=cmd_verify)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (FileNotFoundError, FileExistsError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2

@@ -1,0 +1,536 @@
+"""Read and write Hugging Face Llama / Mistral checkpoints (safetensors only).
+
+Reading streams one HF tensor at a time into (possibly sharded) device arrays, so host
+memory holds about one HF tensor (plus its re-laid-out copy) and one device shard at a
+time, never the model: a 70B checkpoint loads on a TPU host whose RAM is far smaller
+than the model. Layer tensors are written into their slot of the stacked [L, ...]
+parameter on device by a donated in-place update.
+
+Writing gathers one parameter slice (one HF tensor) at a time and writes safetensors
+shards of at most `max_shard_bytes`, so host memory holds at most one shard.
+
+Pickle-based weights (`pytorch_model.bin`, `*.pt`, ...) are refused; nothing here ever
+executes code from a checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+import re
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from agentrefine_jax.checkpoint import abstract_params, param_shardings
+from agentrefine_jax.export import mapping
+from agentrefine_jax.models import llama
+from agentrefine_jax.models.config import ModelConfig, RopeScaling
+
+Log = Callable[[str], None]
+
+SAFE_INDEX = "model.safetensors.index.json"
+SAFE_SINGLE = "model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+_SUPPORTED_ROPE = ("default", "llama3")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# Tensors some checkpoints carry that are recomputed, not learned: skipped and counted.
+_RECOMPUTED_RE = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+NP_DTYPES = {
+    "float32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype(np.float16),
+}
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+# --------------------------------------------------------------------------- config.json
+
+
+def _load_json(path: pathlib.Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found: not a Hugging Face model directory?") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def _rope_from_hf(c: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from either config layout; conflicting layouts are an error."""
+    candidates: list[tuple[str, float, dict[str, Any] | None]] = []
+    rp = c.get("rope_parameters")
+    if rp is not None:
+        if not isinstance(rp, Mapping):
+            raise ValueError(f"rope_parameters must be an object, got {rp!r}")
+        if rp and all(isinstance(v, Mapping) for v in rp.values()):
+            raise ValueError(
+                f"per-layer-type rope_parameters are not supported for Llama/Mistral: {sorted(rp)}"
+            )
+        theta = rp.get("rope_theta", c.get("rope_theta"))
+        if theta is None:
+            raise ValueError("rope_parameters has no rope_theta and config.json has no top-level rope_theta")
+        candidates.append(("rope_parameters", float(theta), dict(rp)))
+    if "rope_theta" in c or "rope_scaling" in c:
+        theta = c.get("rope_theta", 10000.0)
+        candidates.append(("rope_theta/rope_scaling", float(theta), c.get("rope_scaling")))
+    if not candidates:
+        candidates.append(("defaults", 10000.0, None))
+
+    parsed = []
+    for origin, theta, scaling in candidates:
+        rope_type = "default"
+        if scaling:
+            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in _SUPPORTED_ROPE:
+            raise ValueError(
+                f"unsupported rope type {rope_type!r} (from {origin}); "
+                f"supported: {', '.join(_SUPPORTED_ROPE)}"
+            )
+        rs = None
+        if rope_type == "llama3":
+            missing = [k for k in _LLAMA3_KEYS if k not in scaling]
+            if missing:
+                raise ValueError(f"llama3 rope scaling (from {origin}) lacks {missing}")
+            rs = RopeScaling(
+                factor=float(scaling["factor"]),
+                low_freq_factor=float(scaling["low_freq_factor"]),
+                high_freq_factor=float(scaling["high_freq_factor"]),
+                original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+            )
+        parsed.append((origin, theta, rs))
+    if len(parsed) == 2 and parsed[0][1:] != parsed[1][1:]:
+        raise ValueError(
+            "config.json has both rope_parameters and top-level rope_theta/rope_scaling and they disagree: "
+            f"{parsed[0][1:]} vs {parsed[1][1:]}"
+        )
+    return parsed[0][1], parsed[0][2]
+
+
+def _eos_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, list | tuple) else [value])]
+
+
+def read_hf_config(
+    hf_dir: str | pathlib.Path, *, param_dtype: str | None = None, dtype: str | None = None
+) -> ModelConfig:
+    """ModelConfig from a transformers Llama/Mistral `config.json` (transformers 4 or 5 layout).
+
+    EOS ids are the union of config.json's and generation_config.json's (Llama-3-Instruct
+    lists <|eot_id|> only in the latter). Unsupported features fail here, not mid-load.
+    """
+    d = pathlib.Path(hf_dir)
+    c = _load_json(d / "config.json")
+    family = c.get("model_type")
+    if family not in ("llama", "mistral"):
+        raise ValueError(f"{d}/config.json: model_type {family!r} is not supported (llama, mistral)")
+    if c.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported (silu)")
+    for flag in ("attention_bias", "mlp_bias"):
+        if c.get(flag):
+            raise ValueError(f"{flag}=true is not supported: the model has no bias terms")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if key not in c:
+            raise ValueError(f"{d}/config.json lacks {key}")
+    heads = int(c["num_attention_heads"])
+    theta, scaling = _rope_from_hf(c)
+    eos = _eos_list(c.get("eos_token_id"))
+    gen_path = d / "generation_config.json"
+    if gen_path.exists():
+        eos += [e for e in _eos_list(_load_json(gen_path).get("eos_token_id")) if e not in eos]
+    window = c.get("sliding_window") if family == "mistral" else None
+    defaults = ModelConfig()
+    return ModelConfig(
+        family=family,
+        vocab_size=int(c["vocab_size"]),
+        hidden_size=int(c["hidden_size"]),
+        intermediate_size=int(c["intermediate_size"]),
+        num_layers=int(c["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(c.get("num_key_value_heads") or heads),
+        head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        sliding_window=int(window) if window else None,
+        initializer_range=float(c.get("initializer_range", 0.02)),
+        param_dtype=param_dtype or defaults.param_dtype,
+        dtype=dtype or defaults.dtype,
+        bos_token_id=int(c.get("bos_token_id") if c.get("bos_token_id") is not None else 1),
+        eos_token_ids=tuple(eos),
+        pad_token_id=c.get("pad_token_id"),
+    )
+
+
+def hf_config_dict(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
+    """config.json readable by transformers 4 (rope_theta/rope_scaling) and 5 (rope_parameters)."""
+    if cfg.family == "llama" and cfg.sliding_window is not None:
+        raise ValueError("transformers' Llama has no sliding window; export such a model as family 'mistral'")
+    scaling = None
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        scaling = {
+            "rope_type": cfg.rope_scaling.rope_type,
+            **{k: getattr(cfg.rope_scaling, k) for k in _LLAMA3_KEYS},
+        }
+        rope_parameters = {**scaling, "rope_theta": cfg.rope_theta}
+    eos: int | list[int] | None = (
+        list(cfg.eos_token_ids) if len(cfg.eos_token_ids) != 1 else cfg.eos_token_ids[0]
+    )
+    out: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[cfg.family]],
+        "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "initializer_range": cfg.initializer_range,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": scaling,
+        "rope_parameters": rope_parameters,
+        "attention_dropout": 0.0,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": eos if cfg.eos_token_ids else None,
+        "pad_token_id": cfg.pad_token_id,
+        "use_cache": True,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+    if cfg.family == "llama":
+        out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    else:
+        out["sliding_window"] = cfg.sliding_window
+    return out
+
+
+def generation_config_dict(cfg: ModelConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {"bos_token_id": cfg.bos_token_id}
+    if cfg.eos_token_ids:
+        out["eos_token_id"] = list(cfg.eos_token_ids) if len(cfg.eos_token_ids) > 1 else cfg.eos_token_ids[0]
+    if cfg.pad_token_id is not None:
+        out["pad_token_id"] = cfg.pad_token_id
+    return out
+
+
+# ------------------------------------------------------------------------------ reading
+
+
+def hf_weight_files(hf_dir: str | pathlib.Path) -> dict[pathlib.Path, list[str]]:
+    """{safetensors file: tensor names in it}, from the index when sharded; pickles refused."""
+    d = pathlib.Path(hf_dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"{d} is not a directory")
+    index = d / SAFE_INDEX
+    if index.exists():
+        weight_map = _load_json(index).get("weight_map")
+        if not isinstance(weight_map, Mapping) or not weight_map:
+            raise ValueError(f"{index} has no weight_map")
+        files: dict[pathlib.Path, list[str]] = {}
+        for name, fname in weight_map.items():
+            files.setdefault(d / fname, []).append(name)
+        absent = sorted(str(f.name) for f in files if not f.exists())
+        if absent:
+            raise FileNotFoundError(f"{index} references missing shard files: {absent}")
+        return dict(sorted(files.items()))
+    single = d / SAFE_SINGLE
+    if single.exists():
+        with safe_open(single, framework="numpy") as f:
+            return {single: list(f.keys())}
+    pickles = sorted(p.name for p in d.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise ValueError(
+            f"{d} holds only pickle-based weights {pickles}; these can execute code when loaded "
+            "and are refused. "
+            "Convert them to safetensors in a trusted environment first."
+        )
+    raise FileNotFoundError(f"{d} has neither {SAFE_SINGLE} nor {SAFE_INDEX}")
+
+
+def iter_hf_tensors(hf_dir: str | pathlib.Path) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) for every tensor, one at a time, in file order."""
+    for path, names in hf_weight_files(hf_dir).items():
+        with safe_open(path, framework="numpy") as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    raise ValueError(f"{path.name} does not contain {name}, which the index places there")
+                yield name, f.get_tensor(name)
+
+
+def _set_layer(stacked: jax.Array, piece: jax.Array, index: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(stacked, piece.astype(stacked.dtype), index, 0)
+
+
+@functools.cache
+def _layer_setter(sharding: jax.sharding.Sharding) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+    """In-place (donated) write of one layer into a stacked parameter that keeps `sharding`."""
+    return jax.jit(_set_layer, donate_argnums=0, out_shardings=sharding)
+
+
+@functools.cache
+def _zeros(
+    shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding
+) -> Callable[[], jax.Array]:
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
+
+
+def _slice_sharding(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    """Sharding of one layer of a stacked parameter: the stacked spec without its layer entry."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
+    return sharding
+
+
+def _to_device(host: np.ndarray, sharding: jax.sharding.Sharding, dtype: np.dtype) -> jax.Array:
+    # Each addressable device gets only its slice, cast per slice: no full-size cast copy.
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: np.asarray(host[idx], dtype=dtype))
+
+
+def load_hf_model(
+    hf_dir: str | pathlib.Path,
+    *,
+    mesh: Mesh | None = None,
+    rules: Any = None,
+    param_dtype: str | None = None,
+    log: Log | None = None,
+    **overrides: Any,
+) -> tuple[ModelConfig, llama.Transformer]:
+    """Stream a transformers Llama/Mistral checkpoint into a Transformer.
+
+    Every expected tensor must be present exactly once with the right shape; unknown
+    tensors are an error. `overrides` replace ModelConfig fields (e.g. dtype="float32").
+    """
+    log = log or _quiet
+    cfg = read_hf_config(hf_dir, param_dtype=param_dtype)
+    if overrides:
+        cfg = dataclasses.replace(cfg, **overrides)
+    graphdef, abs_params = abstract_params(cfg)
+    shardings = param_shardings(abs_params, mesh, rules)
+    pdt = NP_DTYPES[cfg.param_dtype]
+    flat_abs = _flat(nnx.to_pure_dict(abs_params))
+    flat_sh = _flat(shardings)
+
+    expected = mapping.expected_hf_names(cfg)
+    total = len(expected)
+    arrays: dict[tuple[str, ...], jax.Array] = {}
+    seen: set[str] = set()
+    skipped: list[str] = []
+    for name, tensor in iter_hf_tensors(hf_dir):
+        if _RECOMPUTED_RE.match(name) or (name == "lm_head.weight" and cfg.tie_embeddings):
+            skipped.append(name)
+            log(f"  skip {name} ({'recomputed' if 'rotary' in name else 'tied to the embedding'})")
+            continue
+        if name in seen:
+            raise ValueError(f"tensor {name} appears twice in {hf_dir}")
+        try:
+            want = mapping.hf_shape(name, cfg)
+        except KeyError as e:
+            raise ValueError(f"{hf_dir}: {e.args[0]} (not part of a {cfg.family} model)") from None
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, config.json implies {want}")
+        path, layer, ours = mapping.hf_to_ours(name, tensor, cfg)
+        del tensor
+        sh = flat_sh[path]
+        if layer is None:
+            arrays[path] = _to_device(ours, sh, pdt)
+        else:
+            if path not in arrays:
+                # Every layer slot is overwritten below and checked by `seen`: nothing stays zero.
+                arrays[path] = _zeros(tuple(flat_abs[path].shape), pdt, sh)()
+            piece = _to_device(ours, _slice_sharding(sh), pdt)
+            arrays[path] = _layer_setter(sh)(arrays[path], piece, jnp.int32(layer))
+        del ours
+        seen.add(name)
+        log(f"  [{len(seen)}/{total}] {name} -> {'/'.join(path)}" + ("" if layer is None else f"[{layer}]"))
+
+    missing = sorted(expected - seen)
+    if missing:
+        more = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
+        raise ValueError(f"{hf_dir} lacks {len(missing)} tensors: {missing[:10]}{more}")
+    if skipped:
+        log(f"skipped {len(skipped)} tensor(s) that are recomputed or tied")
+    nnx.replace_by_pure_dict(abs_params, _unflat(arrays))
+    return cfg, nnx.merge(graphdef, abs_params)
+
+
+def _flat(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    out: dict[tuple[str, ...], Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            out.update(_flat(v, prefix + (k,)))
+        else:
+            out[prefix + (k,)] = v
+    return out
+
+
+def _unflat(flat: Mapping[tuple[str, ...], Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for path, v in flat.items():
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = v
+    return out
+
+
+# ------------------------------------------------------------------------------ writing
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB' -> 5e9, '500MiB' -> 500*2**20, '1234' -> 1234 (decimal units, as transformers)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot parse size {text!r}; use e.g. 5GB, 500MB, 2GiB or a byte count")
+    unit = (m.group(2) or "B").upper()
+    power = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[0]]
+    base = 1024 if "I" in unit else 1000
+    value = int(float(m.group(1)) * base**power)
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {text!r}")
+    return value
+
+
+def _hf_plan(
+    cfg: ModelConfig, flat_abs: Mapping[tuple[str, ...], Any]
+) -> list[tuple[str, tuple[str, ...], int | None]]:
+    """(HF name, our path, layer) in transformers' order: embed, layer 0..L-1, norm, lm_head."""
+    plan: list[tuple[str, tuple[str, ...], int | None]] = [("model.embed_tokens.weight", ("embed",), None)]
+    for i in range(cfg.num_layers):
+        for name in mapping.hf_layer_order():
+            plan.append((mapping.hf_layer_tensor_name(name, i), ("layers", name), i))
+    plan.append(("model.norm.weight", ("final_norm",), None))
+    if not cfg.tie_embeddings:
+        plan.append(("lm_head.weight", ("lm_head",), None))
+    missing = sorted({"/".join(p) for _, p, _ in plan} - {"/".join(p) for p in flat_abs})
+    if missing:
+        raise ValueError(f"model lacks parameters {missing}")
+    return plan
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def save_hf(
+    model: llama.Transformer,
+    model_cfg: ModelConfig,
+    out_dir: str | pathlib.Path,
+    *,
+    dtype: str = "bfloat16",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    tokenizer: str | None = None,
+    log: Log | None = None,
+) -> None:
+    """Write a transformers checkpoint directory.
+
+    safetensors (sharded with an index past `max_shard_bytes`), config.json,
+    generation_config.json, and the tokenizer files when `tokenizer` is given.
+    """
+    log = log or _quiet
+    if dtype not in NP_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(NP_DTYPES)}, got {dtype!r}")
+    out = pathlib.Path(out_dir)
+    if out.exists() and any(out.glob("*.safetensors")) or (out / "config.json").exists():
+        raise FileExistsError(f"{out} already holds a model; choose an empty directory")
+    config_json = hf_config_dict(model_cfg, dtype)  # validates before anything is written
+    np_dtype = NP_DTYPES[dtype]
+    flat = _flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    plan = _hf_plan(model_cfg, flat)
+
+    def nbytes(path: tuple[str, ...]) -> int:
+        shape = flat[path].shape
+        return math.prod(shape[1:] if path[0] == "layers" else shape) * np_dtype.itemsize
+
+    shards: list[list[tuple[str, tuple[str, ...], int | None]]] = [[]]
+    size = 0
+    for entry in plan:
+        n = nbytes(entry[1])
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += n
+    total_bytes = sum(nbytes(p) for _, p, _ in plan)
+    names = (
+        [SAFE_SINGLE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    writer = jax.process_index() == 0
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    done = 0
+    for fname, entries in zip(names, shards, strict=True):
+        tensors: dict[str, np.ndarray] = {}
+        for hf_name, path, layer in entries:
+            arr = flat[path]
+            if layer is None:
+                name, host = mapping.top_level_to_hf(path, _to_host(arr))
+            else:
+                name, host = mapping.layer_to_hf(path[1], layer, _to_host(arr[layer]), model_cfg)
+            assert name == hf_name, (name, hf_name)
+            tensors[name] = np.ascontiguousarray(host.astype(np_dtype, copy=False))
+            weight_map[name] = fname
+            done += 1
+        if writer:
+            save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        log(f"  wrote {fname}: {len(tensors)} tensors ({done}/{len(plan)})")
+        del tensors
+    if not writer:
+        return
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+        (out / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps(generation_config_dict(model_cfg), indent=2) + "\n"
+    )
+    log(f"wrote config.json, generation_config.json ({total_bytes / 1e6:.1f} MB of {dtype} weights)")
+    if tokenizer:
+        _save_tokenizer(tokenizer, out, log)
+    else:
+        log("note: no tokenizer recorded in the checkpoint; tokenizer files not written (pass --tokenizer)")
+
+
+def _save_tokenizer(name: str, out: pathlib.Path, log: Log) -> None:
+    try:
+        from agentrefine_jax.data.tokenizers import load_tokenizer
+    except ImportError as e:
+        log(f"note: tokenizer {name!r} not written: agentrefine_jax.data.tokenizers unavailable ({e})")
+        return
+    load_tokenizer(name).save_pretrained(str(out))
+    log(f"wrote tokenizer files for {name!r}")

@@ -1,0 +1,270 @@
+"""Check a project checkpoint against a Hugging Face checkpoint with transformers as the oracle.
+
+Both stacks run the same token ids: several independent sequences of different lengths
+and one packed row (two of those sequences back to back plus padding) that must equal
+the separate runs. Reported: max |Δlogit|, mean and max per-token KL(p_hf || p_ours),
+top-1 agreement. The check fails on any architecture mismatch between the two
+configs, on any weight transformers could not load (it would silently random-initialise
+it), or when a metric exceeds its tolerance.
+
+When the HF files store weights in lower precision than the checkpoint (e.g. a bfloat16
+export of a float32 checkpoint), our weights are rounded to that precision first, so
+the comparison tests the conversion, not the rounding the user asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from safetensors import safe_open
+
+from agentrefine_jax.checkpoint import load_model
+from agentrefine_jax.export.hf_io import NP_DTYPES, hf_weight_files, read_hf_config
+from agentrefine_jax.models.config import ModelConfig
+
+Log = Callable[[str], None]
+DEFAULT_SEQ_LENS = (16, 128, 512)
+# (max |Δlogit|, mean KL) defaults per compute dtype. float32: both stacks compute the
+# same function up to accumulation order (tiny models agree to ~1e-5). bfloat16: each
+# stack rounds activations differently at every op, so logits drift by O(0.1).
+DEFAULT_TOLERANCES = {"float32": (5e-3, 1e-5), "bfloat16": (1.0, 2e-2)}
+ARCH_FIELDS = (
+    "family",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "rope_theta",
+    "rope_scaling",
+    "rms_norm_eps",
+    "tie_embeddings",
+    "sliding_window",
+)
+_SAFE_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+_PRECISION = {"float32": 3, "float16": 2, "bfloat16": 1}
+
+
+@dataclasses.dataclass
+class CaseResult:
+    name: str
+    tokens: int
+    max_abs_diff: float
+    mean_kl: float
+    max_kl: float
+    top1_agreement: float
+
+
+@dataclasses.dataclass
+class VerifyResult:
+    cases: list[CaseResult]
+    atol: float
+    kl_tol: float
+    compute_dtype: str
+    problems: list[str]
+
+    @property
+    def max_abs_diff(self) -> float:
+        return max((c.max_abs_diff for c in self.cases), default=float("nan"))
+
+    @property
+    def mean_kl(self) -> float:
+        n = sum(c.tokens for c in self.cases)
+        return sum(c.mean_kl * c.tokens for c in self.cases) / n if n else float("nan")
+
+    @property
+    def max_kl(self) -> float:
+        return max((c.max_kl for c in self.cases), default=float("nan"))
+
+    @property
+    def passed(self) -> bool:
+        return (
+            not self.problems
+            and bool(self.cases)
+            and self.max_abs_diff <= self.atol
+            and self.mean_kl <= self.kl_tol
+        )
+
+
+def config_mismatches(ours: ModelConfig, hf: ModelConfig) -> list[str]:
+    return [
+        f"{f}: checkpoint {getattr(ours, f)!r} vs HF {getattr(hf, f)!r}"
+        for f in ARCH_FIELDS
+        if getattr(ours, f) != getattr(hf, f)
+    ]
+
+
+def hf_storage_dtype(hf_dir: str | pathlib.Path) -> str | None:
+    """The lowest-precision float dtype among the HF tensors (None if unknown)."""
+    found: set[str] = set()
+    for path, names in hf_weight_files(hf_dir).items():
+        with safe_open(path, framework="numpy") as f:
+            found.update(_SAFE_DTYPES.get(f.get_slice(n).get_dtype(), "?") for n in names)
+    known = [d for d in found if d in _PRECISION]
+    return min(known, key=_PRECISION.__getitem__) if known else None
+
+
+def _round_params(model: nnx.Module, dtype: str) -> None:
+    state = nnx.state(model, nnx.Param)
+    rounded = jax.tree.map(lambda x: x.astype(NP_DTYPES[dtype]).astype(x.dtype), state)
+    nnx.update(model, rounded)
+
+
+def _kl_stats(hf: np.ndarray, ours: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token KL(p_hf || p_ours) and top-1 agreement, in float64."""
+    a = hf.astype(np.float64)
+    b = ours.astype(np.float64)
+    la = a - a.max(-1, keepdims=True)
+    la -= np.log(np.exp(la).sum(-1, keepdims=True))
+    lb = b - b.max(-1, keepdims=True)
+    lb -= np.log(np.exp(lb).sum(-1, keepdims=True))
+    kl = (np.exp(la) * (la - lb)).sum(-1)
+    return np.maximum(kl, 0.0), a.argmax(-1) == b.argmax(-1)
+
+
+def _case(name: str, hf: np.ndarray, ours: np.ndarray) -> CaseResult:
+    kl, agree = _kl_stats(hf, ours)
+    return CaseResult(
+        name=name,
+        tokens=int(kl.size),
+        max_abs_diff=float(np.abs(hf - ours).max()),
+        mean_kl=float(kl.mean()),
+        max_kl=float(kl.max()),
+        top1_agreement=float(agree.mean()),
+    )
+
+
+def verify(
+    checkpoint: str | pathlib.Path,
+    hf_dir: str | pathlib.Path,
+    *,
+    atol: float | None = None,
+    kl_tol: float | None = None,
+    compute_dtype: str = "float32",
+    seq_lens: Sequence[int] = DEFAULT_SEQ_LENS,
+    seed: int = 0,
+    mesh: Mesh | None = None,
+    log: Log | None = None,
+) -> VerifyResult:
+    """Run our forward and transformers' on the same inputs and compare (see module docstring)."""
+    import torch
+    import transformers
+
+    log = log or (lambda _: None)
+    if compute_dtype not in DEFAULT_TOLERANCES:
+        raise ValueError(f"compute dtype must be one of {sorted(DEFAULT_TOLERANCES)}, got {compute_dtype!r}")
+    d_atol, d_kl = DEFAULT_TOLERANCES[compute_dtype]
+    result = VerifyResult(
+        cases=[],
+        atol=d_atol if atol is None else atol,
+        kl_tol=d_kl if kl_tol is None else kl_tol,
+        compute_dtype=compute_dtype,
+        problems=[],
+    )
+
+    hf_cfg = read_hf_config(hf_dir)
+    cfg, model, _ = load_model(checkpoint, mesh=mesh, dtype=compute_dtype)
+    result.problems += config_mismatches(cfg, hf_cfg)
+    if result.problems:
+        return result
+    for f in ("bos_token_id", "eos_token_ids", "pad_token_id"):
+        if getattr(cfg, f) != getattr(hf_cfg, f):
+            log(
+                f"note: {f} differs (checkpoint {getattr(cfg, f)!r}, HF {getattr(hf_cfg, f)!r}); "
+                "logits unaffected"
+            )
+
+    storage = hf_storage_dtype(hf_dir)
+    if storage is not None and _PRECISION[storage] < _PRECISION[cfg.param_dtype]:
+        log(f"note: HF weights are stored in {storage}; rounding checkpoint weights to {storage} to compare")
+        _round_params(model, storage)
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[compute_dtype]
+    hf_model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dir,
+        dtype=torch_dtype,
+        use_safetensors=True,
+        local_files_only=True,
+        attn_implementation="eager",
+        output_loading_info=True,
+    )
+    for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        if info.get(key):
+            result.problems.append(
+                f"transformers {key.replace('_', ' ')}: {sorted(map(str, info[key]))[:10]}"
+            )
+    if result.problems:
+        return result
+    hf_model.eval()
+
+    forward = nnx.jit(lambda m, ids, pos, seg: m(ids, pos, seg))
+    rng = np.random.default_rng(seed)
+    lens = sorted({min(int(n), cfg.max_position_embeddings) for n in seq_lens if int(n) > 0})
+    if not lens:
+        raise ValueError("seq_lens must contain at least one positive length")
+    seqs = [rng.integers(0, cfg.vocab_size, size=n, dtype=np.int64) for n in lens]
+    hf_out = []
+    for ids in seqs:
+        with torch.no_grad():
+            ref = hf_model(input_ids=torch.as_tensor(ids[None])).logits[0].float().numpy()
+        hf_out.append(ref)
+        ours = np.asarray(forward(model, jnp.asarray(ids[None], jnp.int32), None, None))[0]
+        result.cases.append(_case(f"sequence of {len(ids)} tokens", ref, ours))
+        log(_fmt(result.cases[-1]))
+
+    if len(seqs) >= 2:
+        # Two documents + padding in one row must equal the two separate runs.
+        a, b = seqs[0], seqs[1]
+        pad = 8
+        ids = np.concatenate([a, b, np.zeros(pad, np.int64)])[None]
+        seg = np.concatenate([np.full(len(a), 1), np.full(len(b), 2), np.zeros(pad)]).astype(np.int32)[None]
+        pos = np.concatenate([np.arange(len(a)), np.arange(len(b)), np.zeros(pad)]).astype(np.int32)[None]
+        ours = np.asarray(forward(model, jnp.asarray(ids, jnp.int32), jnp.asarray(pos), jnp.asarray(seg)))[0]
+        ref = np.concatenate(hf_out[:2])
+        result.cases.append(
+            _case(f"packed row ({len(a)}+{len(b)} tokens + {pad} padding)", ref, ours[: len(ref)])
+        )
+        log(_fmt(result.cases[-1]))
+    return result
+
+
+def _fmt(c: CaseResult) -> str:
+    return (
+        f"  {c.name}: max |Δlogit| {c.max_abs_diff:.3g}, mean KL {c.mean_kl:.3g}, "
+        f"max KL {c.max_kl:.3g}, top-1 agreement {c.top1_agreement:.1%}"
+    )
+
+
+def summary(result: VerifyResult) -> str:
+    if result.problems:
+        return "FAIL:\n  " + "\n  ".join(result.problems)
+    verdict = "PASS" if result.passed else "FAIL"
+    return (
+        f"{verdict} ({result.compute_dtype} compute): max |Δlogit| {result.max_abs_diff:.3g} "
+        f"(tolerance {result.atol:g}), mean KL {result.mean_kl:.3g} (tolerance {result.kl_tol:g}), "
+        f"max KL {result.max_kl:.3g}"
+    )
+
+
+def result_dict(result: VerifyResult) -> dict[str, Any]:
+    return {
+        "passed": result.passed,
+        "max_abs_diff": result.max_abs_diff,
+        "mean_kl": result.mean_kl,
+        "max_kl": result.max_kl,
+        "atol": result.atol,
+        "kl_tol": result.kl_tol,
+        "compute_dtype": result.compute_dtype,
+        "problems": result.problems,
+        "cases": [dataclasses.asdict(c) for c in result.cases],
+    }

@@ -1,0 +1,169 @@
+"""Chat-level generation: conversations in, assistant replies out.
+
+Prompts are built by the training chat template's `encode_prompt`, so inference sees the
+exact token layout (and system-prompt placement) the model was fine-tuned on, and message
+text that looks like a control token is encoded as plain text. Generation stops on the
+template's end tokens (plus the model's eos ids) and, at the text level, on stop strings,
+which are cut from the reply as the OpenAI API does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from agentrefine_jax.inference.engine import generate
+from agentrefine_jax.inference.loading import LoadedModel, load_for_inference
+from agentrefine_jax.models.llama import Transformer
+
+
+class ContextOverflowError(ValueError):
+    """A prompt leaves no room for even one new token in the model's context."""
+
+
+@dataclasses.dataclass
+class Completion:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int  # every generated token, including one that ended the reply
+    finish_reason: str  # "stop" | "length"
+
+
+def first_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Index of the earliest occurrence of any stop string in `text`, or None."""
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(hits) if hits else None
+
+
+class ChatGenerator:
+    """Batched chat completion with one model and one chat template."""
+
+    def __init__(self, model: Transformer, template: Any, *, name: str = "model"):
+        self.model = model
+        self.template = template
+        self.name = name
+        # Template end tokens (e.g. <|eot_id|>) plus the model's own eos ids, in order.
+        ids = list(template.stop_token_ids) + list(model.cfg.eos_token_ids)
+        self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in ids))
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str,
+        template: str | None = None,
+        tokenizer: str | None = None,
+        *,
+        dtype: str | None = None,
+        name: str | None = None,
+    ) -> ChatGenerator:
+        """Load a project checkpoint or HF directory; template/tokenizer default to its metadata."""
+        loaded = load_for_inference(path, dtype=dtype)
+        return cls.from_loaded(loaded, template, tokenizer, name=name or pathlib.Path(path).resolve().name)
+
+    @classmethod
+    def from_loaded(
+        cls,
+        loaded: LoadedModel,
+        template: str | None = None,
+        tokenizer: str | None = None,
+        *,
+        name: str = "model",
+    ) -> ChatGenerator:
+        from agentrefine_jax.data.templates import get_template
+        from agentrefine_jax.data.tokenizers import load_tokenizer
+
+        tok_name = tokenizer or loaded.tokenizer
+        tpl_name = template or loaded.template
+        if tok_name is None:
+            raise ValueError("the checkpoint records no tokenizer; pass one (e.g. --tokenizer llama3)")
+        if tpl_name is None:
+            raise ValueError("the checkpoint records no chat template; pass one (e.g. --template llama3)")
+        tpl = get_template(tpl_name, load_tokenizer(tok_name))
+        vocab = len(tpl.tokenizer)
+        if vocab > loaded.cfg.vocab_size:
+            raise ValueError(
+                f"tokenizer {tok_name!r} has {vocab} tokens but the model's vocabulary is "
+                f"{loaded.cfg.vocab_size}: they do not belong together"
+            )
+        return cls(loaded.model, tpl, name=name)
+
+    # ------------------------------------------------------------------ API
+
+    def encode(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        return self.template.encode_prompt(messages)
+
+    def complete(
+        self,
+        conversations: Sequence[Sequence[Mapping[str, Any]]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: Sequence[str] | None = None,
+        seed: int = 0,
+    ) -> list[Completion]:
+        """One reply per conversation (batched). max_new_tokens is reduced to fit the context."""
+        prompts = [self.encode(c) for c in conversations]
+        if not prompts:
+            return []
+        context = self.model.cfg.max_position_embeddings
+        longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+        room = context - len(prompts[longest])
+        if room < 1:
+            raise ContextOverflowError(
+                f"conversation {longest}: prompt of {len(prompts[longest])} tokens leaves no room in the "
+                f"model's context of {context} tokens"
+            )
+        stops = [s for s in (stop or []) if s]
+        stop_ids = set(self.stop_token_ids)
+
+        def reply_text(ids: list[int]) -> str:
+            if ids and ids[-1] in stop_ids:
+                ids = ids[:-1]
+            return self.template.decode(ids)
+
+        def should_stop(_row: int, ids: list[int]) -> bool:
+            return first_stop(reply_text(ids), stops) is not None
+
+        gens = generate(
+            self.model,
+            prompts,
+            max_new_tokens=min(max_new_tokens, room),
+            temperature=temperature,
+            top_p=top_p,
+            stop_token_ids=self.stop_token_ids,
+            seed=seed,
+            should_stop=should_stop if stops else None,
+        )
+        out = []
+        for prompt, g in zip(prompts, gens, strict=True):
+            text = reply_text(g.tokens)
+            cut = first_stop(text, stops)
+            reason = g.finish_reason
+            if cut is not None:
+                text, reason = text[:cut], "stop"
+            out.append(Completion(text, len(prompt), len(g.tokens), reason))
+        return out
+
+    def chat(
+        self,
+        conversations: list[list[dict]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: list[str] | None = None,
+        seed: int = 0,
+    ) -> list[str]:
+        """Reply texts only; see `complete`."""
+        done = self.complete(
+            conversations,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop=stop,
+            seed=seed,
+        )
+        return [c.text for c in done]

@@ -1,0 +1,313 @@
+"""Batched autoregressive generation with a KV cache.
+
+One jitted prefill consumes the whole left-padded batch and samples the first token; then
+a jitted chunk of decode steps (a `lax.while_loop`, one token per step) runs until every
+row has stopped or the chunk is used up. Control returns to Python between chunks only so
+that text-level stop conditions (stop strings) can end rows early.
+
+Compiles are bounded by bucketing: the batch is padded to a power of two, the prompt
+length and the number of new tokens to a few sizes, and `temperature`/`top_p`/step counts
+are traced values. Left padding is expressed with segment id 0 (never attended by real
+tokens) and per-row positions that start at 0 at the first real token, so every row
+computes exactly what it would compute alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from agentrefine_jax.inference.sampling import row_keys, sample
+from agentrefine_jax.models.llama import Transformer, init_cache
+
+DEFAULT_CHUNK = 16
+# Long prompts are prefilled in query blocks of this many tokens (exact), so the attention
+# scores never exist as one [batch, heads, prompt, cache] array.
+PREFILL_BLOCK = 512
+_NO_STOP = -1  # stands in for "no stop ids" so the stop array is never empty
+
+# should_stop(row, generated_ids) -> True to end that row now (e.g. a stop string appeared).
+StopFn = Callable[[int, list[int]], bool]
+
+
+@dataclasses.dataclass
+class Generation:
+    """One row's output. `tokens` includes the stop token that ended the row, if any."""
+
+    tokens: list[int]
+    finish_reason: str  # "stop" (stop token or should_stop) | "length"
+
+
+def bucket(n: int, minimum: int = 16, step: int = 512) -> int:
+    """Round up to a power of two (at least `minimum`), then to multiples of `step`."""
+    b = minimum
+    while b < n and b < step:
+        b *= 2
+    return b if b >= n else -(-n // step) * step
+
+
+def _batch_bucket(n: int) -> int:
+    b = 1
+    while b < n:
+        b *= 2
+    return b
+
+
+def _validate(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+) -> None:
+    if not prompts:
+        raise ValueError("no prompts given")
+    vocab = model.cfg.vocab_size
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty; generation needs at least one token to condition on")
+        lo, hi = min(p), max(p)
+        if lo < 0 or hi >= vocab:
+            raise ValueError(
+                f"prompt {i} has token id {lo if lo < 0 else hi} outside the vocabulary [0, {vocab})"
+            )
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    longest = max(len(p) for p in prompts)
+    limit = model.cfg.max_position_embeddings
+    if longest + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the model's context "
+            f"of {limit} tokens"
+        )
+
+
+def left_pad(
+    prompts: Sequence[Sequence[int]], length: int, batch: int, pad_id: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, positions, segment_ids), each [batch, length] int32, prompts right-aligned.
+
+    Rows beyond len(prompts) are filler: one real token so the row is well defined.
+    """
+    ids = np.full((batch, length), pad_id, np.int32)
+    pos = np.zeros((batch, length), np.int32)
+    seg = np.zeros((batch, length), np.int32)
+    for r in range(batch):
+        p = prompts[r] if r < len(prompts) else [pad_id]
+        n = len(p)
+        ids[r, length - n :] = p
+        pos[r, length - n :] = np.arange(n)
+        seg[r, length - n :] = 1
+    return ids, pos, seg
+
+
+def _prefill(
+    graphdef: nnx.GraphDef,
+    cache_len: int,
+    greedy: bool,
+    state: nnx.State,
+    ids: jax.Array,
+    positions: jax.Array,
+    segments: jax.Array,
+    done: jax.Array,
+    base_key: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    stop_ids: jax.Array,
+) -> tuple[jax.Array, dict[str, jax.Array], jax.Array]:
+    model = nnx.merge(graphdef, state)
+    if ids.shape[1] > PREFILL_BLOCK and not model.cfg.attention_block_size:
+        model.cfg = dataclasses.replace(model.cfg, attention_block_size=PREFILL_BLOCK)
+    cache = init_cache(model.cfg, ids.shape[0], cache_len)
+    hidden, cache = model.forward(ids, positions, segments, cache)
+    # Left padding puts every row's last real token in the last column.
+    logits = model.logits(hidden[:, -1:])[:, 0]
+    rows = jnp.arange(ids.shape[0])
+    tok = sample(logits, row_keys(base_key, rows, jnp.int32(0)), temperature, top_p, greedy=greedy)
+    tok = jnp.where(done, 0, tok)
+    return tok, cache, done | jnp.isin(tok, stop_ids)
+
+
+def _decode_chunk(
+    graphdef: nnx.GraphDef,
+    chunk: int,
+    greedy: bool,
+    state: nnx.State,
+    cache: dict[str, jax.Array],
+    tok: jax.Array,
+    pos: jax.Array,
+    done: jax.Array,
+    step0: jax.Array,
+    n_left: jax.Array,
+    base_key: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    stop_ids: jax.Array,
+) -> tuple[jax.Array, dict[str, jax.Array], jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Up to min(chunk, n_left) decode steps; stops early once every row is done."""
+    model = nnx.merge(graphdef, state)
+    b = tok.shape[0]
+    rows = jnp.arange(b)
+    seg = jnp.ones((b, 1), jnp.int32)
+    limit = jnp.minimum(chunk, n_left)
+
+    def cond(c: tuple) -> jax.Array:
+        i, _, _, _, done, _ = c
+        return (i < limit) & ~jnp.all(done)
+
+    def body(c: tuple) -> tuple:
+        i, cache, tok, pos, done, out = c
+        hidden, cache = model.forward(tok[:, None], pos[:, None], seg, cache)
+        logits = model.logits(hidden)[:, 0]
+        nxt = sample(logits, row_keys(base_key, rows, step0 + i), temperature, top_p, greedy=greedy)
+        nxt = jnp.where(done, 0, nxt)  # finished rows emit filler the host ignores
+        out = out.at[:, i].set(nxt)
+        return i + 1, cache, nxt, pos + 1, done | jnp.isin(nxt, stop_ids), out
+
+    init = (jnp.int32(0), cache, tok, pos, done, jnp.zeros((b, chunk), jnp.int32))
+    return jax.lax.while_loop(cond, body, init)
+
+
+@functools.cache
+def _compiled() -> tuple[Callable, Callable]:
+    # Donating the cache lets XLA update it in place; the CPU backend cannot donate and
+    # would warn on every call, so only ask for it elsewhere.
+    donate = jax.default_backend() != "cpu"
+    prefill = jax.jit(_prefill, static_argnums=(0, 1, 2))
+    decode = jax.jit(_decode_chunk, static_argnums=(0, 1, 2), donate_argnums=(4,) if donate else ())
+    return prefill, decode
+
+
+def generate(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    stop_token_ids: Sequence[int] | None = None,
+    seed: int = 0,
+    should_stop: StopFn | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
+    timings: dict[str, float] | None = None,
+) -> list[Generation]:
+    """Generate continuations of token-id prompts (batched, left-padded, KV-cached).
+
+    stop_token_ids: ids that end a row (kept as its last token); None = the model config's
+      eos ids, () = never stop early.
+    should_stop: checked on each live row between decode chunks (text-level stops).
+    timings: if given, filled with prefill_s / decode_s wall time and decode_steps.
+    """
+    _validate(model, prompts, max_new_tokens, temperature, top_p)
+    n_rows = len(prompts)
+    if max_new_tokens == 0:
+        return [Generation([], "length") for _ in range(n_rows)]
+    cfg = model.cfg
+    stops = tuple(cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    stop_set = set(stops)
+    stop_arr = jnp.asarray(stops or (_NO_STOP,), jnp.int32)
+    batch = _batch_bucket(n_rows)
+    plen = bucket(max(len(p) for p in prompts))
+    new_len = bucket(max_new_tokens)
+    chunk = max(1, min(chunk_size, new_len))
+    ids, pos, seg = left_pad(prompts, plen, batch, cfg.pad_token_id or 0)
+    host_done = np.arange(batch) >= n_rows  # filler rows start finished
+    graphdef, state = nnx.split(model)
+    prefill, decode = _compiled()
+    base_key = jax.random.key(seed)
+    temp = jnp.float32(temperature)
+    tp = jnp.float32(top_p)
+
+    out: list[list[int]] = [[] for _ in range(n_rows)]
+    reason = ["length"] * n_rows
+
+    def take(new: np.ndarray, count: int) -> None:
+        """Append `count` new tokens per live row; a stop token ends the row (and is kept)."""
+        for r in range(n_rows):
+            if host_done[r]:
+                continue
+            for t in new[r, :count].tolist():
+                out[r].append(t)
+                if t in stop_set:
+                    host_done[r], reason[r] = True, "stop"
+                    break
+            if not host_done[r] and should_stop is not None and should_stop(r, out[r]):
+                host_done[r], reason[r] = True, "stop"
+
+    t0 = time.perf_counter()
+    greedy = temperature == 0.0
+    tok, cache, _ = prefill(
+        graphdef,
+        plen + new_len,
+        greedy,
+        state,
+        ids,
+        pos,
+        seg,
+        jnp.asarray(host_done),
+        base_key,
+        temp,
+        tp,
+        stop_arr,
+    )
+    take(np.asarray(tok)[:, None], 1)
+    t1 = time.perf_counter()
+    steps = 1
+    cur_pos = jnp.asarray([len(p) for p in prompts] + [1] * (batch - n_rows), jnp.int32)
+    while steps < max_new_tokens and not host_done.all():
+        n, cache, tok, cur_pos, _, new = decode(
+            graphdef,
+            chunk,
+            greedy,
+            state,
+            cache,
+            tok,
+            cur_pos,
+            jnp.asarray(host_done),
+            jnp.int32(steps),
+            jnp.int32(max_new_tokens - steps),
+            base_key,
+            temp,
+            tp,
+            stop_arr,
+        )
+        n = int(n)
+        take(np.asarray(new), n)
+        steps += n
+    if timings is not None:
+        timings.update(prefill_s=t1 - t0, decode_s=time.perf_counter() - t1, decode_steps=steps - 1)
+    return [Generation(out[r], reason[r]) for r in range(n_rows)]
+
+
+def generate_ids(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    stop_token_ids: Sequence[int] | None = None,
+    seed: int = 0,
+) -> list[list[int]]:
+    """Generated ids per prompt (the stop token that ended a row included). See `generate`."""
+    gens = generate(
+        model,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        stop_token_ids=stop_token_ids,
+        seed=seed,
+    )
+    return [g.tokens for g in gens]

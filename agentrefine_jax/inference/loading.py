@@ -1,0 +1,53 @@
+"""Load a model for inference from either checkpoint format, plus its tokenizer/template names.
+
+* a project checkpoint (training run dir, checkpoint root or step dir; see
+  `agentrefine_jax.checkpoint`): tokenizer and template default to the names in its meta;
+* a Hugging Face directory (config.json + safetensors, e.g. written by `export`): the
+  tokenizer defaults to the directory itself when it holds tokenizer files; the template
+  must be named, since our templates are not read from tokenizer_config.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any
+
+from agentrefine_jax.models.config import ModelConfig
+from agentrefine_jax.models.llama import Transformer
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    cfg: ModelConfig
+    model: Transformer
+    tokenizer: str | None  # a name for data.tokenizers.load_tokenizer, or None if unknown
+    template: str | None
+    source: str  # "checkpoint" | "hf"
+
+
+def is_hf_dir(path: str | pathlib.Path) -> bool:
+    p = pathlib.Path(path)
+    return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
+
+
+def load_for_inference(
+    path: str | pathlib.Path, *, dtype: str | None = None, **load_kwargs: Any
+) -> LoadedModel:
+    """Load parameters from `path`; `dtype` overrides the compute dtype (e.g. float32 on CPU)."""
+    overrides: dict[str, Any] = dict(load_kwargs)
+    if dtype is not None:
+        overrides["dtype"] = dtype
+    p = pathlib.Path(path)
+    if is_hf_dir(p):
+        from agentrefine_jax.export.hf_io import load_hf_model
+
+        cfg, model = load_hf_model(p, **overrides)
+        has_tok = any((p / f).is_file() for f in _TOKENIZER_FILES)
+        return LoadedModel(cfg, model, str(p) if has_tok else None, None, "hf")
+    from agentrefine_jax.checkpoint import load_model
+
+    cfg, model, meta = load_model(p, **overrides)
+    return LoadedModel(cfg, model, meta.get("tokenizer"), meta.get("template"), "checkpoint")

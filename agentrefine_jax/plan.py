@@ -1,0 +1,539 @@
+"""Memory / FLOP planner for a training config on a TPU mesh that need not exist here.
+
+    python -m agentrefine_jax.plan --config llama3_8b --mesh fsdp=32 --chip v5p [--json]
+
+Nothing here is a closed-form formula that could drift from the model:
+- parameters, their dtypes and logical axes come from `jax.eval_shape` of the real model;
+- each leaf's per-device shard shape comes from the real sharding rules
+  (`sharding.logical_to_spec`) on a `jax.sharding.AbstractMesh` of the requested shape;
+- saved activations are the residuals JAX's autodiff keeps for the real loss function
+  (`train.step.loss_sums`, with the config's remat policy and attention blocking), traced
+  on the *per-device* problem: micro batch / batch shards, heads / mlp / vocab / tensor.
+Only the transient working set of the backward pass (one layer's recomputation, attention
+score blocks, a loss chunk's logits, FSDP-gathered weights) is modelled by hand; every
+term is listed in `activation_breakdown` and documented in docs/scale.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+GiB = 1024**3
+
+# HBM per chip (one JAX device per chip: v4 and v5p run their two TensorCores as a megacore).
+HBM_BYTES = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB}
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+class PlanError(ValueError):
+    """Bad planner input (mesh syntax, unknown chip, batch/mesh mismatch)."""
+
+
+# ------------------------------------------------------------------------------ mesh
+
+
+def parse_mesh(text: str | None, default: dict[str, int], devices: int | None = None) -> dict[str, int]:
+    """`fsdp=64,tensor=4,data=2` -> {"data": 2, "fsdp": 64, "tensor": 4}.
+
+    Axes not named keep the config's size; one axis may be -1 ("the rest") only when
+    `devices` is given.
+    """
+    sizes = dict(default)
+    if text:
+        for part in text.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if "=" not in part:
+                raise PlanError(f"--mesh expects axis=size pairs like fsdp=64,tensor=4; got {part!r}")
+            name, value = (s.strip() for s in part.split("=", 1))
+            if name not in MESH_AXES:
+                raise PlanError(f"--mesh: unknown axis {name!r}; choose from {MESH_AXES}")
+            try:
+                sizes[name] = int(value)
+            except ValueError:
+                raise PlanError(f"--mesh: {name}={value!r} is not an integer") from None
+    bad = {k: v for k, v in sizes.items() if v == 0 or v < -1}
+    if bad:
+        raise PlanError(f"--mesh: sizes must be positive (or -1 for 'the rest'), got {bad}")
+    unknown = [k for k, v in sizes.items() if v == -1]
+    if len(unknown) > 1:
+        raise PlanError(f"at most one mesh axis may be -1, got {sizes}")
+    if unknown:
+        if devices is None:
+            raise PlanError(
+                f"mesh axis {unknown[0]!r} is -1 (all remaining devices) in the config; give its size "
+                f"with --mesh {unknown[0]}=N, or the device count with --devices N"
+            )
+        known = math.prod(v for v in sizes.values() if v != -1)
+        if devices % known:
+            raise PlanError(f"{devices} devices do not divide into mesh {sizes}")
+        sizes[unknown[0]] = devices // known
+    if devices is not None and math.prod(sizes.values()) != devices:
+        raise PlanError(f"mesh {sizes} has {math.prod(sizes.values())} devices, --devices says {devices}")
+    return {a: sizes[a] for a in MESH_AXES}
+
+
+def abstract_mesh(sizes: dict[str, int]) -> Any:
+    from jax.sharding import AbstractMesh
+
+    return AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)
+
+
+def _spec_factor(entry: Any, mesh: Any) -> int:
+    if entry is None:
+        return 1
+    axes = (entry,) if isinstance(entry, str) else tuple(entry)
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def shard_shape(shape: Sequence[int], spec: Any, mesh: Any) -> tuple[int, ...]:
+    """Per-device shape of an array with PartitionSpec `spec` (logical_to_spec only emits
+    axes that divide their dimension, so the division is exact)."""
+    entries = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+    return tuple(d // _spec_factor(e, mesh) for d, e in zip(shape, entries, strict=True))
+
+
+# -------------------------------------------------------------------------- parameters
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    axes: tuple[str | None, ...] | None
+    spec: tuple[Any, ...]
+    shard_shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def shard_size(self) -> int:
+        return math.prod(self.shard_shape)
+
+
+def param_layout(model_cfg: Any, mesh: Any, rules: Sequence[tuple[str, Any]]) -> list[LeafLayout]:
+    """Every parameter of the real model (abstract, no memory) with its per-device shard."""
+    from flax import nnx
+    from jax.sharding import PartitionSpec
+
+    from agentrefine_jax.models import abstract
+    from agentrefine_jax.sharding import logical_to_spec
+
+    state = nnx.state(abstract(model_cfg), nnx.Param)
+    out = []
+    for path, var in state.flat_state():
+        value = var.get_value()
+        names = var.get_metadata().get("axes")
+        spec = logical_to_spec(names, rules, value.shape, mesh) if names else PartitionSpec()
+        out.append(
+            LeafLayout(
+                path=".".join(str(p) for p in path),
+                shape=tuple(value.shape),
+                dtype=str(value.dtype),
+                axes=tuple(names) if names else None,
+                spec=tuple(spec),
+                shard_shape=shard_shape(value.shape, spec, mesh),
+            )
+        )
+    return out
+
+
+# ------------------------------------------------------------------------- activations
+
+
+def _itemsize(dtype: Any) -> int:
+    import numpy as np
+
+    return int(np.dtype(dtype).itemsize)
+
+
+def _local_dim(name: str, size: int, rules: Sequence[tuple[str, Any]], mesh: Any) -> int:
+    """Per-device size of an activation dimension with logical name `name`."""
+    from agentrefine_jax.sharding import logical_to_spec
+
+    spec = logical_to_spec((name,), rules, (size,), mesh)
+    return size // _spec_factor(tuple(spec)[0], mesh)
+
+
+def local_model_config(model_cfg: Any, mesh: Any, rules: Sequence[tuple[str, Any]]) -> tuple[Any, list[str]]:
+    """The model one device effectively runs: heads / kv heads / mlp / vocab divided by
+    their activation shardings (tensor parallelism). Layers, hidden and head_dim are kept."""
+    notes = []
+    heads = _local_dim("activation_heads", model_cfg.num_heads, rules, mesh)
+    kv = _local_dim("activation_kv_heads", model_cfg.num_kv_heads, rules, mesh)
+    if heads % kv:
+        notes.append(
+            f"heads shard to {heads} but kv heads to {kv} per device (not a multiple); "
+            "attention activations counted unsharded"
+        )
+        heads, kv = model_cfg.num_heads, model_cfg.num_kv_heads
+    for name in ("activation_seq", "activation_embed"):
+        target = dict(rules).get(name)
+        if target and any(mesh.shape[a] > 1 for a in ((target,) if isinstance(target, str) else target)):
+            notes.append(f"{name} is sharded by the rules; the planner counts it unsharded (over-estimate)")
+    local = dataclasses.replace(
+        model_cfg,
+        num_heads=heads,
+        num_kv_heads=kv,
+        intermediate_size=_local_dim("activation_mlp", model_cfg.intermediate_size, rules, mesh),
+        vocab_size=_local_dim("activation_vocab", model_cfg.vocab_size, rules, mesh),
+    )
+    return local, notes
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+
+def saved_residuals(model_cfg: Any, batch: int, seq_len: int, loss_chunk: int) -> list[Residual]:
+    """What autodiff of the real loss keeps for the backward pass (arguments excluded:
+    the params and batch are held anyway). Traced only: shapes, no compute or memory."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from agentrefine_jax.models import abstract
+    from agentrefine_jax.train.step import BATCH_KEYS, loss_sums
+
+    graphdef, state = nnx.split(abstract(model_cfg), nnx.Param)
+    params = nnx.to_pure_dict(state)
+    data = {k: jax.ShapeDtypeStruct((batch, seq_len), jnp.int32) for k in BATCH_KEYS}
+
+    def loss(p: Any, b: Any) -> Any:
+        return loss_sums(graphdef, p, b, loss_chunk)[0]
+
+    closed = jax.make_jaxpr(lambda p, b: jax.vjp(loss, p, b)[1])(params, data)
+    jaxpr = closed.jaxpr
+    inputs = {id(v) for v in jaxpr.invars}
+    out = []
+    for v in jaxpr.outvars:
+        if id(v) in inputs or not hasattr(v.aval, "shape"):
+            continue
+        shape = tuple(int(d) for d in v.aval.shape)
+        out.append(Residual(shape, str(v.aval.dtype), math.prod(shape) * _itemsize(v.aval.dtype)))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationModel:
+    """Per-device activation bytes = fixed + per_sample * micro_batch_per_device."""
+
+    fixed: dict[str, int]
+    per_sample: dict[str, int]
+
+    def breakdown(self, batch: int) -> dict[str, int]:
+        keys = list(dict.fromkeys([*self.fixed, *self.per_sample]))
+        return {k: self.fixed.get(k, 0) + self.per_sample.get(k, 0) * batch for k in keys}
+
+    def total(self, batch: int) -> int:
+        return sum(self.breakdown(batch).values())
+
+
+def activation_model(
+    model_cfg: Any,
+    mesh: Any,
+    rules: Sequence[tuple[str, Any]],
+    seq_len: int,
+    loss_chunk: int,
+) -> tuple[ActivationModel, list[str]]:
+    local, notes = local_model_config(model_cfg, mesh, rules)
+    c = _itemsize(model_cfg.dtype)
+    # Residuals at micro batch 1 and 2: those that grow are activations (exactly linear in
+    # the batch); those that don't are derived from weights (e.g. compute-dtype copies) and
+    # are sharded like the weights over fsdp.
+    r1 = saved_residuals(local, 1, seq_len, loss_chunk)
+    r2 = saved_residuals(local, 2, seq_len, loss_chunk)
+    if [r.dtype for r in r1] != [r.dtype for r in r2]:
+        raise RuntimeError("residual structure changed with the batch size; cannot classify")
+    per_sample_saved = sum(a.nbytes for a, b in zip(r1, r2, strict=True) if b.nbytes != a.nbytes)
+    weight_derived = sum(a.nbytes for a, b in zip(r1, r2, strict=True) if b.nbytes == a.nbytes)
+    fsdp_factor = model_cfg.hidden_size // _local_dim("embed", model_cfg.hidden_size, rules, mesh)
+
+    # One layer's full set of intermediates (remat "none", one vs two layers): what the
+    # backward pass rebuilds for the layer it is differentiating, whatever the policy.
+    one = dataclasses.replace(local, remat_policy="none")
+    l1 = saved_residuals(dataclasses.replace(one, num_layers=1), 1, seq_len, loss_chunk)
+    l2 = saved_residuals(dataclasses.replace(one, num_layers=2), 1, seq_len, loss_chunk)
+    layer_recompute = sum(r.nbytes for r in l2) - sum(r.nbytes for r in l1)
+
+    blk = model_cfg.attention_block_size
+    blocked = 0 < blk < seq_len and seq_len % blk == 0
+    attention_blocks = 0
+    if blocked:
+        # Scores (f32), probabilities (compute dtype) and score cotangents (f32) of one
+        # query block, rebuilt inside the block's checkpoint.
+        attention_blocks = local.num_heads * blk * seq_len * (4 + c + 4)
+    # The [S, S] boolean document/causal mask is built whole, even with query blocks.
+    mask = seq_len * seq_len
+    chunk = max(1, min(loss_chunk, seq_len))
+    # Logits, softmax and logit cotangents (all f32) of one loss chunk.
+    logits_chunk = chunk * local.vocab_size * 4 * 3
+
+    fixed = {"weight_derived_saved": weight_derived // fsdp_factor}
+    if fsdp_factor > 1:
+        # FSDP all-gathers one layer's weights (compute dtype) ahead of use (two in flight)
+        # and holds one layer's f32 gradient before the reduce-scatter; the output
+        # projection is gathered whole for the loss. "Gathered" = sharded by tensor only.
+        unsharded = abstract_mesh({**{a: mesh.shape[a] for a in MESH_AXES}, "data": 1, "fsdp": 1})
+        gathered_layout = param_layout(model_cfg, unsharded, rules)
+        per_layer = sum(
+            leaf.shard_size // leaf.shape[0] for leaf in gathered_layout if leaf.path.startswith("layers.")
+        )
+        fixed["fsdp_gathered_layer_weights"] = 2 * per_layer * c
+        fixed["fsdp_gathered_layer_grads"] = per_layer * 4
+        fixed["fsdp_gathered_lm_head"] = model_cfg.hidden_size * local.vocab_size * c
+    per_sample = {
+        "saved_residuals": per_sample_saved,
+        "layer_recompute": layer_recompute,
+        "attention_blocks": attention_blocks,
+        "attention_mask": mask,
+        "logits_chunk": logits_chunk,
+    }
+    return ActivationModel(fixed, per_sample), notes
+
+
+# -------------------------------------------------------------------------------- plan
+
+
+def plan(
+    cfg: Any,
+    mesh_sizes: dict[str, int],
+    chip: str = "v5p",
+    *,
+    global_batch: int | None = None,
+    micro_batch: int | None = None,
+    seq_len: int | None = None,
+    mfu: float = 0.4,
+    headroom: float = 0.1,
+    name: str = "",
+) -> dict[str, Any]:
+    """The full plan as a JSON-ready dict (see `format_plan` for the text view)."""
+    from agentrefine_jax.sharding import logical_to_spec
+    from agentrefine_jax.train import flops
+
+    if chip not in HBM_BYTES:
+        raise PlanError(f"unknown chip {chip!r}; choose from {sorted(HBM_BYTES)}")
+    if not 0 < mfu <= 1:
+        raise PlanError(f"--mfu must be in (0, 1], got {mfu}")
+    if not 0 <= headroom < 1:
+        raise PlanError(f"--headroom must be in [0, 1), got {headroom}")
+    model_cfg = cfg.model
+    rules = cfg.mesh.rules
+    mesh = abstract_mesh(mesh_sizes)
+    devices = math.prod(mesh_sizes.values())
+    gb = global_batch or cfg.train.global_batch_size
+    micro = micro_batch or cfg.train.micro_batch_size or gb
+    seq = seq_len or cfg.data.max_length
+    if gb % micro:
+        raise PlanError(f"global batch {gb} is not divisible by micro batch {micro}")
+    n_micro = gb // micro
+    notes: list[str] = []
+
+    layout = param_layout(model_cfg, mesh, rules)
+    n_params = sum(leaf.size for leaf in layout)
+    param_bytes = sum(leaf.shard_size * _itemsize(leaf.dtype) for leaf in layout)
+    # jax.grad returns gradients in the parameter dtype and the step accumulates them in a
+    # zeros_like(params) buffer; with gradient accumulation a micro-batch's fresh gradient
+    # coexists with the accumulator.
+    grad_bytes = param_bytes * (2 if n_micro > 1 else 1)
+    # optax.adamw keeps mu and nu in the parameter dtype, sharded like the parameters.
+    opt_bytes = 2 * param_bytes
+
+    batch_spec = tuple(logical_to_spec(("batch",), rules, (micro,), mesh))[0]
+    batch_shards = _spec_factor(batch_spec, mesh)
+    max_batch_shards = _spec_factor(tuple(logical_to_spec(("batch",), rules, None, mesh))[0], mesh)
+    if batch_shards < max_batch_shards:
+        notes.append(
+            f"micro batch {micro} does not divide over the {max_batch_shards} batch shards: the batch is "
+            "replicated and every device computes all of it; use a multiple of "
+            f"{max_batch_shards}"
+        )
+    per_device_batch = micro // batch_shards
+
+    act_model, act_notes = activation_model(model_cfg, mesh, rules, seq, cfg.train.loss_chunk_size)
+    notes += act_notes
+    act = act_model.breakdown(per_device_batch)
+    act_bytes = sum(act.values())
+    static = param_bytes + grad_bytes + opt_bytes
+    total = static + act_bytes
+    hbm = HBM_BYTES[chip]
+    usable = int(hbm * (1 - headroom))
+
+    # Largest micro batch per device that fits without accumulation (gradients counted once).
+    room = usable - (param_bytes + param_bytes + opt_bytes) - act_model.total(0)
+    per_sample = act_model.total(1) - act_model.total(0)
+    max_pdb = max(0, room // per_sample) if per_sample > 0 else 0
+    max_global = max_pdb * max_batch_shards
+
+    fpt = flops.flops_per_token(model_cfg, seq)
+    flops_step = fpt * gb * seq
+    peak = flops.PEAK_FLOPS[chip]
+    step_time = flops_step / (devices * peak * mfu)
+    return {
+        "config": name,
+        "chip": chip,
+        "mesh": mesh_sizes,
+        "devices": devices,
+        "params": n_params,
+        "param_dtype": model_cfg.param_dtype,
+        "compute_dtype": model_cfg.dtype,
+        "remat_policy": model_cfg.remat_policy,
+        "attention_block_size": model_cfg.attention_block_size,
+        "seq_len": seq,
+        "global_batch": gb,
+        "micro_batch": micro,
+        "grad_accum_steps": n_micro,
+        "micro_batch_per_device": per_device_batch,
+        "bytes_per_device": {
+            "params": param_bytes,
+            "grads": grad_bytes,
+            "optimizer": opt_bytes,
+            "activations": act_bytes,
+            "total": total,
+        },
+        "activation_breakdown": act,
+        "hbm_bytes": hbm,
+        "headroom": headroom,
+        "usable_hbm_bytes": usable,
+        "fits": total <= usable,
+        "max_micro_batch_per_device": int(max_pdb),
+        "max_global_batch_without_accumulation": int(max_global),
+        "flops_per_token": fpt,
+        "flops_per_step": flops_step,
+        "peak_flops_per_device": peak,
+        "mfu": mfu,
+        "step_time_s": step_time,
+        "tokens_per_sec": gb * seq / step_time,
+        "param_leaves": [
+            {
+                "path": leaf.path,
+                "shape": list(leaf.shape),
+                "dtype": leaf.dtype,
+                "spec": [list(e) if isinstance(e, tuple) else e for e in leaf.spec],
+                "shard_shape": list(leaf.shard_shape),
+            }
+            for leaf in layout
+        ],
+        "notes": notes,
+    }
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:,.2f} GiB"
+
+
+def format_plan(p: dict[str, Any], name: str = "") -> str:
+    b = p["bytes_per_device"]
+    mesh = ",".join(f"{k}={v}" for k, v in p["mesh"].items())
+    lines = [
+        f"plan: {name or p['config']} on {p['devices']} x {p['chip']} (mesh {mesh})",
+        f"  parameters          {p['params']:,} ({p['param_dtype']} master, {p['compute_dtype']} compute)",
+        f"  batch               global {p['global_batch']} x {p['seq_len']} tokens; micro {p['micro_batch']} "
+        f"({p['grad_accum_steps']} accumulation steps), {p['micro_batch_per_device']} per device",
+        f"  remat               {p['remat_policy']}, attention block {p['attention_block_size'] or 'none'}",
+        "  bytes per device",
+        f"    params            {_gib(b['params'])}",
+        f"    grads             {_gib(b['grads'])}",
+        f"    optimizer (AdamW) {_gib(b['optimizer'])}",
+        f"    activations       {_gib(b['activations'])}",
+    ]
+    for k, v in p["activation_breakdown"].items():
+        if v:
+            lines.append(f"      {k:<28}{_gib(v)}")
+    usable = p["usable_hbm_bytes"]
+    lines += [
+        f"    total             {_gib(b['total'])} of {_gib(usable)} usable "
+        f"({_gib(p['hbm_bytes'])} HBM, {100 * p['headroom']:.0f}% headroom) -> "
+        f"{'FITS' if p['fits'] else 'DOES NOT FIT'} ({100 * b['total'] / p['hbm_bytes']:.0f}% of HBM)",
+        f"  largest batch       {p['max_micro_batch_per_device']} sequences per device -> global batch "
+        f"{p['max_global_batch_without_accumulation']} without gradient accumulation",
+        f"  FLOPs per step      {p['flops_per_step']:.3e} ({p['flops_per_token']:.3e} per token)",
+        f"  step time           {p['step_time_s']:.2f} s at {100 * p['mfu']:.0f}% MFU "
+        f"({p['tokens_per_sec']:,.0f} tokens/s, {p['tokens_per_sec'] / p['devices']:,.0f} per chip)",
+    ]
+    lines += [f"  note: {n}" for n in p["notes"]]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m agentrefine_jax.plan",
+        description="Per-device memory, FLOPs and step time of a training config on a TPU mesh.",
+    )
+    ap.add_argument("--config", required=True, help="config file or name in configs/ (e.g. llama3_8b)")
+    ap.add_argument(
+        "--mesh",
+        help="mesh axis sizes, e.g. fsdp=64 or fsdp=32,tensor=4,data=2 (unnamed axes keep the config's)",
+    )
+    ap.add_argument("--devices", type=int, help="total devices (chips); resolves a -1 mesh axis")
+    ap.add_argument("--chip", default="v5p", choices=sorted(HBM_BYTES))
+    ap.add_argument("--global-batch", type=int, help="default: train.global_batch_size")
+    ap.add_argument("--micro-batch", type=int, help="default: train.micro_batch_size (or the global batch)")
+    ap.add_argument("--seq-len", type=int, help="default: data.max_length")
+    ap.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the step time")
+    ap.add_argument(
+        "--headroom",
+        type=float,
+        default=0.1,
+        help="fraction of HBM kept free for the runtime and unmodelled temporaries (default 0.1)",
+    )
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ap.add_argument("--leaves", action="store_true", help="with --json: include every parameter's shard")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import os
+
+    # Planning only traces shapes; keep it off accelerators and quiet.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from agentrefine_jax.config import load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        default = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
+        mesh = parse_mesh(args.mesh, default, args.devices)
+        result = plan(
+            cfg,
+            mesh,
+            args.chip,
+            global_batch=args.global_batch,
+            micro_batch=args.micro_batch,
+            seq_len=args.seq_len,
+            mfu=args.mfu,
+            headroom=args.headroom,
+            name=args.config,
+        )
+    except (PlanError, FileNotFoundError, KeyError, ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        if not args.leaves:
+            result.pop("param_leaves")
+        print(json.dumps(result, indent=2))
+    else:
+        print(format_plan(result, args.config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,414 @@
+"""`python -m agentrefine_jax.serve`: an OpenAI-compatible chat-completions server for our models.
+
+    python -m agentrefine_jax.serve --checkpoint CKPT --port 8000
+    # then, from any OpenAI client:
+    openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x").chat.completions.create(
+        model=NAME, messages=[...], max_tokens=256, temperature=0.7)
+
+Endpoints: POST /v1/chat/completions, GET /v1/models, GET /health. Requests are handled on
+threads but serialised onto the one model (a lock), so a request never waits on a
+half-finished batch of another. Bound to 127.0.0.1 unless --host says otherwise; when the
+environment variable named by --api-key-env is set, every /v1 request must carry it as a
+Bearer token (the key itself is never logged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hmac
+import json
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+import traceback
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from agentrefine_jax.inference.chat import ChatGenerator, ContextOverflowError
+
+MAX_BODY_BYTES = 16 * 2**20
+MAX_STOP_STRINGS = 4  # as the OpenAI API
+# Accepted but without effect here (bookkeeping fields of the OpenAI API).
+_IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+
+
+class APIError(Exception):
+    """An error reported to the client in OpenAI's error format."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        if self.status == 401:
+            kind = "authentication_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+@dataclasses.dataclass
+class ChatRequest:
+    messages: list[dict[str, str]]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    n: int
+    stop: list[str]
+    seed: int
+
+
+def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+        raise APIError(400, f"'{key}' must be a number in [{lo}, {hi}], got {value!r}", param=key)
+    return float(value)
+
+
+def _integer(body: dict[str, Any], key: str, default: int | None, lo: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise APIError(400, f"'{key}' must be an integer >= {lo}, got {value!r}", param=key)
+    return value
+
+
+def _content(value: Any, i: int) -> str:
+    """Message content: a string, or a list of text parts (joined); anything else is refused."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for part in value:
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise APIError(400, "'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise APIError(400, f"messages[{i}] must be an object", param="messages")
+        role = m.get("role")
+        if role == "developer":  # OpenAI's newer name for the system role
+            role = "system"
+        if role not in ("system", "user", "assistant"):
+            raise APIError(
+                400,
+                f"messages[{i}].role {role!r} is not supported (system, user, assistant)",
+                param="messages",
+            )
+        if m.get("tool_calls") or m.get("function_call"):
+            raise APIError(400, f"messages[{i}]: tool calls are not supported", param="messages")
+        out.append({"role": role, "content": _content(m.get("content"), i)})
+    return out
+
+
+def parse_chat_request(
+    body: Any, *, model_name: str, default_max_tokens: int, max_n: int, rng: secrets.SystemRandom
+) -> ChatRequest:
+    """Validate a /v1/chat/completions body; unsupported options are refused, not ignored."""
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    if body.get("model") != model_name:
+        raise APIError(
+            404,
+            f"model {body.get('model')!r} is not served here; use {model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+    if body.get("stream"):
+        raise APIError(400, "streaming is not supported; send stream=false", param="stream")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise APIError(400, "logprobs are not supported", param="logprobs")
+    if body.get("tools") or body.get("functions") or body.get("tool_choice") not in (None, "none"):
+        raise APIError(400, "tools / function calling are not supported", param="tools")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if body.get(key) not in (None, 0, 0.0):
+            raise APIError(400, f"'{key}' is not supported (only 0)", param=key)
+    if body.get("logit_bias"):
+        raise APIError(400, "'logit_bias' is not supported", param="logit_bias")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+    known = {
+        "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
+        "seed", "stream", "logprobs", "top_logprobs", "tools", "functions", "tool_choice",
+        "frequency_penalty", "presence_penalty", "logit_bias", "response_format",
+    }  # fmt: skip
+    unknown = sorted(set(body) - known - _IGNORED_FIELDS)
+    if unknown:
+        raise APIError(400, f"unsupported parameter(s): {', '.join(unknown)}", param=unknown[0])
+
+    max_tokens = _integer(body, "max_completion_tokens", None, 1)
+    max_tokens = _integer(body, "max_tokens", max_tokens, 1)
+    stop = body.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP_STRINGS:
+        stops = list(stop)
+    else:
+        raise APIError(
+            400, f"'stop' must be a string or a list of up to {MAX_STOP_STRINGS} strings", param="stop"
+        )
+    seed = _integer(body, "seed", None, 0)
+    n = int(_integer(body, "n", 1, 1) or 1)
+    if n > max_n:
+        raise APIError(400, f"'n' must be at most {max_n} on this server", param="n")
+    return ChatRequest(
+        messages=_messages(body.get("messages")),
+        max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),  # OpenAI's default is 1
+        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        n=n,
+        stop=stops,
+        seed=rng.randrange(2**31) if seed is None else seed % 2**31,
+    )
+
+
+class ChatService:
+    """The model behind the HTTP layer: validation, generation under a lock, response bodies."""
+
+    def __init__(
+        self,
+        generator: ChatGenerator,
+        *,
+        model_name: str | None = None,
+        default_max_tokens: int = 512,
+        max_n: int = 16,
+        api_key: str | None = None,
+        log: Any = None,
+    ):
+        self.generator = generator
+        self.model_name = model_name or generator.name
+        self.default_max_tokens = default_max_tokens
+        self.max_n = max_n
+        self._api_key = api_key or None
+        self._lock = threading.Lock()
+        self._rng = secrets.SystemRandom()
+        self.created = int(time.time())
+        self.log = log or (lambda msg: print(f"[serve] {msg}", file=sys.stderr, flush=True))
+
+    def authorized(self, header: str | None) -> bool:
+        if self._api_key is None:
+            return True
+        given = (header or "").removeprefix("Bearer ").strip()
+        return hmac.compare_digest(given.encode(), self._api_key.encode())
+
+    def models(self) -> dict[str, Any]:
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "agentrefine_jax",
+        }
+        return {"object": "list", "data": [card]}
+
+    def chat_completion(self, body: Any) -> dict[str, Any]:
+        req = parse_chat_request(
+            body,
+            model_name=self.model_name,
+            default_max_tokens=self.default_max_tokens,
+            max_n=self.max_n,
+            rng=self._rng,
+        )
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                done = self.generator.complete(
+                    [req.messages] * req.n,
+                    max_new_tokens=req.max_tokens,
+                    temperature=req.temperature,
+                    top_p=req.top_p,
+                    stop=req.stop,
+                    seed=req.seed,
+                )
+        except ContextOverflowError as e:
+            raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
+        except ValueError as e:  # malformed conversation (role order, empty content, ...)
+            raise APIError(400, str(e), param="messages") from None
+        completion_tokens = sum(c.completion_tokens for c in done)
+        prompt_tokens = done[0].prompt_tokens
+        self.log(
+            f"chat.completions n={req.n} prompt={prompt_tokens} completion={completion_tokens} "
+            f"T={req.temperature:g} top_p={req.top_p:g} in {time.perf_counter() - t0:.2f}s"
+        )
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "system_fingerprint": None,
+            "choices": [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.text},
+                    "finish_reason": c.finish_reason,
+                    "logprobs": None,
+                }
+                for i, c in enumerate(done)
+            ],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
+
+
+def _handler(service: ChatService) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "agentrefine-serve/0.1"
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+            service.log(f"{self.address_string()} {format % args}")
+
+        def _send(self, status: int, payload: dict[str, Any]) -> None:
+            data = json.dumps(payload, ensure_ascii=False).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _path(self) -> str:
+            return self.path.split("?", 1)[0].rstrip("/")
+
+        def _guard(self) -> bool:
+            if service.authorized(self.headers.get("Authorization")):
+                return True
+            self._send(401, APIError(401, "invalid or missing API key", code="invalid_api_key").body())
+            return False
+
+        def do_GET(self) -> None:  # noqa: N802 - stdlib naming
+            path = self._path()
+            if path == "/health":
+                self._send(200, {"status": "ok", "model": service.model_name})
+            elif path == "/v1/models":
+                if self._guard():
+                    self._send(200, service.models())
+            else:
+                self._send(404, APIError(404, f"no route GET {path}").body())
+
+        def do_POST(self) -> None:  # noqa: N802 - stdlib naming
+            path = self._path()
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > MAX_BODY_BYTES:
+                self.close_connection = True
+                self._send(413, APIError(413, f"request body over {MAX_BODY_BYTES} bytes").body())
+                return
+            raw = self.rfile.read(length)
+            if path != "/v1/chat/completions":
+                self._send(404, APIError(404, f"no route POST {path}").body())
+                return
+            if not self._guard():
+                return
+            try:
+                try:
+                    body = json.loads(raw or b"null")
+                except json.JSONDecodeError as e:
+                    raise APIError(400, f"request body is not valid JSON: {e}") from None
+                self._send(200, service.chat_completion(body))
+            except APIError as e:
+                self._send(e.status, e.body())
+            except Exception as e:  # noqa: BLE001 - report, keep serving
+                traceback.print_exc(file=sys.stderr)
+                self._send(500, APIError(500, f"internal error: {type(e).__name__}: {e}").body())
+
+    return Handler
+
+
+def make_server(service: ChatService, host: str = "127.0.0.1", port: int = 8000) -> ThreadingHTTPServer:
+    """A bound (not yet serving) HTTP server; port 0 picks a free port (see server.server_address)."""
+    server = ThreadingHTTPServer((host, port), _handler(service))
+    server.daemon_threads = True
+    return server
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m agentrefine_jax.serve",
+        description="OpenAI-compatible /v1/chat/completions server for a checkpoint or HF model dir.",
+    )
+    p.add_argument("--checkpoint", required=True, help="training run / checkpoint dir, or an HF model dir")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="0 = any free port (printed at start-up)")
+    p.add_argument("--model-name", help="the model id clients must send (default: checkpoint dir name)")
+    p.add_argument("--template", help="chat template (default: the checkpoint's)")
+    p.add_argument("--tokenizer", help="tokenizer name or dir (default: the checkpoint's)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="override the compute dtype")
+    p.add_argument("--default-max-tokens", type=int, default=512, help="when a request sets no max_tokens")
+    p.add_argument("--max-n", type=int, default=16, help="largest 'n' a request may ask for")
+    p.add_argument(
+        "--api-key-env",
+        default="AGENTREFINE_SERVE_API_KEY",
+        help="env var holding the key clients must send; unset or empty = no authentication",
+    )
+    p.add_argument("--warmup", action="store_true", help="compile for a short request before serving")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def log(msg: str) -> None:
+        print(f"[serve] {msg}", file=sys.stderr, flush=True)
+
+    try:
+        t0 = time.perf_counter()
+        gen = ChatGenerator.from_checkpoint(args.checkpoint, args.template, args.tokenizer, dtype=args.dtype)
+        log(f"loaded {args.checkpoint} in {time.perf_counter() - t0:.1f}s")
+        api_key = os.environ.get(args.api_key_env) or None
+        service = ChatService(
+            gen,
+            model_name=args.model_name,
+            default_max_tokens=args.default_max_tokens,
+            max_n=args.max_n,
+            api_key=api_key,
+            log=log,
+        )
+        if args.warmup:
+            t0 = time.perf_counter()
+            gen.complete([[{"role": "user", "content": "hi"}]], max_new_tokens=2)
+            log(f"warm-up compile done in {time.perf_counter() - t0:.1f}s")
+        server = make_server(service, args.host, args.port)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        log(f"error: {e}")
+        return 2
+    if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log(f"warning: serving on {args.host} without an API key (set ${args.api_key_env})")
+    host, port = server.server_address[:2]
+    # The exact line tests and scripts wait for; stdout carries nothing else.
+    print(f"serving {service.model_name!r} on http://{host}:{port}/v1", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        log("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Training FLOPs and MFU.
+
+Convention (stated because MaxText changed its own in 2025): 6 FLOPs per matmul
+parameter per token (forward + backward), plus full (not halved) causal attention,
+12 * layers * heads * head_dim * seq per token. Embedding lookups count zero; a tied
+output projection counts once as a matmul. Remat recomputation is NOT counted, so
+MFU is "model FLOPs utilisation" in the PaLM sense.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from agentrefine_jax.models.config import ModelConfig
+
+# Peak dense bf16 FLOP/s per chip, from the vendors' published specs.
+PEAK_FLOPS = {
+    "v4": 275e12,
+    "v5e": 197e12,
+    "v5p": 459e12,
+    "v6e": 918e12,
+}
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    d, f, h, kv, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    per_layer = d * (h * hd) * 2 + d * (kv * hd) * 2 + 3 * d * f
+    return cfg.num_layers * per_layer + d * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
+    return 6.0 * matmul_params(cfg) + attention
+
+
+# jax `device_kind` strings -> chip name (v5p reports plain "TPU v5").
+DEVICE_KINDS = {
+    "tpu v4": "v4",
+    "tpu v5 lite": "v5e",
+    "tpu v5e": "v5e",
+    "tpu v5": "v5p",
+    "tpu v5p": "v5p",
+    "tpu v6 lite": "v6e",
+    "tpu v6e": "v6e",
+}
+
+
+def device_peak_flops(override: float = 0.0) -> float | None:
+    """Peak FLOP/s of one local device, or None when unknown (e.g. CPU)."""
+    if override > 0:
+        return override
+    chip = DEVICE_KINDS.get(jax.devices()[0].device_kind.lower().strip())
+    return PEAK_FLOPS.get(chip) if chip else None

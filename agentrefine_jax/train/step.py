@@ -1,0 +1,164 @@
+"""The jitted train and eval steps, with explicit shardings (pjit).
+
+Parameters travel as plain nested dicts (`nnx.to_pure_dict`), which `nnx.merge` turns
+back into the module inside the traced function; this keeps optimizer state and
+checkpoints free of framework objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from agentrefine_jax import sharding as shd
+from agentrefine_jax.models import Transformer
+from agentrefine_jax.models.config import ModelConfig
+from agentrefine_jax.train.loss import chunked_cross_entropy, target_weights
+
+Params = dict[str, Any]
+Batch = dict[str, jax.Array]
+BATCH_KEYS = ("input_ids", "loss_mask", "segment_ids", "positions")
+
+
+@dataclasses.dataclass
+class StepFns:
+    graphdef: Any
+    param_shardings: Params
+    opt_shardings: Any
+    batch_sharding: NamedSharding
+    init_params: Callable[[int], Params]
+    init_opt: Callable[[Params], Any]
+    train: Callable[[Params, Any, Batch], tuple[Params, Any, dict[str, jax.Array]]]
+    evaluate: Callable[[Params, Batch], tuple[jax.Array, jax.Array]]
+
+
+def abstract_params(model_cfg: ModelConfig) -> tuple[Any, nnx.State]:
+    from agentrefine_jax.models import abstract
+
+    graphdef, state = nnx.split(abstract(model_cfg), nnx.Param)
+    return graphdef, state
+
+
+def param_shardings(model_cfg: ModelConfig, mesh: Mesh, rules: shd.Rules) -> tuple[Any, Params]:
+    graphdef, state = abstract_params(model_cfg)
+    return graphdef, nnx.to_pure_dict(shd.state_shardings(state, mesh, rules))
+
+
+def loss_sums(graphdef: Any, params: Params, batch: Batch, chunk: int) -> tuple[jax.Array, jax.Array]:
+    model: Transformer = nnx.merge(graphdef, params)
+    hidden, _ = model.forward(batch["input_ids"], batch["positions"], batch["segment_ids"])
+    targets, weights = target_weights(batch)
+    return chunked_cross_entropy(hidden[:, :-1], model.lm_head_weight(), targets, weights, chunk)
+
+
+def build_steps(
+    model_cfg: ModelConfig,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    rules: shd.Rules,
+    *,
+    global_batch: int,
+    micro_batch: int | None,
+    loss_chunk: int,
+) -> StepFns:
+    graphdef, p_shard = param_shardings(model_cfg, mesh, rules)
+    micro = micro_batch or global_batch
+    if global_batch % micro:
+        raise ValueError(f"train.global_batch_size={global_batch} not divisible by micro_batch_size={micro}")
+    n_micro = global_batch // micro
+    b_shard = shd.batch_sharding(mesh, rules)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def init_params(seed: int) -> Params:
+        from agentrefine_jax.models import create
+
+        return nnx.to_pure_dict(nnx.state(create(model_cfg, seed), nnx.Param))
+
+    init_params_jit = jax.jit(init_params, static_argnums=0, out_shardings=p_shard)
+    with shd.use_sharding(mesh, rules):
+        abstract_opt = jax.eval_shape(optimizer.init, jax.eval_shape(lambda: init_params(0)))
+    # Optimizer moments mirror the parameters' shardings; scalars (counts) are replicated.
+    opt_shard = _mirror_shardings(abstract_opt, p_shard, replicated)
+    init_opt = jax.jit(optimizer.init, in_shardings=(p_shard,), out_shardings=opt_shard)
+
+    def train_step(params: Params, opt_state: Any, batch: Batch) -> tuple[Params, Any, dict[str, jax.Array]]:
+        micro_batches = {k: v.reshape(n_micro, micro, *v.shape[1:]) for k, v in batch.items()}
+        grad_fn = jax.value_and_grad(lambda p, mb: loss_sums(graphdef, p, mb, loss_chunk), has_aux=True)
+
+        def accumulate(carry: tuple[Any, jax.Array, jax.Array], mb: Batch) -> tuple[Any, None]:
+            grads, loss_sum, n_tok = carry
+            mb = {k: shd.constrain(v, ("batch", None)) for k, v in mb.items()}
+            (l_sum, n), g = grad_fn(params, mb)
+            grads = jax.tree.map(jnp.add, grads, g)
+            return (grads, loss_sum + l_sum, n_tok + n), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+        (grads, loss_sum, n_tok), _ = jax.lax.scan(accumulate, init, micro_batches)
+        # One division over the whole global batch: every loss token weighs the same.
+        denom = jnp.maximum(n_tok, 1.0)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        loss = loss_sum / denom
+        grad_norm = optax.global_norm(grads)
+        updates, new_opt = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        # Never apply an update from a batch with no loss tokens or a non-finite loss:
+        # the host stops the run on these, and the params in memory stay the last good ones.
+        ok = (n_tok > 0) & jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        new_params = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_params, params)
+        new_opt = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_opt, opt_state)
+        metrics = {
+            "loss": loss,
+            "loss_tokens": n_tok,
+            "tokens": jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32),
+            "grad_norm": grad_norm,
+        }
+        return new_params, new_opt, metrics
+
+    def eval_step(params: Params, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        return loss_sums(graphdef, params, batch, loss_chunk)
+
+    batch_tree = {k: b_shard for k in BATCH_KEYS}
+    train_jit = jax.jit(
+        train_step,
+        in_shardings=(p_shard, opt_shard, batch_tree),
+        out_shardings=(p_shard, opt_shard, replicated),
+        donate_argnums=(0, 1),
+    )
+    eval_jit = jax.jit(eval_step, in_shardings=(p_shard, batch_tree), out_shardings=replicated)
+
+    def with_rules(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any) -> Any:
+            with shd.use_sharding(mesh, rules):
+                return fn(*args)
+
+        return wrapped
+
+    return StepFns(
+        graphdef=graphdef,
+        param_shardings=p_shard,
+        opt_shardings=opt_shard,
+        batch_sharding=b_shard,
+        init_params=with_rules(init_params_jit),
+        init_opt=with_rules(init_opt),
+        train=with_rules(train_jit),
+        evaluate=with_rules(eval_jit),
+    )
+
+
+def _mirror_shardings(abstract_opt: Any, p_shard: Params, replicated: NamedSharding) -> Any:
+    p_struct = jax.tree.structure(p_shard)
+
+    def is_param_like(x: Any) -> bool:
+        return isinstance(x, dict) and jax.tree.structure(x) == p_struct
+
+    return jax.tree.map(
+        lambda x: p_shard if is_param_like(x) else replicated, abstract_opt, is_leaf=is_param_like
+    )

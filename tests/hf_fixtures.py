@@ -1,0 +1,194 @@
+"""Small random transformers Llama / Mistral checkpoints on disk: the oracle for model and export tests.
+
+Shared by the model, export and generation tests. Everything is built locally from a
+config (no hub access): `torch.manual_seed` + `from_config`, then every weight is
+re-drawn so that a wrong mapping cannot hide behind near-zero logits:
+  * linear/embedding weights ~ N(0, init_std) with init_std large enough that logits
+    have a standard deviation of order 1;
+  * RMSNorm weights ~ 1 + N(0, 0.2), so swapping the two norms of a layer, or dropping
+    one, changes the output.
+
+Typical use:
+    hf_dir = make_checkpoint(tmp_path / "hf", "llama")           # transformers-5 config.json
+    hf_dir = make_checkpoint(tmp_path / "hf", "llama", config_layout="tf4")  # top-level rope_*
+    logits = hf_logits(hf_dir, ids)                               # [B, S, V] float32 numpy
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import transformers
+
+Family = Literal["llama", "mistral"]
+ConfigLayout = Literal["tf4", "tf5"]
+
+# Positions used by the tests run past original_max_position_embeddings / 2, so all three
+# branches of the llama3 frequency scaling (high, medium, low frequency) change the output.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def llama_config(**overrides: Any) -> transformers.LlamaConfig:
+    """Tiny Llama-3.1-style config: GQA (4 query heads per 2 KV heads) and llama3 rope scaling."""
+    kw: dict[str, Any] = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_theta": 500000.0, **LLAMA3_ROPE},
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=[2, 3],
+        attn_implementation="eager",
+    )
+    kw.update(overrides)
+    return transformers.LlamaConfig(**kw)
+
+
+def mistral_config(**overrides: Any) -> transformers.MistralConfig:
+    """Tiny Mistral config whose sliding window (8) is far shorter than the test sequences."""
+    kw: dict[str, Any] = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        sliding_window=8,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="eager",
+    )
+    kw.update(overrides)
+    return transformers.MistralConfig(**kw)
+
+
+def build_model(
+    config: transformers.PretrainedConfig, *, seed: int = 0, init_std: float = 0.15
+) -> transformers.PreTrainedModel:
+    """A float32 model in eval mode with every parameter re-drawn (see module docstring)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(init_std * torch.randn(p.shape, generator=gen))
+    model.tie_weights()
+    return model.eval()
+
+
+def save_checkpoint(
+    model: transformers.PreTrainedModel,
+    out_dir: str | pathlib.Path,
+    *,
+    config_layout: ConfigLayout = "tf5",
+    max_shard_size: str | int | None = None,
+) -> pathlib.Path:
+    """`save_pretrained` as safetensors, then optionally rewrite config.json in the transformers-4 layout.
+
+    tf4 layout: `rope_theta` and `rope_scaling` at top level (null for plain rope), no
+    `rope_parameters` — what every Llama/Mistral checkpoint on the hub written before
+    transformers 5 looks like.
+    """
+    out = pathlib.Path(out_dir)
+    kwargs: dict[str, Any] = {"safe_serialization": True} if _accepts_safe_serialization() else {}
+    if max_shard_size is not None:
+        kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(out, **kwargs)
+    if config_layout == "tf4":
+        to_tf4_config(out / "config.json")
+    elif config_layout != "tf5":
+        raise ValueError(f"config_layout must be 'tf4' or 'tf5', got {config_layout!r}")
+    return out
+
+
+def to_tf4_config(path: pathlib.Path) -> None:
+    cfg = json.loads(path.read_text())
+    rope = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    cfg["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
+    if "dtype" in cfg:
+        cfg["torch_dtype"] = cfg.pop("dtype")
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+
+
+def _accepts_safe_serialization() -> bool:
+    import inspect
+
+    return "safe_serialization" in inspect.signature(transformers.PreTrainedModel.save_pretrained).parameters
+
+
+def make_checkpoint(
+    out_dir: str | pathlib.Path,
+    family: Family = "llama",
+    *,
+    seed: int = 0,
+    config_layout: ConfigLayout = "tf5",
+    max_shard_size: str | int | None = None,
+    init_std: float = 0.15,
+    **config_overrides: Any,
+) -> pathlib.Path:
+    """Build a random tiny checkpoint of `family` and write it to `out_dir`; returns the directory."""
+    make = {"llama": llama_config, "mistral": mistral_config}[family]
+    model = build_model(make(**config_overrides), seed=seed, init_std=init_std)
+    return save_checkpoint(model, out_dir, config_layout=config_layout, max_shard_size=max_shard_size)
+
+
+def load_hf(hf_dir: str | pathlib.Path) -> transformers.PreTrainedModel:
+    """Load a checkpoint in float32 (eager attention); fails if any weight is missing or unexpected.
+
+    transformers silently random-initialises missing weights, which would make an oracle
+    comparison meaningless, hence the loading-info check.
+    """
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dir,
+        dtype=torch.float32,
+        use_safetensors=True,
+        attn_implementation="eager",
+        local_files_only=True,
+        output_loading_info=True,
+    )
+    bad = {k: v for k, v in info.items() if k != "error_msgs" and v}
+    if bad or info.get("error_msgs"):
+        raise AssertionError(f"transformers did not load {hf_dir} cleanly: {info}")
+    return model.eval()
+
+
+def hf_logits(
+    model_or_dir: transformers.PreTrainedModel | str | pathlib.Path,
+    input_ids: np.ndarray,
+    position_ids: np.ndarray | None = None,
+) -> np.ndarray:
+    """transformers' float32 logits [B, S, V] for `input_ids` [B, S]."""
+    model = model_or_dir if isinstance(model_or_dir, torch.nn.Module) else load_hf(model_or_dir)
+    kwargs = {} if position_ids is None else {"position_ids": torch.as_tensor(position_ids, dtype=torch.long)}
+    with torch.no_grad():
+        out = model(input_ids=torch.as_tensor(np.asarray(input_ids), dtype=torch.long), **kwargs)
+    return out.logits.float().numpy()
+
+
+def random_ids(rng: np.random.Generator, vocab_size: int, *shape: int) -> np.ndarray:
+    return rng.integers(0, vocab_size, size=shape, dtype=np.int64)

@@ -1,0 +1,119 @@
+"""The OpenAI-compatible server answers the real `openai` client, in-process and via the CLI.
+
+Oracle for reply content: the in-process ChatGenerator on the same checkpoint (greedy),
+which is itself checked against transformers in test_generate_hf_parity.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import openai
+import pytest
+from test_generate_chat import CFG, CONVERSATION, numpy_model
+
+from agentrefine_jax.checkpoint import save_model
+from agentrefine_jax.generate import ChatGenerator
+from agentrefine_jax.serve import ChatService, make_server
+
+KEY = "test-key-123"
+# Same model, weights and prompt shapes as test_generate_chat, so one pytest session compiles once.
+MESSAGES = CONVERSATION
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("serve") / "demo-model"
+    save_model(path, numpy_model(CFG, seed=0, std=0.1), CFG, step=0, tokenizer="llama3", template="llama3")
+    return path
+
+
+@pytest.fixture(scope="module")
+def generator(checkpoint):
+    return ChatGenerator.from_checkpoint(str(checkpoint))
+
+
+@pytest.fixture(scope="module")
+def server(generator):
+    """In-process server (requires KEY) on a free port; yields the base URL."""
+    srv = make_server(ChatService(generator, api_key=KEY, log=lambda _: None), "127.0.0.1", 0)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}/v1"
+    srv.shutdown()
+    srv.server_close()
+
+
+def client(url: str, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=120)
+
+
+def test_chat_completion_matches_in_process_generation(server, generator):
+    resp = client(server).chat.completions.create(
+        model="demo-model", messages=MESSAGES, max_tokens=64, temperature=0
+    )
+    (expected,) = generator.complete([MESSAGES], max_new_tokens=64)
+    assert resp.object == "chat.completion" and resp.model == "demo-model"
+    assert len(resp.choices) == 1
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == expected.text
+    assert resp.choices[0].finish_reason == expected.finish_reason
+    assert resp.usage.prompt_tokens == len(generator.encode(MESSAGES))
+    assert resp.usage.completion_tokens == expected.completion_tokens
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_n_samples_are_seeded_and_distinct(server):
+    c = client(server)
+    kw = dict(model="demo-model", messages=MESSAGES, max_tokens=8, temperature=1.0, top_p=0.95, n=3, seed=7)
+    a, b = c.chat.completions.create(**kw), c.chat.completions.create(**kw)
+    texts = [ch.message.content for ch in a.choices]
+    assert [ch.index for ch in a.choices] == [0, 1, 2]
+    assert texts == [ch.message.content for ch in b.choices]
+    assert len(set(texts)) == 3
+    assert a.usage.completion_tokens == 3 * 8
+
+
+def test_models_and_errors(server):
+    c = client(server)
+    assert [m.id for m in c.models.list().data] == ["demo-model"]
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        c.chat.completions.create(model="gpt-4o", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError, match="streaming is not supported"):
+        c.chat.completions.create(model="demo-model", messages=MESSAGES, stream=True)
+    with pytest.raises(openai.BadRequestError, match="role order"):
+        c.chat.completions.create(
+            model="demo-model", messages=MESSAGES[:1] + [{"role": "assistant", "content": "x"}]
+        )
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        c.chat.completions.create(model="demo-model", messages=MESSAGES, temperature=5)
+    with pytest.raises(openai.BadRequestError, match="unsupported parameter"):
+        c.chat.completions.create(model="demo-model", messages=MESSAGES, extra_body={"best_of": 2})
+    with pytest.raises(openai.AuthenticationError):
+        client(server, key="wrong").chat.completions.create(model="demo-model", messages=MESSAGES)
+
+
+@pytest.mark.timeout(300)
+def test_cli_server_answers_openai_client(checkpoint, generator):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.pop("AGENTREFINE_SERVE_API_KEY", None)
+    cmd = [sys.executable, "-m", "agentrefine_jax.serve", "--checkpoint", str(checkpoint), "--port", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()  # blocks until the server is listening (or exits)
+        assert line.startswith("serving 'demo-model' on http://127.0.0.1:"), line + proc.stderr.read()
+        url = line.split(" on ", 1)[1].strip()
+        resp = client(url, key="unused").chat.completions.create(
+            model="demo-model", messages=MESSAGES, max_tokens=6, temperature=0
+        )
+        assert resp.choices[0].message.content == generator.chat([MESSAGES], max_new_tokens=6)[0]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert proc.returncode == 0, proc.stderr.read()
