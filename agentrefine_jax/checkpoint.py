@@ -18,6 +18,7 @@ describes, and any missing, extra or mis-shaped leaf is an error that names the 
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 from collections.abc import Mapping
 from typing import Any
@@ -103,13 +104,19 @@ def model_config_from_meta(meta: Mapping[str, Any]) -> ModelConfig:
 # ----------------------------------------------------------------------------- locating
 
 
+def as_path(path: str | os.PathLike[str]) -> epath.Path:
+    """An absolute epath (Orbax refuses relative paths); URLs such as gs://... pass through."""
+    text = os.fspath(path)
+    return epath.Path(text if "://" in text else os.path.abspath(text))
+
+
 def _steps(root: epath.Path) -> list[int]:
     return sorted(ocp.path.step.checkpoint_steps(root)) if root.is_dir() else []
 
 
 def resolve_checkpoint(path: str | pathlib.Path | epath.Path) -> tuple[epath.Path, int]:
     """(manager root, step) for a run directory, a manager root (latest step) or a step directory."""
-    p = epath.Path(path)
+    p = as_path(path)
     if not p.exists():
         raise FileNotFoundError(f"checkpoint path {p} does not exist")
     if (p / RUN_CHECKPOINTS_SUBDIR).is_dir():
@@ -156,7 +163,7 @@ def save_model(
     config: Any = None,
 ) -> epath.Path:
     """Write `params` + `meta` as step `step` of the checkpoint root `directory`; returns the step dir."""
-    root = epath.Path(directory)
+    root = as_path(directory)
     params = params_pure_dict(model_or_params_state)
     check_params(params, model_cfg, what=f"parameters being saved to {root}")
     meta = make_meta(model_cfg, step=step, tokenizer=tokenizer, template=template, config=config)

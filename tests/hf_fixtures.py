@@ -184,9 +184,9 @@ def hf_logits(
 ) -> np.ndarray:
     """transformers' float32 logits [B, S, V] for `input_ids` [B, S]."""
     model = model_or_dir if isinstance(model_or_dir, torch.nn.Module) else load_hf(model_or_dir)
-    kwargs = {} if position_ids is None else {"position_ids": torch.as_tensor(position_ids, dtype=torch.long)}
+    kwargs = {} if position_ids is None else {"position_ids": torch.tensor(position_ids, dtype=torch.long)}
     with torch.no_grad():
-        out = model(input_ids=torch.as_tensor(np.asarray(input_ids), dtype=torch.long), **kwargs)
+        out = model(input_ids=torch.tensor(np.asarray(input_ids), dtype=torch.long), **kwargs)
     return out.logits.float().numpy()
 
 

@@ -4,7 +4,6 @@ loading template/tokenizer defaults from a checkpoint's metadata."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -32,7 +31,8 @@ def numpy_model(cfg, seed: int, std: float) -> llama.Transformer:
     def draw(path, leaf):
         noise = rng.standard_normal(leaf.shape)
         value = 1.0 + 0.1 * noise if str(path[-1].key).endswith("norm") else std * noise
-        return jnp.asarray(value, leaf.dtype)
+        # Committed to device 0 like a loaded checkpoint, so both share compiled programs.
+        return jax.device_put(np.asarray(value, leaf.dtype), jax.devices()[0])
 
     nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(state)))
     return nnx.merge(graphdef, state)

@@ -107,20 +107,17 @@ def test_scan_remat_and_blocked_attention_agree(loaded: dict) -> None:
     def run(m: llama.Transformer) -> tuple[jax.Array, nnx.State]:
         return m(ids), nnx.grad(loss)(m)
 
+    # Baseline: scanned layers, no remat, one attention block. The variant changes all three
+    # (each compile of forward+backward costs seconds on 2 cores, so one variant carries them).
     base_logits, base_grads = run(model)
-    assert float(jnp.abs(base_logits).max()) > 1.0
     assert _max_diff(base_logits, F.hf_logits(hf, np.asarray(ids))) <= ATOL
-    # Two compiled variants cover all options (each compile costs seconds on 2 cores).
-    variants = [
-        dict(scan_layers=False, remat_policy="dots", attention_block_size=8),
-        dict(remat_policy="full"),
-    ]
-    for changes in variants:
-        logits, grads = run(with_config(model, **changes))
-        assert _max_diff(logits, base_logits) <= 1e-5, changes
-        for g, g0 in zip(jax.tree.leaves(grads), jax.tree.leaves(base_grads), strict=True):
-            scale = float(np.abs(np.asarray(g0)).max()) + 1e-12
-            assert _max_diff(g, g0) <= 1e-4 * scale, changes
+    variant = with_config(model, scan_layers=False, remat_policy="full", attention_block_size=8)
+    logits, grads = run(variant)
+    assert _max_diff(logits, base_logits) <= 1e-5
+    leaves, base_leaves = jax.tree.leaves(grads), jax.tree.leaves(base_grads)
+    assert len(leaves) == 9 + 3 and all(float(jnp.abs(g).max()) > 0 for g in base_leaves)
+    for g, g0 in zip(leaves, base_leaves, strict=True):
+        assert _max_diff(g, g0) <= 1e-4 * float(jnp.abs(g0).max())
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])

@@ -8,6 +8,8 @@ Public entry points (import the submodules directly; this package import stays l
 * `agentrefine_jax.data.pipeline.make_pipeline(cfg, split=..., global_batch_size=..., num_epochs=...)`
 """
 
-DEMO_DIR = __import__("pathlib").Path(__file__).resolve().parent / "demo"
+import pathlib
+
+DEMO_DIR = pathlib.Path(__file__).resolve().parent / "demo"
 DEMO_TRAIN = DEMO_DIR / "train.jsonl"
 DEMO_EVAL = DEMO_DIR / "eval.jsonl"

@@ -31,7 +31,8 @@ DEFAULT_CHUNK = 16
 # Long prompts are prefilled in query blocks of this many tokens (exact), so the attention
 # scores never exist as one [batch, heads, prompt, cache] array.
 PREFILL_BLOCK = 512
-_NO_STOP = -1  # stands in for "no stop ids" so the stop array is never empty
+_NO_STOP = -1  # pads the stop-id array (never matches a token)
+_STOP_SLOTS = 8  # stop-id arrays are padded to a multiple of this: no recompile per stop list
 
 # should_stop(row, generated_ids) -> True to end that row now (e.g. a stop string appeared).
 StopFn = Callable[[int, list[int]], bool]
@@ -216,7 +217,8 @@ def generate(
     cfg = model.cfg
     stops = tuple(cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
     stop_set = set(stops)
-    stop_arr = jnp.asarray(stops or (_NO_STOP,), jnp.int32)
+    slots = max(1, -(-len(stops) // _STOP_SLOTS)) * _STOP_SLOTS
+    stop_arr = jnp.asarray(stops + (_NO_STOP,) * (slots - len(stops)), jnp.int32)
     batch = _batch_bucket(n_rows)
     plen = bucket(max(len(p) for p in prompts))
     new_len = bucket(max_new_tokens)

@@ -328,11 +328,16 @@ def train(cfg: Config) -> dict[str, Any]:
             params, opt_state, metrics = fns.train(params, opt_state, batch)
             step += 1
             steps_since += 1
-            if step % tc.log_every == 0 or step == total_steps:
-                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            # A scalar fetch per step: NaN or loss-free batches must stop the run at once.
+            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            try:
                 _check_step(m, step, last_saved, paths)
+            except TrainingError as e:
+                writer.write({"step": step, **m, "error": str(e)})
+                raise
+            tokens_since += m["tokens"]
+            if step % tc.log_every == 0 or step == total_steps:
                 now = time.perf_counter()
-                tokens_since += m["tokens"]
                 dt = max(now - t_last, 1e-9)
                 tps = tokens_since / dt
                 mfu = (flops_per_step * steps_since / dt / (peak * jax.device_count())) if peak else None

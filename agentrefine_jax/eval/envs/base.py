@@ -1,0 +1,148 @@
+"""The text interface every evaluation environment implements.
+
+An environment receives the agent's command exactly as parsed from its `Action:` line (in the
+surface wording of the active vocabulary) and answers with text. Success, best-so-far progress and
+the step bookkeeping live here so every environment reports them the same way.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from agentrefine_jax.eval.perturb import ActionWord, Vocabulary
+from agentrefine_jax.eval.react import CHECK_VALID_ACTIONS
+
+INVALID_ACTION = (
+    'The action "{action}" is not valid here. Use "' + CHECK_VALID_ACTIONS + '" to list the valid actions.'
+)
+RENAMED_ACTION = (
+    'The action "{action}" does not exist in this environment. Use the action names listed in the '
+    'instructions, or "' + CHECK_VALID_ACTIONS + '".'
+)
+
+
+@dataclasses.dataclass
+class StepResult:
+    observation: str
+    done: bool
+    success: bool
+    # Best-so-far progress in [0, 1] (AgentBoard's progress rate is the max over the episode).
+    progress: float
+    # False when the command was rejected (unknown, renamed or not applicable); no simulator step.
+    valid: bool
+    # True when the command reached the simulator (not "check valid actions" or a rejected one).
+    executed: bool
+
+
+class TextEnv(abc.ABC):
+    """One episode of one task, seen through text."""
+
+    task: ClassVar[str]
+    # Paragraph describing the world and the rules; the action list is appended from the vocabulary.
+    intro: ClassVar[str]
+
+    def __init__(self, spec: dict[str, Any], vocab: Vocabulary):
+        self.spec = dict(spec)
+        self.vocab = vocab
+        self.goal = ""
+        self.success = False
+        self.done = False
+        self.best_progress = 0.0
+
+    # ----------------------------------------------------------------- subclass hooks
+
+    @abc.abstractmethod
+    def _reset(self) -> tuple[str, str]:
+        """Start the episode; return (goal, first observation)."""
+
+    @abc.abstractmethod
+    def _step(self, canonical: str) -> tuple[str, bool, bool, float, bool]:
+        """Apply a canonical command: (observation, done, success, progress now, accepted)."""
+
+    @abc.abstractmethod
+    def _valid_canonical(self) -> list[str]:
+        """Canonical commands that are applicable now."""
+
+    @abc.abstractmethod
+    def _oracle_canonical(self) -> str:
+        """The reference solver's next command in canonical wording."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    # ----------------------------------------------------------------- public interface
+
+    @property
+    def instruction(self) -> str:
+        return f"{self.intro.strip()}\n\nAvailable actions:\n{self.vocab.describe()}"
+
+    def reset(self) -> tuple[str, str]:
+        self.success = False
+        self.done = False
+        self.best_progress = 0.0
+        goal, obs = self._reset()
+        self.goal = goal
+        self.best_progress = max(self.best_progress, self._initial_progress())
+        return goal, obs
+
+    def _initial_progress(self) -> float:
+        return 0.0
+
+    def valid_actions(self) -> list[str]:
+        return [self.vocab.to_surface(a) for a in self._valid_canonical()]
+
+    def oracle_action(self) -> str:
+        return self.vocab.to_surface(self._oracle_canonical())
+
+    def step(self, command: str) -> StepResult:
+        if self.done:
+            raise RuntimeError(f"{self.task}: step() after the episode ended")
+        if command.strip().lower() == CHECK_VALID_ACTIONS:
+            listing = "\n".join(f"- {a}" for a in self.valid_actions())
+            return StepResult(f"Valid actions now:\n{listing}", False, False, self.best_progress, True, False)
+        canonical = self.vocab.to_canonical(command)
+        if canonical is None:
+            return StepResult(RENAMED_ACTION.format(action=command), False, False, self.best_progress, False, False)
+        obs, done, success, progress, accepted = self._step(canonical)
+        self.success = self.success or success
+        self.done = done or success
+        self.best_progress = max(self.best_progress, 1.0 if self.success else progress)
+        return StepResult(obs, self.done, self.success, self.best_progress, accepted, accepted)
+
+
+class EvalTask(abc.ABC):
+    """A family of episodes (e.g. all BabyAI levels) with its paper weight and defaults."""
+
+    name: ClassVar[str]
+    display_name: ClassVar[str]
+    # Number of problems of this family in the paper's held-out average (AgentBoard split).
+    paper_weight: ClassVar[int]
+    default_max_steps: ClassVar[int]
+    words: ClassVar[Sequence[ActionWord]]
+
+    def __init__(self, workdir: str):
+        self.workdir = workdir
+
+    @property
+    def num_perturbations(self) -> int:
+        return Vocabulary.num_variants(self.words)
+
+    def vocabulary(self, perturbation: int) -> Vocabulary:
+        return Vocabulary(self.words, perturbation)
+
+    @abc.abstractmethod
+    def episode_specs(self, n: int, seed: int) -> list[dict[str, Any]]:
+        """n deterministic episode descriptions (JSON-serialisable) for a run seed."""
+
+    def prepare(self, specs: Sequence[dict[str, Any]]) -> None:  # noqa: B027 - optional hook
+        """Expensive one-off work for a batch of specs (e.g. generating game files)."""
+
+    @abc.abstractmethod
+    def make_env(self, spec: dict[str, Any], perturbation: int) -> TextEnv:
+        """A fresh environment for one episode; the caller resets and closes it."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass

@@ -1,0 +1,67 @@
+"""ReAct turn format shared by every environment and policy.
+
+Each assistant turn is ``Thought: ...`` followed by ``Action: ...``; the environment's reply comes
+back as the next user turn. This is the format the AgentRefine trajectories are written in, so a
+model fine-tuned on them sees the same structure at evaluation time.
+"""
+
+from __future__ import annotations
+
+import re
+
+CHECK_VALID_ACTIONS = "check valid actions"
+
+SYSTEM_PROMPT = (
+    "You are a helpful assistant that solves tasks by interacting with an environment. "
+    "At every turn, first think about what to do next, then choose exactly one action. "
+    "Always answer in this format:\n"
+    "Thought: <your reasoning>\n"
+    "Action: <one action>"
+)
+
+FORMAT_ERROR = (
+    "Error: your response could not be parsed. Reply with one line 'Thought: <your reasoning>' "
+    "followed by one line 'Action: <one action>'."
+)
+
+# The first "Action:" wins; anything after a hallucinated next "Observation:" is ignored.
+_ACTION_RE = re.compile(r"^\s*\**\s*action\s*\**\s*:\s*(.*)$", re.IGNORECASE | re.MULTILINE)
+_OBSERVATION_RE = re.compile(r"^\s*observation\s*:", re.IGNORECASE | re.MULTILINE)
+_WRAPPERS = "`'\"*"
+
+
+def parse_action(response: str) -> str | None:
+    """Extract the action text of one assistant turn, or None when the turn is malformed.
+
+    Models often decorate the action (quotes, backticks, markdown bold, a trailing full stop);
+    those are stripped so a correct intent is not scored as a format error.
+    """
+    obs = _OBSERVATION_RE.search(response)
+    head = response[: obs.start()] if obs else response
+    match = _ACTION_RE.search(head)
+    if match is None:
+        return None
+    action = match.group(1).strip()
+    action = action.strip(_WRAPPERS).strip()
+    if action.endswith(".") and not action.endswith(".."):
+        action = action[:-1].rstrip()
+    action = " ".join(action.split())
+    return action or None
+
+
+def format_response(thought: str, action: str) -> str:
+    return f"Thought: {thought}\nAction: {action}"
+
+
+def build_first_user_message(instruction: str, goal: str, observation: str) -> str:
+    """The opening user turn: environment rules and actions, the goal, the first observation."""
+    return (
+        f"{instruction.strip()}\n\n"
+        f'You can also use the action "{CHECK_VALID_ACTIONS}" to list the actions that are valid now.\n\n'
+        f"Your goal: {goal.strip()}\n\n"
+        f"Observation: {observation.strip()}"
+    )
+
+
+def format_observation(observation: str) -> str:
+    return f"Observation: {observation.strip()}"

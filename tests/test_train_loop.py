@@ -1,0 +1,153 @@
+"""End-to-end training runs of the demo config through the real CLI (subprocesses).
+
+Covers: learning, exact resume after preemption (SIGTERM) and after a hard kill,
+NaN stop with the last good checkpoint intact, and refusing to resume under a
+changed configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+# Small enough for CI: 2 x 256-token rows per step.
+FAST = [
+    "--set",
+    "data.max_length=256",
+    "--set",
+    "train.global_batch_size=2",
+    "--set",
+    "train.max_steps=8",
+    "--set",
+    "train.checkpoint_every=2",
+    "--set",
+    "train.eval_every=0",
+    "--set",
+    "train.log_every=1",
+]
+
+
+def _env(tmp: pathlib.Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    # Every run compiles the same step: share XLA's persistent cache between them.
+    env["JAX_COMPILATION_CACHE_DIR"] = str(pathlib.Path(tempfile.gettempdir()) / "agentrefine-jax-test-cache")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _train(run_dir: pathlib.Path, *extra: str) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "agentrefine_jax.train",
+        "--config",
+        "demo",
+        *FAST,
+        "--set",
+        f"train.run_dir={run_dir}",
+        *extra,
+    ]
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=_env(run_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _losses(run_dir: pathlib.Path) -> dict[int, float]:
+    """Loss per step; a step re-done after a crash keeps its latest row."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory) -> pathlib.Path:
+    run_dir = tmp_path_factory.mktemp("train") / "reference"
+    code, out = _finish(_train(run_dir))
+    assert code == 0, out
+    return run_dir
+
+
+def test_demo_learns(reference_run):
+    losses = _losses(reference_run)
+    assert sorted(losses) == list(range(1, 9))
+    assert losses[8] < 0.95 * losses[1], losses
+    rows = [json.loads(x) for x in (reference_run / "metrics.jsonl").read_text().splitlines()]
+    for key in ("step", "loss", "lr", "grad_norm", "tokens", "loss_tokens", "tokens_per_sec", "mfu"):
+        assert key in rows[0]
+    assert all(r["loss_tokens"] > 0 and r["tokens"] >= r["loss_tokens"] for r in rows)
+    assert list((reference_run / "tensorboard").glob("events.out.tfevents*"))
+    assert (reference_run / "config.json").exists()
+
+
+def _wait_for_steps(run_dir: pathlib.Path, proc: subprocess.Popen, n: int) -> None:
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and len(_losses(run_dir)) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.2)
+    raise TimeoutError
+
+
+def test_preempted_then_killed_run_reproduces_uninterrupted_losses(reference_run, tmp_path):
+    run_dir = tmp_path / "interrupted"
+    # 1. Preemption: SIGTERM -> save at the next step boundary, exit 75.
+    proc = _train(run_dir)
+    _wait_for_steps(run_dir, proc, 3)
+    proc.send_signal(signal.SIGTERM)
+    code, out = _finish(proc)
+    assert code == 75, out
+    assert "preempted: saved step" in out
+    stopped_at = max(_losses(run_dir))
+    assert stopped_at < 8
+    # 2. Resume, then a hard kill with no chance to save: resume from the periodic checkpoint.
+    proc = _train(run_dir)
+    _wait_for_steps(run_dir, proc, stopped_at + 2)
+    proc.kill()
+    out = proc.communicate()[0]
+    assert f"resumed from {run_dir}/checkpoints/{stopped_at}" in out
+    # 3. Finish: the step-for-step losses equal the uninterrupted run's, bit for bit.
+    code, out = _finish(_train(run_dir))
+    assert code == 0, out
+    assert "resumed from" in out
+    assert _losses(run_dir) == _losses(reference_run)
+
+
+def test_changed_config_refuses_to_resume(reference_run):
+    code, out = _finish(_train(reference_run, "--set", "optim.learning_rate=0.1"))
+    assert code == 1
+    assert "different configuration (optim changed)" in out
+
+
+def test_nan_loss_stops_with_last_good_checkpoint(tmp_path):
+    run_dir = tmp_path / "diverged"
+    code, out = _finish(
+        _train(
+            run_dir,
+            "--set",
+            "optim.learning_rate=1e30",
+            "--set",
+            "optim.grad_clip_norm=0",
+            "--set",
+            "train.checkpoint_every=1",
+        )
+    )
+    assert code == 1, out
+    assert "non-finite loss" in out and "Last good checkpoint: step" in out
+    bad_step = max(_losses(run_dir))
+    saved = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved and max(saved) < bad_step
