@@ -110,7 +110,9 @@ def as_path(path: str | os.PathLike[str]) -> epath.Path:
     return epath.Path(text if "://" in text else os.path.abspath(text))
 
 
-def _steps(root: epath.Path) -> list[int]:
+def checkpoint_steps(root: str | os.PathLike[str]) -> list[int]:
+    """Finalized steps under a checkpoint root, ascending ([] when there is none)."""
+    root = as_path(root)
     return sorted(ocp.path.step.checkpoint_steps(root)) if root.is_dir() else []
 
 
@@ -121,15 +123,15 @@ def resolve_checkpoint(path: str | pathlib.Path | epath.Path) -> tuple[epath.Pat
         raise FileNotFoundError(f"checkpoint path {p} does not exist")
     if (p / RUN_CHECKPOINTS_SUBDIR).is_dir():
         root = p / RUN_CHECKPOINTS_SUBDIR
-        steps = _steps(root)
+        steps = checkpoint_steps(root)
         if not steps:
             raise FileNotFoundError(f"training run {p} has no finished checkpoint in {root}")
         return root, steps[-1]
-    steps = _steps(p)
+    steps = checkpoint_steps(p)
     if steps:
         return p, steps[-1]
     if p.name.isdigit() and ((p / ITEM_PARAMS).exists() or (p / ITEM_META).exists()):
-        if int(p.name) not in _steps(p.parent):
+        if int(p.name) not in checkpoint_steps(p.parent):
             raise FileNotFoundError(f"checkpoint step {p} is not finalized (interrupted save?)")
         return p.parent, int(p.name)
     raise FileNotFoundError(

@@ -131,7 +131,7 @@ def param_layout(model_cfg: Any, mesh: Any, rules: Sequence[tuple[str, Any]]) ->
 
     state = nnx.state(abstract(model_cfg), nnx.Param)
     out = []
-    for path, var in state.flat_state():
+    for path, var in nnx.to_flat_state(state):
         value = var.get_value()
         names = var.get_metadata().get("axes")
         spec = logical_to_spec(names, rules, value.shape, mesh) if names else PartitionSpec()
@@ -146,6 +146,16 @@ def param_layout(model_cfg: Any, mesh: Any, rules: Sequence[tuple[str, Any]]) ->
             )
         )
     return out
+
+
+def matmul_params(layout: list[LeafLayout], tie_embeddings: bool) -> int:
+    """Weights that enter a matmul (flops.py convention): every >= 2-D leaf except the
+    embedding table, which is a lookup -- unless tied, when it is also the output projection."""
+    return sum(
+        leaf.size
+        for leaf in layout
+        if len(leaf.shape) >= 2 + leaf.path.startswith("layers.") and (leaf.path != "embed" or tie_embeddings)
+    )
 
 
 # ------------------------------------------------------------------------- activations
@@ -377,8 +387,32 @@ def plan(
     per_sample = act_model.total(1) - act_model.total(0)
     max_pdb = max(0, room // per_sample) if per_sample > 0 else 0
     max_global = max_pdb * max_batch_shards
-
-    fpt = flops.flops_per_token(model_cfg, seq)
+    if total > usable:
+        # Largest micro batch (a multiple of the batch shards dividing the global batch) that
+        # fits with gradient accumulation (accumulator + micro-batch gradient).
+        fitting = [
+            m
+            for m in range(max_batch_shards, gb, max_batch_shards)
+            if gb % m == 0 and 4 * param_bytes + opt_bytes + act_model.total(m // max_batch_shards) <= usable
+        ]
+        if fitting:
+            notes.append(
+                f"fits with --set train.micro_batch_size={fitting[-1]} ({gb // fitting[-1]} gradient "
+                "accumulation steps), or on more chips"
+            )
+        else:
+            notes.append(
+                "no micro batch fits: shard further (more fsdp/tensor), use a stronger remat policy, a "
+                "smaller attention_block_size / loss_chunk_size, or shorter sequences"
+            )
+    # flops.py counts matmul weights by formula; check it against the real model's leaves.
+    counted = matmul_params(layout, model_cfg.tie_embeddings)
+    if counted != flops.matmul_params(model_cfg):
+        notes.append(
+            f"flops.matmul_params={flops.matmul_params(model_cfg):,} disagrees with the model's "
+            f"{counted:,} matmul weights; FLOPs use the model's count"
+        )
+    fpt = flops.flops_per_token(model_cfg, seq) + 6.0 * (counted - flops.matmul_params(model_cfg))
     flops_step = fpt * gb * seq
     peak = flops.PEAK_FLOPS[chip]
     step_time = flops_step / (devices * peak * mfu)
@@ -411,6 +445,7 @@ def plan(
         "fits": total <= usable,
         "max_micro_batch_per_device": int(max_pdb),
         "max_global_batch_without_accumulation": int(max_global),
+        "matmul_params": counted,
         "flops_per_token": fpt,
         "flops_per_step": flops_step,
         "peak_flops_per_device": peak,
@@ -438,11 +473,13 @@ def _gib(n: float) -> str:
 def format_plan(p: dict[str, Any], name: str = "") -> str:
     b = p["bytes_per_device"]
     mesh = ",".join(f"{k}={v}" for k, v in p["mesh"].items())
+    n = p["grad_accum_steps"]
+    accum = "no gradient accumulation" if n == 1 else f"{n} gradient accumulation steps"
     lines = [
         f"plan: {name or p['config']} on {p['devices']} x {p['chip']} (mesh {mesh})",
         f"  parameters          {p['params']:,} ({p['param_dtype']} master, {p['compute_dtype']} compute)",
         f"  batch               global {p['global_batch']} x {p['seq_len']} tokens; micro {p['micro_batch']} "
-        f"({p['grad_accum_steps']} accumulation steps), {p['micro_batch_per_device']} per device",
+        f"({accum}), {p['micro_batch_per_device']} per device",
         f"  remat               {p['remat_policy']}, attention block {p['attention_block_size'] or 'none'}",
         "  bytes per device",
         f"    params            {_gib(b['params'])}",

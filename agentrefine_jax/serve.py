@@ -311,7 +311,14 @@ def _handler(service: ChatService) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:  # noqa: N802 - stdlib naming
             path = self._path()
-            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = -1
+            if length < 0:
+                self.close_connection = True
+                self._send(400, APIError(400, "invalid Content-Length header").body())
+                return
             if length > MAX_BODY_BYTES:
                 self.close_connection = True
                 self._send(413, APIError(413, f"request body over {MAX_BODY_BYTES} bytes").body())

@@ -18,6 +18,7 @@ from flax import nnx
 
 from agentrefine_jax import checkpoint as ckpt
 from agentrefine_jax.export.cli import main
+from agentrefine_jax.export.hf_io import load_hf_model
 
 VERIFY_LENS = "16,40"  # both past the tiny Mistral's sliding window (8)
 
@@ -75,6 +76,17 @@ def test_llama_round_trip_sharded_float32(hf_dirs, llama_ckpt, tmp_path, capsys)
     capsys.readouterr()
     assert main(["verify", "--checkpoint", str(llama_ckpt), "--hf", str(out), "--seq-lens", VERIFY_LENS]) == 0
     assert "PASS" in capsys.readouterr().out
+
+    # The sharded export (with index) reads back into exactly the checkpoint's parameters.
+    _, reread = load_hf_model(out)
+    _, model, _ = ckpt.load_model(llama_ckpt)
+    for a, b in zip(jax.tree.leaves(nnx.state(reread)), jax.tree.leaves(nnx.state(model)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    # Existing outputs are refused before any work is done.
+    assert main(["to-hf", "--checkpoint", str(llama_ckpt), "--out", str(out)]) == 2
+    assert main(["from-hf", "--hf", str(src), "--out", str(llama_ckpt)]) == 2
+    assert "already holds" in capsys.readouterr().err
 
 
 def test_mistral_round_trip_bfloat16_with_tokenizer(hf_dirs, tmp_path, capsys) -> None:

@@ -20,11 +20,10 @@ import pytest
 import torch
 from hf_fixtures import load_hf, make_checkpoint
 
+from agentrefine_jax import generate as generate_cli
 from agentrefine_jax.checkpoint import save_model
 from agentrefine_jax.export.hf_io import load_hf_model, save_hf
 from agentrefine_jax.inference.engine import generate, generate_ids
-from agentrefine_jax.models import llama
-from agentrefine_jax.models.config import ModelConfig
 
 NEW_TOKENS = 24
 
@@ -98,45 +97,34 @@ def test_rows_stop_independently_on_stop_tokens(models):
     assert hf_greedy(hf, prompts, NEW_TOKENS, [stop]) == [g.tokens for g in gens]
 
 
-def test_cli_greedy_on_saved_and_exported_checkpoint(tmp_path):
-    """Our model -> project checkpoint (CLI input) and -> HF export (transformers' input)."""
-    cfg = ModelConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=160,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rope_theta=10000.0,
-        max_position_embeddings=256,
-        initializer_range=0.15,  # logits spread well beyond float32 noise: no argmax ties
-        param_dtype="float32",
-        dtype="float32",
-        bos_token_id=1,
-        eos_token_ids=(2,),
-    )
-    model = llama.create(cfg, seed=5)
+def test_cli_greedy_on_saved_and_exported_checkpoint(models, tmp_path, capsys):
+    """Our model -> project checkpoint (the CLI's input) and -> HF export (transformers' input)."""
+    model = models["llama"][1]
     ckpt = tmp_path / "ckpt"
-    save_model(ckpt, model, cfg, step=0)
-    save_hf(model, cfg, tmp_path / "hf", dtype="float32")
-    prompts = random_prompts(cfg.vocab_size, [9, 4], [2], seed=11)
+    save_model(ckpt, model, model.cfg, step=0)
+    save_hf(model, model.cfg, tmp_path / "exported", dtype="float32")
+    eos = list(model.cfg.eos_token_ids)
+    prompts = random_prompts(model.cfg.vocab_size, [5, 41, 19], eos, seed=8)
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "agentrefine_jax.generate",
-        "--checkpoint",
-        str(ckpt),
-        "--max-new-tokens",
-        "20",
-    ]
+    argv = ["--checkpoint", str(ckpt), "--max-new-tokens", str(NEW_TOKENS), "--greedy"]
     for p in prompts:
-        cmd += ["--prompt-ids", ",".join(map(str, p))]
-    cmd += ["--greedy"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device is plenty
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert res.returncode == 0, res.stderr
-    ours = [json.loads(line) for line in res.stdout.splitlines()]
-    assert ours == hf_greedy(load_hf(tmp_path / "hf"), prompts, 20, [2])
-    assert max(len(r) for r in ours) == 20
+        argv += ["--prompt-ids", ",".join(map(str, p))]
+    assert generate_cli.main(argv) == 0
+    ours = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert ours == hf_greedy(load_hf(tmp_path / "exported"), prompts, NEW_TOKENS, eos)
+    assert max(len(r) for r in ours) == NEW_TOKENS
+
+
+def test_cli_entry_point_reports_errors_cleanly(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "agentrefine_jax.generate", "--checkpoint", str(tmp_path / "missing")]
+    res = subprocess.run(
+        cmd + ["--prompt-ids", "1,2", "--max-new-tokens", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert res.returncode == 2
+    assert "[generate] error:" in res.stderr and "does not exist" in res.stderr
+    assert res.stdout == ""

@@ -8,54 +8,29 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hf_fixtures import make_checkpoint
+from test_generate_hf_parity import random_prompts
 
+from agentrefine_jax.export.hf_io import load_hf_model
 from agentrefine_jax.inference import engine
-from agentrefine_jax.inference.engine import generate_ids
+from agentrefine_jax.inference.engine import generate_ids, left_pad
 from agentrefine_jax.inference.sampling import row_keys, sample
-from agentrefine_jax.models import llama
-from agentrefine_jax.models.config import ModelConfig
 
-CFG = ModelConfig(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=160,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    rope_theta=10000.0,
-    max_position_embeddings=256,
-    initializer_range=0.05,  # moderately peaked next-token distributions: top-p actually prunes
-    param_dtype="float32",
-    dtype="float32",
-    eos_token_ids=(2,),
-)
-PROMPTS = [[5, 9, 200, 31, 7, 7, 400, 12, 3], [100, 101, 102, 103]]
-
-
-def numpy_model(cfg: ModelConfig, seed: int, std: float) -> llama.Transformer:
-    """Random weights drawn on the host: no per-op compiles, unlike eager initialisation."""
-    graphdef, state = nnx.split(llama.abstract(cfg))
-    rng = np.random.default_rng(seed)
-
-    def draw(path, leaf):
-        noise = rng.standard_normal(leaf.shape)
-        value = 1.0 + 0.1 * noise if str(path[-1].key).endswith("norm") else std * noise
-        # Committed to device 0 like a loaded checkpoint, so both share compiled programs.
-        return jax.device_put(np.asarray(value, leaf.dtype), jax.devices()[0])
-
-    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(state)))
-    return nnx.merge(graphdef, state)
+NEW = 24
 
 
 @pytest.fixture(scope="module")
-def model():
-    return numpy_model(CFG, seed=1, std=0.05)
+def model(tmp_path_factory):
+    """The Llama oracle of test_generate_hf_parity (same config and prompt shapes: shared compiles)."""
+    return load_hf_model(make_checkpoint(tmp_path_factory.mktemp("hf"), "llama", seed=3), dtype="float32")[1]
+
+
+PROMPTS = random_prompts(512, [5, 41, 19], [2, 3], seed=7)
 
 
 def _sampled(model, seed, top_p=0.9, temperature=1.0):
     return generate_ids(
-        model, PROMPTS, max_new_tokens=20, temperature=temperature, top_p=top_p, seed=seed, stop_token_ids=()
+        model, PROMPTS, max_new_tokens=NEW, temperature=temperature, top_p=top_p, seed=seed, stop_token_ids=()
     )
 
 
@@ -67,18 +42,18 @@ def test_sampling_is_reproducible_per_seed(model):
     # A row's samples depend on its seed and index, not on what else shares the batch.
     other = generate_ids(
         model,
-        [PROMPTS[0], [300, 301]],
-        max_new_tokens=20,
+        [PROMPTS[0], [300, 301], PROMPTS[2]],
+        max_new_tokens=NEW,
         temperature=1.0,
         top_p=0.9,
         seed=1,
         stop_token_ids=(),
     )
-    assert other[0] == a[0] and other[1] != a[1]
+    assert other[0] == a[0] and other[1] != a[1] and other[2] == a[2]
 
 
 def test_tiny_top_p_equals_greedy(model):
-    greedy = generate_ids(model, PROMPTS, max_new_tokens=20, stop_token_ids=())
+    greedy = generate_ids(model, PROMPTS, max_new_tokens=NEW, stop_token_ids=())
     assert _sampled(model, 3, top_p=1e-6) == greedy
     assert _sampled(model, 3, top_p=1.0) != greedy  # and sampling does sample
 
@@ -89,11 +64,14 @@ def test_samples_stay_in_the_nucleus(model):
     top_p, temperature = 0.6, 0.8
     outs = _sampled(model, 4, top_p=top_p, temperature=temperature)
     graphdef, state = nnx.split(model)
-    full_forward = jax.jit(lambda s, ids: nnx.merge(graphdef, s)(ids))
+    full_forward = jax.jit(lambda s, *batch: nnx.merge(graphdef, s)(*batch))
+    seqs = [p + g for p, g in zip(PROMPTS, outs, strict=True)]
+    width = max(map(len, seqs))
+    ids, pos, seg = left_pad(seqs, width, len(seqs))  # one left-padded batch, no cache
+    all_logits = np.asarray(full_forward(state, ids, pos, seg)) / temperature
     pruned = 0
-    for prompt, gen in zip(PROMPTS, outs, strict=True):
-        seq = jnp.asarray([prompt + gen])
-        logits = np.asarray(full_forward(state, seq))[0, len(prompt) - 1 : -1] / temperature
+    for r, gen in enumerate(outs):
+        logits = all_logits[r, width - len(gen) - 1 : -1]
         for step, tok in enumerate(gen):
             probs = np.exp(logits[step] - logits[step].max())
             probs /= probs.sum()
@@ -126,9 +104,9 @@ def test_sample_follows_the_renormalised_nucleus_distribution():
 
 def test_prompt_lengths_and_budgets_within_a_bucket_reuse_compiles(model):
     prefill, decode = engine._compiled()
-    generate_ids(model, PROMPTS, max_new_tokens=20, stop_token_ids=())
+    generate_ids(model, PROMPTS, max_new_tokens=NEW, stop_token_ids=())
     sizes = prefill._cache_size(), decode._cache_size()
-    generate_ids(model, [[7] * 13, [8, 9]], max_new_tokens=30, stop_token_ids=(2,))
+    generate_ids(model, [[7] * 40, [8, 9], [10] * 60], max_new_tokens=30, stop_token_ids=(2,))
     assert (prefill._cache_size(), decode._cache_size()) == sizes
 
 
@@ -139,7 +117,7 @@ def test_prompt_lengths_and_budgets_within_a_bucket_reuse_compiles(model):
         ([[1, 2], []], {}, "prompt 1 is empty"),
         ([[1, 512]], {}, "outside the vocabulary"),
         ([[1, -1]], {}, "outside the vocabulary"),
-        ([[1] * 250], {"max_new_tokens": 10}, "exceeds the model's context"),
+        ([[1] * 1020], {"max_new_tokens": 10}, "exceeds the model's context"),
         ([[1]], {"top_p": 0.0}, "top_p"),
         ([[1]], {"temperature": -1.0}, "temperature"),
     ],

@@ -18,6 +18,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -62,6 +63,17 @@ def _args(train_file: pathlib.Path, run_dir: pathlib.Path, max_steps: int) -> li
     return out
 
 
+_LOGS: dict[int, pathlib.Path] = {}
+
+
+def _popen(cmd: list[str], devices: int, log: pathlib.Path) -> subprocess.Popen:
+    # Output goes to a file: a pipe nobody reads while polling could fill up and block.
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=_env(devices), stdout=f, stderr=subprocess.STDOUT, text=True)
+    _LOGS[proc.pid] = log
+    return proc
+
+
 def _start_two(train_file: pathlib.Path, run_dir: pathlib.Path, max_steps: int) -> list[subprocess.Popen]:
     port = _free_port()
     procs = []
@@ -74,23 +86,25 @@ def _start_two(train_file: pathlib.Path, run_dir: pathlib.Path, max_steps: int) 
             "--process-id",
             str(pid),
         ]
-        procs.append(
-            subprocess.Popen(cmd, env=_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        )
+        procs.append(_popen(cmd, 1, run_dir.parent / f"{run_dir.name}-{max_steps}-p{pid}.log"))
     return procs
 
 
 def _finish(procs: list[subprocess.Popen], what: str) -> list[str]:
-    outs = []
+    """Wait for all; if one fails, stop the others at once (they would block in a collective)."""
+    deadline = time.monotonic() + TIMEOUT
     try:
-        for p in procs:
-            out, _ = p.communicate(timeout=TIMEOUT)
-            outs.append(out)
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.wait()
+        for p in procs:
+            p.wait()
+    outs = [_LOGS[p.pid].read_text() for p in procs]
     for i, (p, out) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0, f"{what} process {i} exited {p.returncode}:\n{out[-4000:]}"
     return outs
@@ -113,13 +127,7 @@ def test_two_processes_match_two_devices_and_resume(tmp_path: pathlib.Path) -> N
 
     ref_dir, multi_dir = tmp_path / "one_process", tmp_path / "two_processes"
     # Reference (1 process, 2 devices) and the first half of the 2-process run, concurrently.
-    ref = subprocess.Popen(
-        _args(train_file, ref_dir, STEPS),
-        env=_env(2),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    ref = _popen(_args(train_file, ref_dir, STEPS), 2, tmp_path / "one_process.log")
     first = _start_two(train_file, multi_dir, max_steps=2)
     first_out = _finish(first, "2-process run (steps 1-2)")
     (ref_out,) = _finish([ref], "1-process reference")

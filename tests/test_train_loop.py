@@ -55,6 +55,8 @@ def _train(run_dir: pathlib.Path, *extra: str) -> subprocess.Popen:
         *FAST,
         "--set",
         f"train.run_dir={run_dir}",
+        "--set",
+        f"train.export_hf_at_end={run_dir}/hf",
         *extra,
     ]
     return subprocess.Popen(
@@ -91,6 +93,25 @@ def test_demo_learns(reference_run):
     assert all(r["loss_tokens"] > 0 and r["tokens"] >= r["loss_tokens"] for r in rows)
     assert list((reference_run / "tensorboard").glob("events.out.tfevents*"))
     assert (reference_run / "config.json").exists()
+
+
+def test_run_exports_a_directory_transformers_loads(reference_run):
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agentrefine_jax.checkpoint import load_model
+
+    hf = AutoModelForCausalLM.from_pretrained(reference_run / "hf", dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(reference_run / "hf")
+    ids = tok("Thought: the door is locked.\nAction: take key from table")["input_ids"]
+    assert ids[0] == 128000  # <|begin_of_text|>, from the exported tokenizer files
+    _, model, meta = load_model(reference_run)  # a run directory resolves to its latest step
+    assert meta["step"] == 8
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits.numpy()
+    got = np.asarray(model(np.asarray([ids], np.int32)))
+    np.testing.assert_allclose(got, want, atol=1e-4)
 
 
 def _wait_for_steps(run_dir: pathlib.Path, proc: subprocess.Popen, n: int) -> None:

@@ -20,7 +20,7 @@ import pathlib
 from collections.abc import Callable
 
 import tokenizers
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode, generate_merges
@@ -134,9 +134,23 @@ def _llama3_backend() -> Tokenizer:
     return tok
 
 
+def _with_bos(backend: Tokenizer, bos: str) -> Tokenizer:
+    """`tok(text)` starts with BOS, as the vendors' HF tokenizers do (exported dirs must match).
+
+    Templates encode content with add_special_tokens=False, so this never reaches training data.
+    """
+    bos_id = backend.token_to_id(bos)
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+    )
+    return backend
+
+
 def _build_llama3() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
-        tokenizer_object=_cached_backend("llama3", llama3_model_path(), _llama3_backend),
+        tokenizer_object=_with_bos(
+            _cached_backend("llama3", llama3_model_path(), _llama3_backend), "<|begin_of_text|>"
+        ),
         bos_token="<|begin_of_text|>",
         # Instruct models end a turn with <|eot_id|>; generation also stops on the other two
         # (see ChatTemplate.stop_token_ids).
@@ -180,7 +194,9 @@ def _mistral_v3_backend() -> Tokenizer:
 
 def _build_mistral_v3() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
-        tokenizer_object=_cached_backend("mistral-v3", mistral_v3_model_path(), _mistral_v3_backend),
+        tokenizer_object=_with_bos(
+            _cached_backend("mistral-v3", mistral_v3_model_path(), _mistral_v3_backend), "<s>"
+        ),
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",

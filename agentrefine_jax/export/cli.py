@@ -1,4 +1,4 @@
-"""`python -m agentrefine_jax.export {from-hf,to-hf,verify}`: Hugging Face interop from the shell.
+"""`python -m agentrefine_jax.export {from-hf,to-hf,verify,demo}`: Hugging Face interop from the shell.
 
 Exit codes: 0 success, 1 `verify` out of tolerance (or structurally different), 2 bad
 input (missing files, refused weights, config mismatch while loading, ...).
@@ -48,9 +48,12 @@ def _describe_mesh(mesh: Any) -> str:
 def cmd_from_hf(args: argparse.Namespace) -> int:
     import pathlib
 
-    from agentrefine_jax.checkpoint import save_model
+    from agentrefine_jax.checkpoint import checkpoint_steps, save_model
     from agentrefine_jax.export.hf_io import load_hf_model, read_hf_config
 
+    out_steps = checkpoint_steps(args.out)
+    if out_steps:
+        raise FileExistsError(f"{args.out} already holds checkpoint steps {out_steps}; choose a new dir")
     mesh = parse_mesh(args.mesh)
     cfg = read_hf_config(args.hf, param_dtype=args.param_dtype)
     _log(
@@ -79,8 +82,9 @@ def cmd_from_hf(args: argparse.Namespace) -> int:
 
 def cmd_to_hf(args: argparse.Namespace) -> int:
     from agentrefine_jax.checkpoint import load_model, resolve_checkpoint
-    from agentrefine_jax.export.hf_io import parse_size, save_hf
+    from agentrefine_jax.export.hf_io import check_output_dir, parse_size, save_hf
 
+    check_output_dir(args.out)
     mesh = parse_mesh(args.mesh)
     max_shard = parse_size(args.max_shard_size)
     root, step = resolve_checkpoint(args.checkpoint)
@@ -114,6 +118,47 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result_dict(result)))
     return 0 if result.passed else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Build a preset model and take it through checkpoint -> HF -> verify -> back, end to end."""
+    import pathlib
+
+    import numpy as np
+    from flax import nnx
+
+    from agentrefine_jax.checkpoint import save_model
+    from agentrefine_jax.export.hf_io import check_output_dir, load_hf_model, save_hf
+    from agentrefine_jax.export.verify import summary, verify
+    from agentrefine_jax.models import llama, preset
+
+    out = pathlib.Path(args.out)
+    ck_dir, hf_dir = out / "checkpoint", out / "hf"
+    check_output_dir(hf_dir)
+    cfg = preset(args.preset)
+    _log(
+        f"[1/4] creating the {args.preset!r} model "
+        f"({cfg.num_layers} layers, hidden {cfg.hidden_size}), seed {args.seed}"
+    )
+    model = nnx.jit(lambda: llama.create(cfg, args.seed))()
+    tokenizer = "mistral" if cfg.family == "mistral" else "llama3"
+    _log(f"      {param_count(model):,} parameters; saving project checkpoint {ck_dir}")
+    save_model(ck_dir, model, cfg, step=0, tokenizer=tokenizer, template=tokenizer)
+    _log(f"[2/4] exporting to Hugging Face format (float32) in {hf_dir}")
+    save_hf(model, cfg, hf_dir, dtype="float32", tokenizer=tokenizer, log=_log)
+    _log("[3/4] verifying our forward pass against transformers on the export")
+    result = verify(ck_dir, hf_dir, seq_lens=(16, 128), log=_log)
+    _log(summary(result))
+    _log("[4/4] importing the export back and comparing every parameter bit for bit")
+    _, back = load_hf_model(hf_dir)
+    mine = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    theirs = nnx.to_pure_dict(nnx.state(back, nnx.Param))
+    same = jax.tree.structure(mine) == jax.tree.structure(theirs) and all(
+        np.array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs), strict=True)
+    )
+    _log("round trip: parameters identical" if same else "round trip: PARAMETERS DIFFER")
+    return 0 if result.passed and same else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--mesh", default="none", help=mesh_help)
     c.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     c.set_defaults(func=cmd_verify)
+
+    d = sub.add_parser("demo", help="preset model -> checkpoint -> HF -> verify -> back (the shipped demo)")
+    d.add_argument("--out", required=True, help="work directory (checkpoint/ and hf/ are created in it)")
+    d.add_argument("--preset", default="tiny", help="model preset (default: tiny, CPU-sized)")
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=cmd_demo)
     return p
 
 

@@ -444,6 +444,14 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def check_output_dir(out_dir: str | pathlib.Path) -> pathlib.Path:
+    """Refuse a directory that already holds a model: mixing old and new shards corrupts both."""
+    out = pathlib.Path(out_dir)
+    if out.exists() and (any(out.glob("*.safetensors")) or (out / "config.json").exists()):
+        raise FileExistsError(f"{out} already holds a model; choose an empty directory")
+    return out
+
+
 def save_hf(
     model: llama.Transformer,
     model_cfg: ModelConfig,
@@ -462,9 +470,7 @@ def save_hf(
     log = log or _quiet
     if dtype not in NP_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(NP_DTYPES)}, got {dtype!r}")
-    out = pathlib.Path(out_dir)
-    if out.exists() and any(out.glob("*.safetensors")) or (out / "config.json").exists():
-        raise FileExistsError(f"{out} already holds a model; choose an empty directory")
+    out = check_output_dir(out_dir)
     config_json = hf_config_dict(model_cfg, dtype)  # validates before anything is written
     np_dtype = NP_DTYPES[dtype]
     flat = _flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))

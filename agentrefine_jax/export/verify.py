@@ -7,9 +7,10 @@ top-1 agreement. The check fails on any architecture mismatch between the two
 configs, on any weight transformers could not load (it would silently random-initialise
 it), or when a metric exceeds its tolerance.
 
-When the HF files store weights in lower precision than the checkpoint (e.g. a bfloat16
-export of a float32 checkpoint), our weights are rounded to that precision first, so
-the comparison tests the conversion, not the rounding the user asked for.
+When one side stores weights in lower precision than the other (a bfloat16 export of a
+float32 checkpoint, or a checkpoint imported with --param-dtype bfloat16), the more
+precise side is rounded to that precision first, so the comparison tests the
+conversion, not the rounding the user asked for.
 """
 
 from __future__ import annotations
@@ -206,6 +207,20 @@ def verify(
     if result.problems:
         return result
     hf_model.eval()
+    if (
+        storage is not None
+        and _PRECISION[cfg.param_dtype] < _PRECISION[storage]
+        and compute_dtype == "float32"
+    ):
+        # The checkpoint holds fewer bits (e.g. from-hf --param-dtype bfloat16): round HF's copy likewise.
+        log(
+            f"note: checkpoint weights are {cfg.param_dtype}; "
+            f"rounding the HF weights to {cfg.param_dtype} to compare"
+        )
+        low = getattr(torch, cfg.param_dtype)
+        with torch.no_grad():
+            for p in hf_model.parameters():
+                p.copy_(p.to(low).to(p.dtype))
 
     forward = nnx.jit(lambda m, ids, pos, seg: m(ids, pos, seg))
     rng = np.random.default_rng(seed)

@@ -1,9 +1,11 @@
 """Batched autoregressive generation with a KV cache.
 
-One jitted prefill consumes the whole left-padded batch and samples the first token; then
-a jitted chunk of decode steps (a `lax.while_loop`, one token per step) runs until every
-row has stopped or the chunk is used up. Control returns to Python between chunks only so
-that text-level stop conditions (stop strings) can end rows early.
+One jitted prefill consumes the whole left-padded batch and returns the next-token logits;
+then a jitted chunk of decode steps (a `lax.while_loop`: sample, feed the token, one
+forward step) runs until every row has stopped or the chunk is used up. Control returns to
+Python between chunks only so that text-level stop conditions (stop strings) can end rows
+early. Sampling exists only in the decode program, so greedy and sampled generation share
+one prefill program.
 
 Compiles are bounded by bucketing: the batch is padded to a power of two, the prompt
 length and the number of new tokens to a few sizes, and `temperature`/`top_p`/step counts
@@ -116,28 +118,23 @@ def left_pad(
 def _prefill(
     graphdef: nnx.GraphDef,
     cache_len: int,
-    greedy: bool,
     state: nnx.State,
     ids: jax.Array,
     positions: jax.Array,
     segments: jax.Array,
-    done: jax.Array,
-    base_key: jax.Array,
-    temperature: jax.Array,
-    top_p: jax.Array,
-    stop_ids: jax.Array,
-) -> tuple[jax.Array, dict[str, jax.Array], jax.Array]:
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Fill a fresh cache with the prompts; return next-token logits [B, V] and the cache.
+
+    Sampling lives only in the decode program, so one prefill program serves greedy and
+    sampled generation alike.
+    """
     model = nnx.merge(graphdef, state)
     if ids.shape[1] > PREFILL_BLOCK and not model.cfg.attention_block_size:
         model.cfg = dataclasses.replace(model.cfg, attention_block_size=PREFILL_BLOCK)
     cache = init_cache(model.cfg, ids.shape[0], cache_len)
     hidden, cache = model.forward(ids, positions, segments, cache)
     # Left padding puts every row's last real token in the last column.
-    logits = model.logits(hidden[:, -1:])[:, 0]
-    rows = jnp.arange(ids.shape[0])
-    tok = sample(logits, row_keys(base_key, rows, jnp.int32(0)), temperature, top_p, greedy=greedy)
-    tok = jnp.where(done, 0, tok)
-    return tok, cache, done | jnp.isin(tok, stop_ids)
+    return model.logits(hidden[:, -1:])[:, 0], cache
 
 
 def _decode_chunk(
@@ -146,7 +143,7 @@ def _decode_chunk(
     greedy: bool,
     state: nnx.State,
     cache: dict[str, jax.Array],
-    tok: jax.Array,
+    logits: jax.Array,
     pos: jax.Array,
     done: jax.Array,
     step0: jax.Array,
@@ -156,9 +153,13 @@ def _decode_chunk(
     top_p: jax.Array,
     stop_ids: jax.Array,
 ) -> tuple[jax.Array, dict[str, jax.Array], jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Up to min(chunk, n_left) decode steps; stops early once every row is done."""
+    """Up to min(chunk, n_left) steps of: sample from `logits`, feed the token, get new logits.
+
+    Stops early once every row is done. Returns (steps taken, cache, next logits, next
+    positions, done, tokens [B, chunk] of which the first `steps` columns are valid).
+    """
     model = nnx.merge(graphdef, state)
-    b = tok.shape[0]
+    b = logits.shape[0]
     rows = jnp.arange(b)
     seg = jnp.ones((b, 1), jnp.int32)
     limit = jnp.minimum(chunk, n_left)
@@ -168,15 +169,15 @@ def _decode_chunk(
         return (i < limit) & ~jnp.all(done)
 
     def body(c: tuple) -> tuple:
-        i, cache, tok, pos, done, out = c
+        i, cache, logits, pos, done, out = c
+        tok = sample(logits, row_keys(base_key, rows, step0 + i), temperature, top_p, greedy=greedy)
+        tok = jnp.where(done, 0, tok)  # finished rows emit filler the host ignores
+        out = out.at[:, i].set(tok)
+        done = done | jnp.isin(tok, stop_ids)
         hidden, cache = model.forward(tok[:, None], pos[:, None], seg, cache)
-        logits = model.logits(hidden)[:, 0]
-        nxt = sample(logits, row_keys(base_key, rows, step0 + i), temperature, top_p, greedy=greedy)
-        nxt = jnp.where(done, 0, nxt)  # finished rows emit filler the host ignores
-        out = out.at[:, i].set(nxt)
-        return i + 1, cache, nxt, pos + 1, done | jnp.isin(nxt, stop_ids), out
+        return i + 1, cache, model.logits(hidden)[:, 0], pos + 1, done, out
 
-    init = (jnp.int32(0), cache, tok, pos, done, jnp.zeros((b, chunk), jnp.int32))
+    init = (jnp.int32(0), cache, logits, pos, done, jnp.zeros((b, chunk), jnp.int32))
     return jax.lax.while_loop(cond, body, init)
 
 
@@ -185,7 +186,7 @@ def _compiled() -> tuple[Callable, Callable]:
     # Donating the cache lets XLA update it in place; the CPU backend cannot donate and
     # would warn on every call, so only ask for it elsewhere.
     donate = jax.default_backend() != "cpu"
-    prefill = jax.jit(_prefill, static_argnums=(0, 1, 2))
+    prefill = jax.jit(_prefill, static_argnums=(0, 1))
     decode = jax.jit(_decode_chunk, static_argnums=(0, 1, 2), donate_argnums=(4,) if donate else ())
     return prefill, decode
 
@@ -208,7 +209,8 @@ def generate(
     stop_token_ids: ids that end a row (kept as its last token); None = the model config's
       eos ids, () = never stop early.
     should_stop: checked on each live row between decode chunks (text-level stops).
-    timings: if given, filled with prefill_s / decode_s wall time and decode_steps.
+    timings: if given, filled with prefill_s / decode_s wall time and decode_steps (tokens
+      sampled per row, the first one included).
     """
     _validate(model, prompts, max_new_tokens, temperature, top_p)
     n_rows = len(prompts)
@@ -248,33 +250,20 @@ def generate(
                 host_done[r], reason[r] = True, "stop"
 
     t0 = time.perf_counter()
-    greedy = temperature == 0.0
-    tok, cache, _ = prefill(
-        graphdef,
-        plen + new_len,
-        greedy,
-        state,
-        ids,
-        pos,
-        seg,
-        jnp.asarray(host_done),
-        base_key,
-        temp,
-        tp,
-        stop_arr,
-    )
-    take(np.asarray(tok)[:, None], 1)
+    logits, cache = prefill(graphdef, plen + new_len, state, ids, pos, seg)
+    logits.block_until_ready()
     t1 = time.perf_counter()
-    steps = 1
+    greedy = temperature == 0.0
+    steps = 0
     cur_pos = jnp.asarray([len(p) for p in prompts] + [1] * (batch - n_rows), jnp.int32)
     while steps < max_new_tokens and not host_done.all():
-        n, cache, tok, cur_pos, _, new = decode(
+        n, cache, logits, cur_pos, _, new = decode(
             graphdef,
             chunk,
             greedy,
             state,
             cache,
-            tok,
+            logits,
             cur_pos,
             jnp.asarray(host_done),
             jnp.int32(steps),
@@ -288,7 +277,7 @@ def generate(
         take(np.asarray(new), n)
         steps += n
     if timings is not None:
-        timings.update(prefill_s=t1 - t0, decode_s=time.perf_counter() - t1, decode_steps=steps - 1)
+        timings.update(prefill_s=t1 - t0, decode_s=time.perf_counter() - t1, decode_steps=steps)
     return [Generation(out[r], reason[r]) for r in range(n_rows)]
 
 

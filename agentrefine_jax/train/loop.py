@@ -382,14 +382,36 @@ def train(cfg: Config) -> dict[str, Any]:
         mngr.wait_until_finished()
     log(f"done: step {step}, checkpoint {paths.checkpoints}/{step}")
     if tc.export_hf_at_end:
-        from flax import nnx
-
-        from agentrefine_jax.export.hf_io import save_hf
-
-        model = nnx.merge(fns.graphdef, params)
-        save_hf(model, model_cfg, tc.export_hf_at_end, dtype=tc.export_dtype, tokenizer=cfg.data.tokenizer)
-        log(f"exported Hugging Face checkpoint to {tc.export_hf_at_end}")
+        export_final(fns, params, cfg, step)
     return {"step": step, "losses": losses, "run_dir": str(paths.root)}
+
+
+def export_final(fns: StepFns, params: Any, cfg: Config, step: int) -> None:
+    """Export to `train.export_hf_at_end`, replacing an earlier export of this run atomically.
+
+    Written beside the target first, so a crash mid-export never leaves a half-written
+    model where a user (or a re-run of the same command) expects a complete one.
+    """
+    import shutil
+
+    from flax import nnx
+
+    from agentrefine_jax.export.hf_io import save_hf
+
+    out = pathlib.Path(cfg.train.export_hf_at_end)
+    tmp = out.with_name(out.name + ".partial")
+    if is_main_process() and tmp.exists():
+        shutil.rmtree(tmp)
+    model = nnx.merge(fns.graphdef, params)
+    save_hf(model, cfg.model, tmp, dtype=cfg.train.export_dtype, tokenizer=cfg.data.tokenizer)
+    if is_main_process():
+        old = out.with_name(out.name + ".old")
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+        if old.exists():
+            shutil.rmtree(old)
+    log(f"exported step {step} as a Hugging Face checkpoint to {out}")
 
 
 def _check_step(m: dict[str, float], step: int, last_saved: int, paths: RunPaths) -> None:

@@ -293,13 +293,16 @@ class BabyAIEnv(TextEnv):
         if action == "drop" and env.carrying is carrying and carrying is not None:
             return f"You cannot drop {_carried(carrying)} here: the cell in front of you is not free."
         if action == "toggle":
-            now = self._front_state()
-            if front is not None and front.type == "door" and now[1] != front_open:
-                return f"You {'opened' if now[1] else 'closed'} the {front.color} door."
-            if front is not None and front.type == "door" and front.is_locked:
-                return f"The {front.color} door is locked; you need to carry a {front.color} key."
-            if front is None or now[0] is front:
-                return f"Nothing happens ({_front_name(front)} in front of you)."
+            now_cell, now_open = self._front_state()
+            if front is not None and front.type == "door":
+                if now_open != front_open:
+                    return f"You {'opened' if now_open else 'closed'} the {front.color} door."
+                if front.is_locked:
+                    return f"The {front.color} door is locked; you need to carry a {front.color} key."
+            elif front is not None and front.type == "box" and now_cell is not front:
+                inside = "nothing" if now_cell is None else f"a {now_cell.color} {now_cell.type}"
+                return f"You opened the {front.color} box; it contained {inside}."
+            return f"Nothing happens ({_front_name(front)} in front of you)."
         return ""
 
     def _update_subgoals(self, image: np.ndarray) -> None:
