@@ -295,7 +295,7 @@ def activation_model(
     fixed = {"weight_derived_saved": weight_derived // fsdp_factor}
     if fsdp_factor > 1:
         # FSDP all-gathers one layer's weights (compute dtype) ahead of use (two in flight)
-        # and holds one layer's f32 gradient before the reduce-scatter; the output
+        # and holds one layer's gradient (param dtype) before the reduce-scatter; the output
         # projection is gathered whole for the loss. "Gathered" = sharded by tensor only.
         unsharded = abstract_mesh({**{a: mesh.shape[a] for a in MESH_AXES}, "data": 1, "fsdp": 1})
         gathered_layout = param_layout(model_cfg, unsharded, rules)
@@ -303,7 +303,7 @@ def activation_model(
             leaf.shard_size // leaf.shape[0] for leaf in gathered_layout if leaf.path.startswith("layers.")
         )
         fixed["fsdp_gathered_layer_weights"] = 2 * per_layer * c
-        fixed["fsdp_gathered_layer_grads"] = per_layer * 4
+        fixed["fsdp_gathered_layer_grads"] = per_layer * _itemsize(model_cfg.param_dtype)
         fixed["fsdp_gathered_lm_head"] = model_cfg.hidden_size * local.vocab_size * c
     per_sample = {
         "saved_residuals": per_sample_saved,

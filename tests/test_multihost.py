@@ -42,7 +42,7 @@ def _env(devices: int) -> dict[str, str]:
     return env
 
 
-def _args(train_file: pathlib.Path, run_dir: pathlib.Path, max_steps: int) -> list[str]:
+def _args(train_file: pathlib.Path, run_dir: pathlib.Path, max_steps: int, export: str = "none") -> list[str]:
     sets = {
         "data.train_files": str(train_file),
         "data.eval_files": "",
@@ -56,6 +56,7 @@ def _args(train_file: pathlib.Path, run_dir: pathlib.Path, max_steps: int) -> li
         "train.checkpoint_every": "2",
         "train.loss_chunk_size": "64",
         "train.run_dir": str(run_dir),
+        "train.export_hf_at_end": export,
     }
     out = [sys.executable, "-m", "agentrefine_jax.train", "--config", "demo"]
     for k, v in sets.items():
@@ -69,16 +70,20 @@ _LOGS: dict[int, pathlib.Path] = {}
 def _popen(cmd: list[str], devices: int, log: pathlib.Path) -> subprocess.Popen:
     # Output goes to a file: a pipe nobody reads while polling could fill up and block.
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=_env(devices), stdout=f, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            cmd, env=_env(devices), cwd=log.parent, stdout=f, stderr=subprocess.STDOUT, text=True
+        )
     _LOGS[proc.pid] = log
     return proc
 
 
-def _start_two(train_file: pathlib.Path, run_dir: pathlib.Path, max_steps: int) -> list[subprocess.Popen]:
+def _start_two(
+    train_file: pathlib.Path, run_dir: pathlib.Path, max_steps: int, export: str = "none"
+) -> list[subprocess.Popen]:
     port = _free_port()
     procs = []
     for pid in range(2):
-        cmd = _args(train_file, run_dir, max_steps) + [
+        cmd = _args(train_file, run_dir, max_steps, export) + [
             "--coordinator-address",
             f"127.0.0.1:{port}",
             "--num-processes",
@@ -139,10 +144,13 @@ def test_two_processes_match_two_devices_and_resume(tmp_path: pathlib.Path) -> N
     assert (multi_dir / "checkpoints" / "2").is_dir()
 
     # Resume the 2-process run from its multi-process Orbax checkpoint (params, AdamW state,
-    # Grain iterator position) and finish.
-    second_out = _finish(_start_two(train_file, multi_dir, max_steps=STEPS), "2-process resume (steps 3-4)")
+    # Grain iterator position), finish, and export (parameters gathered across processes).
+    export = tmp_path / "hf"
+    second = _start_two(train_file, multi_dir, max_steps=STEPS, export=str(export))
+    second_out = _finish(second, "2-process resume (steps 3-4)")
     assert "resumed from" in second_out[0], second_out[0][-3000:]
     assert (multi_dir / "checkpoints" / str(STEPS)).is_dir()
+    assert (export / "config.json").is_file() and list(export.glob("*.safetensors"))
 
     ref_losses, multi_losses = _losses(ref_dir), _losses(multi_dir)
     assert sorted(ref_losses) == list(range(1, STEPS + 1))

@@ -172,3 +172,49 @@ def test_nan_loss_stops_with_last_good_checkpoint(tmp_path):
     bad_step = max(_losses(run_dir))
     saved = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
     assert saved and max(saved) < bad_step
+
+
+def test_init_from_hf_starts_from_the_transformers_weights(tmp_path):
+    """lr=0: after one step the run's checkpoint must still be exactly the HF model."""
+    import dataclasses
+
+    import numpy as np
+    from hf_fixtures import hf_logits, make_checkpoint
+
+    from agentrefine_jax.checkpoint import load_model
+    from agentrefine_jax.config import load_config
+    from agentrefine_jax.export.hf_io import read_hf_config
+    from agentrefine_jax.train.loop import train
+
+    hf_dir = make_checkpoint(
+        tmp_path / "hf",
+        "llama",
+        vocab_size=128256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    hf_cfg = read_hf_config(hf_dir)
+    cfg = load_config(
+        "demo",
+        [
+            *FAST[1::2],
+            "optim.learning_rate=0",
+            "optim.schedule=constant",
+            "train.max_steps=1",
+            "mesh.fsdp=2",
+            "mesh.tensor=4",
+            f"train.run_dir={tmp_path / 'run'}",
+            f"train.init_from_hf={hf_dir}",
+            "train.export_hf_at_end=none",
+        ],
+    )
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(hf_cfg, dtype="float32"))
+    summary = train(cfg)
+    assert summary["step"] == 1 and np.isfinite(summary["losses"][0])
+    _, model, _ = load_model(tmp_path / "run")
+    ids = np.random.RandomState(0).randint(0, 128256, (1, 24)).astype(np.int32)
+    np.testing.assert_allclose(np.asarray(model(ids)), hf_logits(hf_dir, ids), atol=1e-4)

@@ -246,6 +246,13 @@ def train(cfg: Config) -> dict[str, Any]:
     pc, pi = jax.process_count(), jax.process_index()
     if tc.global_batch_size % pc:
         raise TrainingError(f"train.global_batch_size={tc.global_batch_size} not divisible by {pc} processes")
+    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = tc.micro_batch_size or tc.global_batch_size
+    if micro % batch_shards:
+        raise TrainingError(
+            f"the (micro) batch of {micro} rows cannot be split over data x fsdp = {batch_shards} devices; "
+            "use a batch that is a multiple of it, or a mesh with fewer batch shards (e.g. more tensor)"
+        )
     log(f"mesh {dict(mesh.shape)} over {jax.device_count()} devices ({pc} processes)")
 
     check_resume_config(paths, cfg)

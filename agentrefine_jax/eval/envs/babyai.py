@@ -386,5 +386,5 @@ class BabyAITask(EvalTask):
     def episode_specs(self, n: int, seed: int) -> list[dict[str, Any]]:
         return [{"level": self.levels[i % len(self.levels)], "seed": seed * 100_003 + i} for i in range(n)]
 
-    def make_env(self, spec: dict[str, Any], perturbation: int) -> TextEnv:
+    def make_env(self, spec: dict[str, Any], perturbation: int, *, oracle: bool = False) -> TextEnv:
         return BabyAIEnv(spec, self.vocabulary(perturbation))

@@ -141,8 +141,11 @@ class EvalTask(abc.ABC):
         """Expensive one-off work for a batch of specs (e.g. generating game files)."""
 
     @abc.abstractmethod
-    def make_env(self, spec: dict[str, Any], perturbation: int) -> TextEnv:
-        """A fresh environment for one episode; the caller resets and closes it."""
+    def make_env(self, spec: dict[str, Any], perturbation: int, *, oracle: bool = False) -> TextEnv:
+        """A fresh environment for one episode; the caller resets and closes it.
+
+        `oracle` asks for whatever the reference solver needs (e.g. ScienceWorld's gold path).
+        """
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass

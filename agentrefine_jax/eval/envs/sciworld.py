@@ -1,0 +1,282 @@
+"""ScienceWorld (the `scienceworld` wheel ships its simulator jar; needs Java 17).
+
+Observations and action parsing are the simulator's own; we only reword action verbs under
+perturbations. Oracle: ScienceWorld's gold action sequence. Progress: the simulator's 0-100 task
+score, best so far, divided by 100 (a failed task reports -100 and counts as 0).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any
+
+from agentrefine_jax.eval.envs.base import INVALID_ACTION, EvalTask, TextEnv
+from agentrefine_jax.eval.perturb import ActionWord, Vocabulary
+
+# Task types whose gold paths (simplification "easy", test variations) fit in 40 steps.
+DEFAULT_TASKS = (
+    "find-living-thing",
+    "find-non-living-thing",
+    "find-plant",
+    "find-animal",
+    "lifespan-longest-lived",
+    "lifespan-shortest-lived",
+    "lifespan-longest-lived-then-shortest-lived",
+    "chemistry-mix-paint-secondary-color",
+    "chemistry-mix-paint-tertiary-color",
+    "chemistry-mix",
+    "power-component",
+    "power-component-renewable-vs-nonrenewable-energy",
+    "identify-life-stages-2",
+    "test-conductivity",
+    "test-conductivity-of-unknown-substances",
+    "use-thermometer",
+    "measure-melting-point-known-substance",
+    "freeze",
+    "change-the-state-of-matter-of",
+)
+DEFAULT_SIMPLIFICATION = "easy"
+_NO_MATCH = "No known action matches that input."
+# Commands the agent may not send: they would restart the task and erase the score.
+_BLOCKED = ("reset task",)
+
+WORDS = (
+    ActionWord("open", "{verb} OBJ", "open a container or door",
+               (("open up", "open up a container or a door"), ("unclose", "make a container or door open"),
+                ("pry open", "pry a container or door open"))),
+    ActionWord("close", "{verb} OBJ", "close a container or door",
+               (("shut", "shut a container or a door"), ("seal", "seal a container or door closed"),
+                ("close up", "close up a container or door"))),
+    ActionWord("activate", "{verb} OBJ", "turn on a device",
+               (("switch on", "switch a device on"), ("turn on", "turn a device on"),
+                ("power on", "power a device on"))),
+    ActionWord("deactivate", "{verb} OBJ", "turn off a device",
+               (("switch off", "switch a device off"), ("turn off", "turn a device off"),
+                ("power off", "power a device off"))),
+    ActionWord("connect", "{verb} OBJ to OBJ", "connect two electrical components",
+               (("attach", "attach one electrical component to another"),
+                ("link", "link two electrical components"), ("wire", "wire an electrical component to another"))),
+    ActionWord("disconnect", "{verb} OBJ", "disconnect an electrical component",
+               (("detach", "detach an electrical component"), ("unlink", "unlink an electrical component"),
+                ("unwire", "unwire an electrical component"))),
+    ActionWord("use", "{verb} OBJ [on OBJ]", "use a device or item, optionally on another object",
+               (("apply", "apply a device or item, optionally on another object"),
+                ("utilize", "utilize an item or device, optionally on something"),
+                ("employ", "employ a device or item, optionally on another object"))),
+    ActionWord("look around", "{verb}", "describe the current room",
+               (("survey the room", "get a description of the room you are in"),
+                ("scan surroundings", "scan the surroundings of your current room"),
+                ("observe the area", "observe the area you are in"))),
+    ActionWord("look at", "{verb} OBJ", "describe an object in detail",
+               (("examine", "examine an object closely"), ("inspect", "inspect an object in detail"),
+                ("study", "study an object carefully"))),
+    ActionWord("look in", "{verb} OBJ", "describe a container's contents",
+               (("peek into", "peek into a container to see its contents"),
+                ("search", "search a container and list what is inside"),
+                ("peer into", "peer into a container to list its contents"))),
+    ActionWord("read", "{verb} OBJ", "read a note or book",
+               (("peruse", "peruse a note or a book"), ("skim", "skim through a note or book"),
+                ("scan", "scan a note or a book"))),
+    ActionWord("move", "{verb} OBJ to OBJ", "move an object to a container",
+               (("transfer", "transfer an object into a container"), ("relocate", "relocate an object to a container"),
+                ("shift", "shift an object into a container"))),
+    ActionWord("pick up", "{verb} OBJ", "move an object to the inventory",
+               (("grab", "grab an object and keep it in the inventory"), ("take", "take an object into your inventory"),
+                ("collect", "collect an object into the inventory"))),
+    ActionWord("put down", "{verb} OBJ", "drop an inventory item",
+               (("drop", "drop an item from the inventory"), ("set down", "set down an item you carry"),
+                ("release", "release an inventory item"))),
+    ActionWord("pour", "{verb} OBJ in OBJ", "pour a liquid into a container",
+               (("decant", "decant a liquid into a container"), ("tip", "tip a liquid into a container"),
+                ("spill", "spill a liquid into a container"))),
+    ActionWord("dunk", "{verb} OBJ in OBJ", "dunk a container into a liquid",
+               (("dip", "dip a container into a liquid"), ("submerge", "submerge a container in a liquid"),
+                ("plunge", "plunge a container into a liquid"))),
+    ActionWord("mix", "{verb} OBJ", "chemically mix a container's contents",
+               (("stir", "stir the contents of a container together"), ("blend", "blend a container's contents"),
+                ("combine", "combine the contents of a container"))),
+    ActionWord("go to", "{verb} LOC", "move to a new location",
+               (("walk to", "walk to another location"), ("head to", "head to a different location"),
+                ("travel to", "travel to another location"))),
+    ActionWord("teleport to", "{verb} LOC", "teleport to a specific room",
+               (("warp to", "warp directly to a room"), ("jump to", "jump straight to a room"),
+                ("transport to", "get transported to a room"))),
+    ActionWord("eat", "{verb} OBJ", "eat a food",
+               (("consume", "consume some food"), ("devour", "devour some food"), ("ingest", "ingest a food"))),
+    ActionWord("flush", "{verb} OBJ", "flush a toilet",
+               (("drain", "drain a toilet"), ("purge", "purge a toilet"), ("empty", "empty a toilet by flushing"))),
+    ActionWord("focus on", "{verb} OBJ",
+               "signal the object the task is about (irreversible: focusing on a wrong object fails the task)",
+               (("concentrate on", "declare the object the task is about (focusing on a wrong one fails the task)"),
+                ("select", "select the task-relevant object; a wrong selection fails the task"),
+                ("mark", "mark the object the task asks about; marking a wrong one fails the task"))),
+    ActionWord("wait", "{verb}", "take no action for 10 steps",
+               (("pause", "do nothing for 10 steps"), ("idle", "stay idle for 10 steps"),
+                ("hold on", "hold on for 10 steps"))),
+    ActionWord("wait1", "{verb}", "take no action for 1 step",
+               (("pause1", "do nothing for a single step"), ("idle1", "stay idle for one step"),
+                ("hold on1", "hold on for one step"))),
+    ActionWord("task", "{verb}", "describe the current task",
+               (("show task", "show the current task"), ("describe task", "describe the task again"),
+                ("repeat task", "repeat the task description"))),
+    ActionWord("inventory", "{verb}", "list your inventory",
+               (("show inventory", "show what you are carrying"), ("list items", "list the items you carry"),
+                ("view inventory", "view your inventory"))),
+)
+
+_CHOICE_RE = re.compile(r"^(\s*\d+:\s*)(.*)$", re.MULTILINE)
+
+
+class _JVMPool:
+    """ScienceWorld servers are JVMs that take seconds to start; reuse them across episodes."""
+
+    def __init__(self, step_limit: int):
+        self.step_limit = step_limit
+        self._free: list[Any] = []
+        self._all: list[Any] = []
+        self._lock = threading.Lock()
+
+    def acquire(self) -> Any:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        from scienceworld import ScienceWorldEnv
+
+        env = ScienceWorldEnv("", envStepLimit=self.step_limit)
+        with self._lock:
+            self._all.append(env)
+        return env
+
+    def release(self, env: Any) -> None:
+        with self._lock:
+            self._free.append(env)
+
+    def close(self) -> None:
+        with self._lock:
+            for env in self._all:
+                try:
+                    env.close()
+                except Exception:  # noqa: BLE001 - best effort shutdown of a child JVM
+                    pass
+            self._all.clear()
+            self._free.clear()
+
+
+class SciWorldEnv(TextEnv):
+    task = "sciworld"
+    intro = (
+        "You are an agent in ScienceWorld, a simulated house with rooms, objects and science equipment. "
+        "Complete the science task you are given. OBJ and LOC stand for names of objects and locations as "
+        "they appear in the observations. When an action is ambiguous the environment lists numbered "
+        "options; answer with the number."
+    )
+
+    def __init__(self, spec: dict[str, Any], vocab: Vocabulary, pool: _JVMPool, oracle: bool):
+        super().__init__(spec, vocab)
+        self._pool = pool
+        self._oracle = oracle
+        self._sw: Any = pool.acquire()
+        self._gold: list[str] = []
+        self._gold_pos = 0
+        self._valid: list[str] = []
+
+    def close(self) -> None:
+        if self._sw is not None:
+            self._pool.release(self._sw)
+            self._sw = None
+
+    def _reset(self) -> tuple[str, str]:
+        sw = self._sw
+        sw.load(self.spec["task_name"], int(self.spec["variation"]), self.spec["simplification"],
+                generateGoldPath=self._oracle)
+        obs, info = sw.reset()
+        self._gold = list(sw.get_gold_action_sequence()) if self._oracle else []
+        self._gold_pos = 0
+        self._valid = list(info.get("valid", []))
+        self._score = max(0, int(info.get("score", 0)))
+        return sw.get_task_description(), self._surface_text(obs)
+
+    def _initial_progress(self) -> float:
+        return self._score / 100.0
+
+    def _surface_text(self, obs: str) -> str:
+        # Numbered disambiguation options name canonical actions; show them in the agent's wording.
+        return _CHOICE_RE.sub(lambda m: m.group(1) + self.vocab.to_surface(m.group(2)), obs)
+
+    def _valid_canonical(self) -> list[str]:
+        return [a for a in self._valid if a not in _BLOCKED]
+
+    def _oracle_canonical(self) -> str:
+        if not self._oracle:
+            raise RuntimeError("this ScienceWorld episode was created without its gold path (oracle=False)")
+        if self._gold_pos >= len(self._gold):
+            raise RuntimeError(f"gold path of {self.spec} exhausted before the task completed")
+        return self._gold[self._gold_pos]
+
+    def _step(self, canonical: str) -> tuple[str, bool, bool, float, bool]:
+        if canonical.strip().lower() in _BLOCKED:
+            return INVALID_ACTION.format(action=canonical), False, False, 0.0, False
+        if self._oracle and self._gold_pos < len(self._gold) and canonical == self._gold[self._gold_pos]:
+            self._gold_pos += 1
+        obs, _, completed, info = self._sw.step(canonical)
+        score = int(info.get("score", 0))
+        self._valid = list(info.get("valid", []))
+        accepted = obs.strip() != _NO_MATCH
+        success = bool(completed) and score >= 100
+        if completed and not success:
+            obs += "\nThe task has ended unsuccessfully."
+        return self._surface_text(obs), bool(completed), success, max(0, score) / 100.0, accepted
+
+
+class SciWorldTask(EvalTask):
+    name = "sciworld"
+    display_name = "SciWorld"
+    paper_weight = 90
+    default_max_steps = 40
+    words = WORDS
+
+    def __init__(self, workdir: str, tasks: tuple[str, ...] = DEFAULT_TASKS,
+                 simplification: str = DEFAULT_SIMPLIFICATION, split: str = "test"):
+        super().__init__(workdir)
+        if split not in ("train", "dev", "test"):
+            raise ValueError(f"split must be train, dev or test, got {split!r}")
+        self.tasks = tasks
+        self.simplification = simplification
+        self.split = split
+        # The simulator's own step limit must not cut an episode before our max_steps does.
+        self._pool = _JVMPool(step_limit=10_000)
+        self._variations: dict[str, list[int]] = {}
+
+    def _split_variations(self, task_name: str) -> list[int]:
+        if task_name not in self._variations:
+            sw = self._pool.acquire()
+            try:
+                known = sw.get_task_names()
+                if task_name not in known:
+                    raise ValueError(f"unknown ScienceWorld task {task_name!r}; known: {known}")
+                sw.load(task_name, 0, self.simplification)
+                getter = {"train": sw.get_variations_train, "dev": sw.get_variations_dev,
+                          "test": sw.get_variations_test}[self.split]
+                self._variations[task_name] = sorted(int(v) for v in getter())
+            finally:
+                self._pool.release(sw)
+        return self._variations[task_name]
+
+    def episode_specs(self, n: int, seed: int) -> list[dict[str, Any]]:
+        specs = []
+        for i in range(n):
+            name = self.tasks[i % len(self.tasks)]
+            variations = self._split_variations(name)
+            specs.append({
+                "task_name": name,
+                "variation": variations[(seed + i // len(self.tasks)) % len(variations)],
+                "simplification": self.simplification,
+            })
+        return specs
+
+    def make_env(self, spec: dict[str, Any], perturbation: int, *, oracle: bool = False) -> TextEnv:
+        return SciWorldEnv(spec, Vocabulary(self.words, perturbation), self._pool, oracle)
+
+    def close(self) -> None:
+        self._pool.close()
