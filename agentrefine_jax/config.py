@@ -104,6 +104,7 @@ class TrainConfig:
     loss_chunk_size: int = 1024
     seed: int = 0
     init_from_hf: str | None = None
+    # Export a Hugging Face directory when training ends (a relative path is inside run_dir).
     export_hf_at_end: str | None = None
     export_dtype: str = "bfloat16"
     # Peak FLOP/s per device used for MFU; 0 = look it up from the device kind.

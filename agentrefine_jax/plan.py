@@ -365,11 +365,14 @@ def plan(
     batch_spec = tuple(logical_to_spec(("batch",), rules, (micro,), mesh))[0]
     batch_shards = _spec_factor(batch_spec, mesh)
     max_batch_shards = _spec_factor(tuple(logical_to_spec(("batch",), rules, None, mesh))[0], mesh)
-    if batch_shards < max_batch_shards:
+    # The trainer refuses a (micro) batch that does not split over the batch shards; memory
+    # is still shown for the replicated batch the sharding rules would otherwise produce.
+    splits = micro % max_batch_shards == 0
+    if not splits:
         notes.append(
-            f"micro batch {micro} does not divide over the {max_batch_shards} batch shards: the batch is "
-            "replicated and every device computes all of it; use a multiple of "
-            f"{max_batch_shards}"
+            f"the trainer refuses this: micro batch {micro} does not divide over the {max_batch_shards} "
+            f"batch shards (data x fsdp); use a multiple of {max_batch_shards}, or fewer batch shards "
+            "(e.g. more tensor); the memory shown is for a replicated batch"
         )
     per_device_batch = micro // batch_shards
 
@@ -387,7 +390,7 @@ def plan(
     per_sample = act_model.total(1) - act_model.total(0)
     max_pdb = max(0, room // per_sample) if per_sample > 0 else 0
     max_global = max_pdb * max_batch_shards
-    if total > usable:
+    if splits and total > usable:
         # Largest micro batch (a multiple of the batch shards dividing the global batch) that
         # fits with gradient accumulation (accumulator + micro-batch gradient).
         fitting = [
@@ -442,7 +445,8 @@ def plan(
         "hbm_bytes": hbm,
         "headroom": headroom,
         "usable_hbm_bytes": usable,
-        "fits": total <= usable,
+        "trainer_accepts": splits,
+        "fits": splits and total <= usable,
         "max_micro_batch_per_device": int(max_pdb),
         "max_global_batch_without_accumulation": int(max_global),
         "matmul_params": counted,
@@ -491,10 +495,11 @@ def format_plan(p: dict[str, Any], name: str = "") -> str:
         if v:
             lines.append(f"      {k:<28}{_gib(v)}")
     usable = p["usable_hbm_bytes"]
+    verdict = "FITS" if p["fits"] else "DOES NOT FIT" if p["trainer_accepts"] else "REFUSED (see note)"
     lines += [
         f"    total             {_gib(b['total'])} of {_gib(usable)} usable "
         f"({_gib(p['hbm_bytes'])} HBM, {100 * p['headroom']:.0f}% headroom) -> "
-        f"{'FITS' if p['fits'] else 'DOES NOT FIT'} ({100 * b['total'] / p['hbm_bytes']:.0f}% of HBM)",
+        f"{verdict} ({100 * b['total'] / p['hbm_bytes']:.0f}% of HBM)",
         f"  largest batch       {p['max_micro_batch_per_device']} sequences per device -> global batch "
         f"{p['max_global_batch_without_accumulation']} without gradient accumulation",
         f"  FLOPs per step      {p['flops_per_step']:.3e} ({p['flops_per_token']:.3e} per token)",

@@ -34,7 +34,7 @@ def config() -> Config:
             eval_every=15,
             checkpoint_every=15,
             loss_chunk_size=128,
-            export_hf_at_end="runs/demo/hf",
+            export_hf_at_end="hf",
             export_dtype="float32",
         ),
     )

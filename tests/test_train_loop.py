@@ -55,8 +55,6 @@ def _train(run_dir: pathlib.Path, *extra: str) -> subprocess.Popen:
         *FAST,
         "--set",
         f"train.run_dir={run_dir}",
-        "--set",
-        f"train.export_hf_at_end={run_dir}/hf",
         *extra,
     ]
     return subprocess.Popen(

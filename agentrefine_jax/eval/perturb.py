@@ -91,7 +91,8 @@ class Vocabulary:
     def describe(self) -> str:
         """One line per action: usage with the surface verb, then its description."""
         return "\n".join(
-            f"- {w.usage.format(verb=self._surface[w.canonical])}: {self._desc[w.canonical]}" for w in self.words
+            f"- {w.usage.format(verb=self._surface[w.canonical])}: {self._desc[w.canonical]}"
+            for w in self.words
         )
 
 

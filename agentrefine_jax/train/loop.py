@@ -406,6 +406,8 @@ def export_final(fns: StepFns, params: Any, cfg: Config, step: int) -> None:
     from agentrefine_jax.export.hf_io import save_hf
 
     out = pathlib.Path(cfg.train.export_hf_at_end)
+    if not out.is_absolute():  # relative to the run, so two runs never write the same place
+        out = pathlib.Path(cfg.train.run_dir) / out
     tmp = out.with_name(out.name + ".partial")
     if is_main_process() and tmp.exists():
         shutil.rmtree(tmp)

@@ -96,20 +96,40 @@ WORDS = (
         "interact with the object in front of you: open or close a door (a locked door needs "
         "a key of the same colour), or open a box",
         (
-            ("interact", "use the thing ahead of you: opens or shuts doors (locked ones need the matching "
-             "key in hand) and opens boxes"),
-            ("activate", "activate the object before you to open/close a door (same-coloured key needed "
-             "if locked) or open a box"),
-            ("operate", "operate the cell in front: doors swing open or closed (a locked door wants its "
-             "colour's key), boxes open"),
+            (
+                "interact",
+                "use the thing ahead of you: opens or shuts doors (locked ones need the matching "
+                "key in hand) and opens boxes",
+            ),
+            (
+                "activate",
+                "activate the object before you to open/close a door (same-coloured key needed "
+                "if locked) or open a box",
+            ),
+            (
+                "operate",
+                "operate the cell in front: doors swing open or closed (a locked door wants its "
+                "colour's key), boxes open",
+            ),
         ),
     ),
 )
 
 _VIEW = 7
 _AGENT_X, _AGENT_Y = _VIEW // 2, _VIEW - 1
-_IDX_TO_OBJECT = {0: "unseen", 1: "empty", 2: "wall", 3: "floor", 4: "door", 5: "key", 6: "ball", 7: "box",
-                  8: "goal", 9: "lava", 10: "agent"}
+_IDX_TO_OBJECT = {
+    0: "unseen",
+    1: "empty",
+    2: "wall",
+    3: "floor",
+    4: "door",
+    5: "key",
+    6: "ball",
+    7: "box",
+    8: "goal",
+    9: "lava",
+    10: "agent",
+}
 _IDX_TO_COLOR = {0: "red", 1: "green", 2: "blue", 3: "purple", 4: "yellow", 5: "grey"}
 _DOOR_STATE = {0: "open", 1: "closed", 2: "locked"}
 
@@ -323,13 +343,23 @@ class BabyAIEnv(TextEnv):
                 front = env.grid.get(*env.front_pos)
                 facing = any(front is o for o in objs)
                 if kind == "GoToInstr":
-                    checks = [any(self._sees(o, image) for o in objs), any(_adjacent(env.agent_pos, o) for o in objs),
-                              facing]
+                    checks = [
+                        any(self._sees(o, image) for o in objs),
+                        any(_adjacent(env.agent_pos, o) for o in objs),
+                        facing,
+                    ]
                 elif kind == "PickupInstr":
-                    checks = [any(self._sees(o, image) for o in objs), facing, any(env.carrying is o for o in objs)]
+                    checks = [
+                        any(self._sees(o, image) for o in objs),
+                        facing,
+                        any(env.carrying is o for o in objs),
+                    ]
                 else:  # OpenInstr
-                    checks = [any(self._sees(o, image) for o in objs), facing,
-                              any(getattr(o, "is_open", False) for o in objs)]
+                    checks = [
+                        any(self._sees(o, image) for o in objs),
+                        facing,
+                        any(getattr(o, "is_open", False) for o in objs),
+                    ]
             for ok in checks:
                 if ok:
                     self._subgoals_done.add(idx)

@@ -23,6 +23,9 @@ RENAMED_ACTION = (
     'instructions, or "' + CHECK_VALID_ACTIONS + '".'
 )
 
+# ScienceWorld can list hundreds of applicable commands; the listing is capped to keep prompts bounded.
+MAX_LISTED = 150
+
 
 @dataclasses.dataclass
 class StepResult:
@@ -94,6 +97,12 @@ class TextEnv(abc.ABC):
     def valid_actions(self) -> list[str]:
         return [self.vocab.to_surface(a) for a in self._valid_canonical()]
 
+    def _list_valid(self) -> str:
+        actions = self.valid_actions()
+        shown = "\n".join(f"- {a}" for a in actions[:MAX_LISTED])
+        more = f"\n({len(actions) - MAX_LISTED} more not shown)" if len(actions) > MAX_LISTED else ""
+        return f"Valid actions now:\n{shown}{more}"
+
     def oracle_action(self) -> str:
         return self.vocab.to_surface(self._oracle_canonical())
 
@@ -101,11 +110,12 @@ class TextEnv(abc.ABC):
         if self.done:
             raise RuntimeError(f"{self.task}: step() after the episode ended")
         if command.strip().lower() == CHECK_VALID_ACTIONS:
-            listing = "\n".join(f"- {a}" for a in self.valid_actions())
-            return StepResult(f"Valid actions now:\n{listing}", False, False, self.best_progress, True, False)
+            return StepResult(self._list_valid(), False, False, self.best_progress, True, False)
         canonical = self.vocab.to_canonical(command)
         if canonical is None:
-            return StepResult(RENAMED_ACTION.format(action=command), False, False, self.best_progress, False, False)
+            return StepResult(
+                RENAMED_ACTION.format(action=command), False, False, self.best_progress, False, False
+            )
         obs, done, success, progress, accepted = self._step(canonical)
         self.success = self.success or success
         self.done = done or success

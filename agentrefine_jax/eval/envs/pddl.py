@@ -19,6 +19,8 @@ from agentrefine_jax.eval.envs.base import INVALID_ACTION, EvalTask, TextEnv
 from agentrefine_jax.eval.envs.pddl_plan import bfs_plan, goal_atoms
 from agentrefine_jax.eval.perturb import ActionWord, Vocabulary
 
+NOT_APPLICABLE = 'The action "{action}" cannot be applied in the current state (its conditions do not hold).'
+
 
 @dataclasses.dataclass(frozen=True)
 class DomainText:
@@ -35,22 +37,46 @@ DOMAINS: dict[str, DomainText] = {
         "You control a robot hand that rearranges blocks on a table. The hand holds at most one block; "
         "only a block with nothing on top of it (a clear block) can be picked up or stacked upon.",
         (
-            ActionWord("pickup", "{verb} X", "pick up the clear block X from the table (your hand must be empty)",
-                       (("lift", "lift block X off the table when X is clear and the hand is empty"),
-                        ("raise", "raise the clear block X from the table into the empty hand"),
-                        ("grasp", "grasp block X lying clear on the table with the empty hand"))),
-            ActionWord("putdown", "{verb} X", "put the block X you are holding down on the table",
-                       (("lower", "lower the held block X onto the table"),
-                        ("set down", "set the block X in your hand down on the table"),
-                        ("release", "release the held block X onto the table"))),
-            ActionWord("stack", "{verb} X Y", "put the block X you are holding on top of the clear block Y",
-                       (("place", "place the held block X onto the clear block Y"),
-                        ("pile", "pile the block X from your hand on the clear block Y"),
-                        ("put on", "put the held block X on the clear block Y"))),
-            ActionWord("unstack", "{verb} X", "take the clear block X off the block it is on (hand must be empty)",
-                       (("unpile", "lift the clear block X from the block under it into the empty hand"),
-                        ("take off", "take the clear block X off its supporting block with the empty hand"),
-                        ("remove", "remove the clear block X from the top of another block"))),
+            ActionWord(
+                "pickup",
+                "{verb} X",
+                "pick up the clear block X from the table (your hand must be empty)",
+                (
+                    ("lift", "lift block X off the table when X is clear and the hand is empty"),
+                    ("raise", "raise the clear block X from the table into the empty hand"),
+                    ("grasp", "grasp block X lying clear on the table with the empty hand"),
+                ),
+            ),
+            ActionWord(
+                "putdown",
+                "{verb} X",
+                "put the block X you are holding down on the table",
+                (
+                    ("lower", "lower the held block X onto the table"),
+                    ("set down", "set the block X in your hand down on the table"),
+                    ("release", "release the held block X onto the table"),
+                ),
+            ),
+            ActionWord(
+                "stack",
+                "{verb} X Y",
+                "put the block X you are holding on top of the clear block Y",
+                (
+                    ("place", "place the held block X onto the clear block Y"),
+                    ("pile", "pile the block X from your hand on the clear block Y"),
+                    ("put on", "put the held block X on the clear block Y"),
+                ),
+            ),
+            ActionWord(
+                "unstack",
+                "{verb} X",
+                "take the clear block X off the block it is on (hand must be empty)",
+                (
+                    ("unpile", "lift the clear block X from the block under it into the empty hand"),
+                    ("take off", "take the clear block X off its supporting block with the empty hand"),
+                    ("remove", "remove the clear block X from the top of another block"),
+                ),
+            ),
         ),
         {
             "on": "{0} is on top of {1}",
@@ -66,18 +92,36 @@ DOMAINS: dict[str, DomainText] = {
         "A robot with grippers carries balls between rooms. Each gripper holds at most one ball; the robot "
         "can pick up or drop a ball only in the room where it is.",
         (
-            ActionWord("move", "{verb} FROM TO", "the robot moves from room FROM to room TO",
-                       (("go", "the robot goes from room FROM to room TO"),
-                        ("travel", "the robot travels from room FROM into room TO"),
-                        ("walk", "the robot walks from room FROM over to room TO"))),
-            ActionWord("pick", "{verb} BALL ROOM GRIPPER", "pick up BALL in ROOM with the free GRIPPER",
-                       (("grab", "grab BALL lying in ROOM using the free GRIPPER"),
-                        ("grasp", "grasp BALL in ROOM with the empty GRIPPER"),
-                        ("take", "take BALL from ROOM into the free GRIPPER"))),
-            ActionWord("drop", "{verb} BALL ROOM GRIPPER", "drop BALL held by GRIPPER in ROOM",
-                       (("release", "release BALL from GRIPPER into ROOM"),
-                        ("put", "put BALL held in GRIPPER down in ROOM"),
-                        ("leave", "leave BALL carried by GRIPPER in ROOM"))),
+            ActionWord(
+                "move",
+                "{verb} FROM TO",
+                "the robot moves from room FROM to room TO",
+                (
+                    ("go", "the robot goes from room FROM to room TO"),
+                    ("travel", "the robot travels from room FROM into room TO"),
+                    ("walk", "the robot walks from room FROM over to room TO"),
+                ),
+            ),
+            ActionWord(
+                "pick",
+                "{verb} BALL ROOM GRIPPER",
+                "pick up BALL in ROOM with the free GRIPPER",
+                (
+                    ("grab", "grab BALL lying in ROOM using the free GRIPPER"),
+                    ("grasp", "grasp BALL in ROOM with the empty GRIPPER"),
+                    ("take", "take BALL from ROOM into the free GRIPPER"),
+                ),
+            ),
+            ActionWord(
+                "drop",
+                "{verb} BALL ROOM GRIPPER",
+                "drop BALL held by GRIPPER in ROOM",
+                (
+                    ("release", "release BALL from GRIPPER into ROOM"),
+                    ("put", "put BALL held in GRIPPER down in ROOM"),
+                    ("leave", "leave BALL carried by GRIPPER in ROOM"),
+                ),
+            ),
         ),
         {
             "at-robby": "the robot is in {0}",
@@ -94,22 +138,46 @@ DOMAINS: dict[str, DomainText] = {
         "You operate a lift serving passengers between floors. A passenger boards at their origin floor "
         "and must depart at their destination floor to be served.",
         (
-            ActionWord("up", "{verb} F", "move the lift up to floor F",
-                       (("ascend", "make the lift ascend to floor F"),
-                        ("go up to", "take the lift up to floor F"),
-                        ("rise to", "let the lift rise to floor F"))),
-            ActionWord("down", "{verb} F", "move the lift down to floor F",
-                       (("descend", "make the lift descend to floor F"),
-                        ("go down to", "take the lift down to floor F"),
-                        ("sink to", "let the lift sink to floor F"))),
-            ActionWord("board", "{verb} F P", "passenger P boards the lift at floor F (their origin)",
-                       (("embark", "passenger P embarks at floor F, where they start"),
-                        ("let in", "let passenger P into the lift at their origin floor F"),
-                        ("pick up passenger", "pick up passenger P at floor F, their origin"))),
-            ActionWord("depart", "{verb} F P", "passenger P leaves the lift at floor F (their destination)",
-                       (("disembark", "passenger P disembarks at floor F, their destination"),
-                        ("let out", "let passenger P out of the lift at destination floor F"),
-                        ("drop off passenger", "drop off passenger P at floor F, where they want to go"))),
+            ActionWord(
+                "up",
+                "{verb} F",
+                "move the lift up to floor F",
+                (
+                    ("ascend", "make the lift ascend to floor F"),
+                    ("go up to", "take the lift up to floor F"),
+                    ("rise to", "let the lift rise to floor F"),
+                ),
+            ),
+            ActionWord(
+                "down",
+                "{verb} F",
+                "move the lift down to floor F",
+                (
+                    ("descend", "make the lift descend to floor F"),
+                    ("go down to", "take the lift down to floor F"),
+                    ("sink to", "let the lift sink to floor F"),
+                ),
+            ),
+            ActionWord(
+                "board",
+                "{verb} F P",
+                "passenger P boards the lift at floor F (their origin)",
+                (
+                    ("embark", "passenger P embarks at floor F, where they start"),
+                    ("let in", "let passenger P into the lift at their origin floor F"),
+                    ("pick up passenger", "pick up passenger P at floor F, their origin"),
+                ),
+            ),
+            ActionWord(
+                "depart",
+                "{verb} F P",
+                "passenger P leaves the lift at floor F (their destination)",
+                (
+                    ("disembark", "passenger P disembarks at floor F, their destination"),
+                    ("let out", "let passenger P out of the lift at destination floor F"),
+                    ("drop off passenger", "drop off passenger P at floor F, where they want to go"),
+                ),
+            ),
         ),
         {
             "above": "{1} is above {0}",
@@ -127,10 +195,16 @@ DOMAINS: dict[str, DomainText] = {
         "Towers of Hanoi: move discs between pegs. Only a clear disc (nothing on it) can move, and only "
         "onto a clear peg or a clear larger disc.",
         (
-            ActionWord("move", "{verb} DISC TO", "move the clear DISC onto TO (a clear peg or clear larger disc)",
-                       (("shift", "shift the clear DISC onto TO, a clear peg or a clear bigger disc"),
-                        ("transfer", "transfer the clear DISC to TO (clear peg, or clear disc larger than it)"),
-                        ("relocate", "relocate the clear DISC on top of TO (a clear peg or larger clear disc)"))),
+            ActionWord(
+                "move",
+                "{verb} DISC TO",
+                "move the clear DISC onto TO (a clear peg or clear larger disc)",
+                (
+                    ("shift", "shift the clear DISC onto TO, a clear peg or a clear bigger disc"),
+                    ("transfer", "transfer the clear DISC to TO (clear peg, or clear disc larger than it)"),
+                    ("relocate", "relocate the clear DISC on top of TO (a clear peg or larger clear disc)"),
+                ),
+            ),
         ),
         {
             "on": "{0} is on {1}",
@@ -151,7 +225,10 @@ DEFAULT_PROBLEMS: dict[str, tuple[str, ...]] = {
     "elevator": tuple(f"elevator/problem{i}.pddl" for i in range(1, 5)),
     "hanoi": tuple(f"hanoi/problem{i}.pddl" for i in range(4)),
 }
-_DOMAIN_FILE_FOR_DIR = {"tinyonearmedgripper": "tinyonearmedgripper", "tinyonearmedgripper_test": "tinyonearmedgripper"}
+_DOMAIN_FILE_FOR_DIR = {
+    "tinyonearmedgripper": "tinyonearmedgripper",
+    "tinyonearmedgripper_test": "tinyonearmedgripper",
+}
 
 
 def _pddlgym() -> Any:
@@ -201,7 +278,7 @@ class PDDLEnv(TextEnv):
     def instruction(self) -> str:
         return (
             f"{self.text.description}\nWrite each action as its name followed by its arguments separated by "
-            f"spaces, e.g. \"{self._example()}\".\n\nAvailable actions:\n{self.vocab.describe()}"
+            f'spaces, e.g. "{self._example()}".\n\nAvailable actions:\n{self.vocab.describe()}'
         )
 
     def _example(self) -> str:
@@ -213,9 +290,13 @@ class PDDLEnv(TextEnv):
         state, _ = self._env.reset()
         self._goal_pos, self._goal_neg = goal_atoms(state.goal)
         self._plan = []
-        goal = "reach a state where " + "; ".join(
-            _atom_text(lit, self.text.atoms) for lit in sorted(_goal_literals(state.goal), key=str)
-        ) + "."
+        goal = (
+            "reach a state where "
+            + "; ".join(
+                _atom_text(lit, self.text.atoms) for lit in sorted(_goal_literals(state.goal), key=str)
+            )
+            + "."
+        )
         return goal, self._render(state)
 
     def _render(self, state: Any) -> str:
@@ -257,15 +338,14 @@ class PDDLEnv(TextEnv):
         if lit is None:
             surface = self.vocab.to_surface(" ".join(tokens)) if tokens else canonical
             if tokens and tokens[0] in {w.canonical for w in self.text.words}:
-                msg = f'The action "{surface}" cannot be applied in the current state (its conditions do not hold).'
-                return msg, False, False, 0.0, False
+                return NOT_APPLICABLE.format(action=surface), False, False, 0.0, False
             return INVALID_ACTION.format(action=surface), False, False, 0.0, False
         if self._plan and self._plan[0] == lit:
             self._plan.pop(0)
         else:
             self._plan = []
         state, _, done, _, _ = self._env.step(lit)
-        obs = f"You executed \"{self.vocab.to_surface(_command(lit))}\". {self._render(state)}"
+        obs = f'You executed "{self.vocab.to_surface(_command(lit))}". {self._render(state)}'
         if done:
             obs += " The goal is reached."
         return obs, bool(done), bool(done), self._progress(state), True
@@ -293,7 +373,9 @@ class PDDLTask(EvalTask):
         self.problems = dict(problems or DEFAULT_PROBLEMS)
         unknown = set(self.problems) - set(DOMAINS)
         if unknown:
-            raise ValueError(f"no text rendering for PDDL domains {sorted(unknown)}; known: {sorted(DOMAINS)}")
+            raise ValueError(
+                f"no text rendering for PDDL domains {sorted(unknown)}; known: {sorted(DOMAINS)}"
+            )
         self._scratch = os.path.join(workdir, "pddlgym")
 
     def episode_specs(self, n: int, seed: int) -> list[dict[str, Any]]:

@@ -65,8 +65,8 @@ def ground_actions(env: Any, state: Any) -> list[GroundAction]:
         effects = _conj(op.effects)
         domains = [_objects_of_type(objects, p.var_type, parents) for p in op.params]
         for combo in itertools.product(*domains):
-            subs = dict(zip(op.params, combo))
-            subs.update(zip(domain.constants, domain.constants))
+            subs = dict(zip(op.params, combo, strict=True))
+            subs.update((c, c) for c in domain.constants)
             pos, neg, action_lit, ok = set(), set(), None, True
             for lit in pre:
                 g = lit.predicate(*[subs[v] for v in lit.variables])
@@ -94,7 +94,9 @@ def ground_actions(env: Any, state: Any) -> list[GroundAction]:
                     delete.add(str(g.inverted_anti))
                 else:
                     add.add(str(g))
-            out.append(GroundAction(action_lit, frozenset(pos), frozenset(neg), frozenset(add), frozenset(delete)))
+            out.append(
+                GroundAction(action_lit, frozenset(pos), frozenset(neg), frozenset(add), frozenset(delete))
+            )
     return out
 
 

@@ -1,0 +1,162 @@
+"""`python -m agentrefine_jax.eval`: held-out agent evaluation on offline environments.
+
+python -m agentrefine_jax.eval --policy oracle --tasks babyai,pddl --episodes 5 --out oracle.json
+python -m agentrefine_jax.eval --base-url http://127.0.0.1:8000/v1 --model demo --episodes 20 --out r.json
+python -m agentrefine_jax.eval --checkpoint runs/demo --episodes 20 --best-of 4 --perturb --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+from agentrefine_jax.eval.policies import (
+    DEFAULT_STOP,
+    CheckpointPolicy,
+    OpenAIChatPolicy,
+    OraclePolicy,
+    Policy,
+    RandomPolicy,
+    SamplingParams,
+)
+from agentrefine_jax.eval.runner import TASK_NAMES, EvalConfig, format_table, run_eval
+
+BEST_OF_TEMPERATURE = 0.7
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m agentrefine_jax.eval",
+        description="Evaluate an agent on offline held-out tasks (BabyAI, ScienceWorld, PDDL, TextWorld).",
+    )
+    who = p.add_mutually_exclusive_group(required=True)
+    who.add_argument("--checkpoint", help="project checkpoint / run dir or HF model dir (local generation)")
+    who.add_argument("--base-url", help="OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1")
+    who.add_argument(
+        "--policy", choices=("oracle", "random"), help="reference solver or uniform random actions"
+    )
+    p.add_argument("--model", help="model name sent to --base-url")
+    p.add_argument(
+        "--api-key-env",
+        default="OPENAI_API_KEY",
+        help="environment variable holding the API key for --base-url (never logged)",
+    )
+    p.add_argument("--template", help="chat template for --checkpoint (default: the checkpoint's)")
+    p.add_argument(
+        "--tasks", default=",".join(TASK_NAMES), help=f"comma-separated subset of {','.join(TASK_NAMES)}"
+    )
+    p.add_argument("--episodes", type=int, default=10, help="episodes per task (default 10)")
+    p.add_argument("--best-of", type=int, default=1, help="samples per episode; success if any succeeds")
+    p.add_argument("--perturb", action="store_true", help="also run reworded-action variants (robustness)")
+    p.add_argument("--num-perturbations", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=int, help="steps per episode (default: 40 for every task)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        help="episodes in flight, answered by one batched model call (default: 8 for models, 1 for "
+        "--policy, which gains nothing from batching and would start one ScienceWorld JVM per episode)",
+    )
+    p.add_argument(
+        "--temperature", type=float, help=f"default 0 (greedy); {BEST_OF_TEMPERATURE} with --best-of > 1"
+    )
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--request-timeout", type=float, default=120.0, help="seconds per HTTP request")
+    p.add_argument("--sciworld-simplification", default="easy", help="ScienceWorld simplification string")
+    p.add_argument(
+        "--workdir",
+        help="where games, tool caches and scratch files go (default: a temp dir, deleted afterwards)",
+    )
+    p.add_argument("--out", help="write the results JSON (metrics + per-episode transcripts) here")
+    p.add_argument("--quiet", action="store_true", help="no per-episode progress lines")
+    return p
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    temperature = args.temperature
+    if temperature is None:
+        temperature = BEST_OF_TEMPERATURE if args.best_of > 1 else 0.0
+    if args.best_of > 1 and temperature == 0.0:
+        raise ValueError("--best-of > 1 with temperature 0 would repeat the same greedy run")
+    if temperature < 0 or not 0 < args.top_p <= 1:
+        raise ValueError("need temperature >= 0 and 0 < top-p <= 1")
+    if args.max_new_tokens < 1:
+        raise ValueError("--max-new-tokens must be >= 1")
+    return SamplingParams(temperature, args.top_p, args.max_new_tokens, DEFAULT_STOP)
+
+
+def make_policy(args: argparse.Namespace) -> Policy:
+    if args.policy == "oracle":
+        return OraclePolicy()
+    if args.policy == "random":
+        return RandomPolicy()
+    sampling = _sampling(args)
+    if args.base_url:
+        if not args.model:
+            raise ValueError("--base-url needs --model")
+        return OpenAIChatPolicy(
+            args.base_url,
+            args.model,
+            sampling,
+            api_key_env=args.api_key_env,
+            concurrency=args.batch_size or 8,
+            timeout=args.request_timeout,
+        )
+    return CheckpointPolicy(args.checkpoint, sampling, template=args.template)
+
+
+def run(args: argparse.Namespace) -> int:
+    tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+    own_workdir = args.workdir is None
+    workdir = args.workdir or tempfile.mkdtemp(prefix="agentrefine-eval-")
+    batch_size = args.batch_size or (1 if args.policy else 8)
+    config = EvalConfig(
+        tasks=tasks,
+        episodes=args.episodes,
+        best_of=args.best_of,
+        perturb=args.perturb,
+        num_perturbations=args.num_perturbations,
+        seed=args.seed,
+        max_steps=args.max_steps,
+        batch_size=batch_size,
+        workdir=workdir,
+        task_options={"sciworld": {"simplification": args.sciworld_simplification}},
+    )
+    config.validate()
+    if args.policy is None and args.best_of > 1:
+        _sampling(args)  # fail before loading a model
+    log = (lambda _msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    policy = make_policy(args)
+    try:
+        doc = run_eval(policy, config, log=log)
+    finally:
+        policy.close()
+        if own_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(format_table(doc), flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        tmp = args.out + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(doc, f, ensure_ascii=False, indent=1)
+        os.replace(tmp, args.out)
+        print(
+            f"[eval] wrote {args.out} ({len(doc['episodes'])} episode transcripts)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        print(f"[eval] error: {e}", file=sys.stderr, flush=True)
+        return 2

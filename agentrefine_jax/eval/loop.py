@@ -1,0 +1,244 @@
+"""The ReAct agent loop, batched across episodes.
+
+Up to `batch_size` episodes are in flight; every round each active episode contributes its
+conversation, the policy answers all of them at once (one batched generate call, or concurrent HTTP
+requests), and each reply's `Action:` is parsed and executed. Every assistant turn is a step, as in
+AgentBoard: malformed replies and "check valid actions" count toward `max_steps`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import random
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from agentrefine_jax.eval.envs.base import EvalTask, TextEnv
+from agentrefine_jax.eval.perturb import variant_name
+from agentrefine_jax.eval.policies import ActRequest, ContextOverflow, Policy, PolicyError
+from agentrefine_jax.eval.react import (
+    FORMAT_ERROR,
+    SYSTEM_PROMPT,
+    build_first_user_message,
+    format_observation,
+    parse_action,
+)
+
+
+@dataclasses.dataclass
+class EpisodeJob:
+    task: EvalTask
+    spec: dict[str, Any]
+    episode: int
+    perturbation: int
+    sample: int
+    max_steps: int
+    seed: int
+
+
+@dataclasses.dataclass
+class EpisodeResult:
+    task: str
+    variant: str
+    episode: int
+    sample: int
+    spec: dict[str, Any]
+    success: bool
+    progress: float
+    steps: int
+    # "success" | "env_done" (terminal failure) | "max_steps" | "context_overflow" | "error"
+    termination: str
+    error: str | None
+    invalid_actions: int
+    format_errors: int
+    seconds: float
+    messages: list[dict[str, str]]
+    trace: list[dict[str, Any]]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def job_seed(seed: int, task: str, perturbation: int, episode: int, sample: int) -> int:
+    digest = hashlib.sha256(f"{seed}|{task}|{perturbation}|{episode}|{sample}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+class _Running:
+    def __init__(self, job: EpisodeJob, env: TextEnv, messages: list[dict[str, str]]):
+        self.job = job
+        self.env = env
+        self.messages = messages
+        self.rng = random.Random(job.seed)
+        self.steps = 0
+        self.invalid = 0
+        self.format_errors = 0
+        self.trace: list[dict[str, Any]] = []
+        self.t0 = time.perf_counter()
+
+
+def _start(job: EpisodeJob, needs_oracle: bool) -> _Running:
+    env = job.task.make_env(job.spec, job.perturbation, oracle=needs_oracle)
+    try:
+        goal, obs = env.reset()
+    except BaseException:
+        env.close()
+        raise
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": build_first_user_message(env.instruction, goal, obs)},
+    ]
+    return _Running(job, env, messages)
+
+
+def _finish(run: _Running, termination: str, error: str | None = None) -> EpisodeResult:
+    env = run.env
+    try:
+        env.close()
+    except Exception as e:  # noqa: BLE001 - a failing close must not lose the episode's result
+        print(f"[eval] warning: closing {run.job.task.name} env failed: {e}", file=sys.stderr)
+    return EpisodeResult(
+        task=run.job.task.name,
+        variant=variant_name(run.job.perturbation),
+        episode=run.job.episode,
+        sample=run.job.sample,
+        spec=run.job.spec,
+        success=bool(env.success),
+        progress=float(env.best_progress),
+        steps=run.steps,
+        termination=termination,
+        error=error,
+        invalid_actions=run.invalid,
+        format_errors=run.format_errors,
+        seconds=round(time.perf_counter() - run.t0, 3),
+        messages=run.messages,
+        trace=run.trace,
+    )
+
+
+def _error_result(job: EpisodeJob, error: str) -> EpisodeResult:
+    return EpisodeResult(
+        job.task.name,
+        variant_name(job.perturbation),
+        job.episode,
+        job.sample,
+        job.spec,
+        False,
+        0.0,
+        0,
+        "error",
+        error,
+        0,
+        0,
+        0.0,
+        [],
+        [],
+    )
+
+
+def _ask(policy: Policy, requests: list[ActRequest]) -> list[str | PolicyError]:
+    """Batched call; a batch-level failure is retried per request so one bad episode fails alone."""
+    try:
+        replies = policy.act(requests)
+        if len(replies) != len(requests):
+            raise RuntimeError(f"policy returned {len(replies)} replies for {len(requests)} requests")
+        return replies
+    except Exception as e:  # noqa: BLE001
+        if len(requests) == 1:
+            return [PolicyError(f"{type(e).__name__}: {e}")]
+        return [r for req in requests for r in _ask(policy, [req])]
+
+
+def run_episodes(
+    jobs: Sequence[EpisodeJob],
+    policy: Policy,
+    *,
+    batch_size: int = 8,
+    on_result: Callable[[EpisodeResult], None] | None = None,
+) -> list[EpisodeResult]:
+    """Run every job to completion; results come back in job order."""
+    queue = collections.deque(enumerate(jobs))
+    active: list[tuple[int, _Running]] = []
+    results: dict[int, EpisodeResult] = {}
+
+    def done(idx: int, result: EpisodeResult) -> None:
+        results[idx] = result
+        if on_result is not None:
+            on_result(result)
+
+    while queue or active:
+        while queue and len(active) < max(1, batch_size):
+            idx, job = queue.popleft()
+            try:
+                active.append((idx, _start(job, policy.needs_oracle)))
+            except Exception as e:  # noqa: BLE001 - reported per episode, the run goes on
+                done(idx, _error_result(job, f"environment failed to start: {type(e).__name__}: {e}"))
+        if not active:
+            continue
+        requests = [ActRequest(run.messages, run.env, run.rng, run.job.seed, run.steps) for _, run in active]
+        replies = _ask(policy, requests)
+        still: list[tuple[int, _Running]] = []
+        for (idx, run), reply in zip(active, replies, strict=True):
+            if isinstance(reply, ContextOverflow):
+                done(idx, _finish(run, "context_overflow", str(reply)))
+                continue
+            if isinstance(reply, PolicyError):
+                print(
+                    f"[eval] {run.job.task.name} episode {run.job.episode}: policy error: {reply}",
+                    file=sys.stderr,
+                )
+                done(idx, _finish(run, "error", str(reply)))
+                continue
+            termination = _advance(run, reply)
+            if termination is None:
+                still.append((idx, run))
+            elif termination == "error":
+                done(idx, _finish(run, "error", run.trace[-1].get("error")))
+            else:
+                done(idx, _finish(run, termination))
+        active = still
+    return [results[i] for i in range(len(jobs))]
+
+
+def _advance(run: _Running, reply: str) -> str | None:
+    """Apply one assistant turn; returns a termination reason or None to continue."""
+    run.messages.append({"role": "assistant", "content": reply})
+    run.steps += 1
+    action = parse_action(reply)
+    entry: dict[str, Any] = {"step": run.steps, "action": action}
+    if action is None:
+        run.format_errors += 1
+        observation = FORMAT_ERROR
+        entry.update(valid=False, executed=False)
+    else:
+        try:
+            result = run.env.step(action)
+        except Exception as e:  # noqa: BLE001 - a simulator crash ends this episode only
+            entry.update(
+                valid=False, executed=False, error=f"environment step failed: {type(e).__name__}: {e}"
+            )
+            print(
+                f"[eval] {run.job.task.name} episode {run.job.episode}: {entry['error']}\n"
+                f"{traceback.format_exc(limit=3)}",
+                file=sys.stderr,
+            )
+            run.trace.append(entry)
+            return "error"
+        observation = result.observation
+        run.invalid += 0 if result.valid else 1
+        entry.update(valid=result.valid, executed=result.executed)
+    entry.update(progress=round(run.env.best_progress, 4), success=run.env.success)
+    run.trace.append(entry)
+    run.messages.append({"role": "user", "content": format_observation(observation)})
+    if run.env.success:
+        return "success"
+    if run.env.done:
+        return "env_done"
+    if run.steps >= run.job.max_steps:
+        return "max_steps"
+    return None

@@ -1,0 +1,184 @@
+"""Evaluation runs: tasks x perturbation variants x episodes x Best-of-N samples, then the report."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from agentrefine_jax.eval.envs.base import EvalTask
+from agentrefine_jax.eval.loop import EpisodeJob, EpisodeResult, job_seed, run_episodes
+from agentrefine_jax.eval.metrics import HELD_OUT, PAPER_WEIGHTS, summarize
+from agentrefine_jax.eval.perturb import variant_name
+from agentrefine_jax.eval.policies import Policy
+
+TASK_NAMES = ("babyai", "sciworld", "pddl", "textworld")
+
+
+def make_task(name: str, workdir: str, **options: Any) -> EvalTask:
+    """Instantiate a task family; its simulator package is imported lazily."""
+    if name == "babyai":
+        from agentrefine_jax.eval.envs.babyai import BabyAITask
+
+        return BabyAITask(workdir, **options)
+    if name == "sciworld":
+        from agentrefine_jax.eval.envs.sciworld import SciWorldTask
+
+        return SciWorldTask(workdir, **options)
+    if name == "pddl":
+        from agentrefine_jax.eval.envs.pddl import PDDLTask
+
+        return PDDLTask(workdir, **options)
+    if name == "textworld":
+        from agentrefine_jax.eval.envs.textworld import TextWorldTask
+
+        return TextWorldTask(workdir, **options)
+    raise ValueError(f"unknown task {name!r}; choose from {', '.join(TASK_NAMES)}")
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    tasks: tuple[str, ...] = TASK_NAMES
+    episodes: int = 10
+    best_of: int = 1
+    perturb: bool = False
+    num_perturbations: int = 3
+    seed: int = 0
+    # None: each task's default (40).
+    max_steps: int | None = None
+    batch_size: int = 8
+    workdir: str = ""
+    task_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+    def validate(self) -> None:
+        unknown = [t for t in self.tasks if t not in TASK_NAMES]
+        if unknown:
+            raise ValueError(f"unknown task(s) {unknown}; choose from {', '.join(TASK_NAMES)}")
+        if not self.tasks:
+            raise ValueError("no tasks selected")
+        for field in ("episodes", "best_of", "batch_size"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.perturb and self.num_perturbations < 1:
+            raise ValueError("num_perturbations must be >= 1 with perturb")
+        if not self.workdir:
+            raise ValueError("workdir is required (tool caches and generated games go there)")
+
+
+def run_eval(policy: Policy, config: EvalConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run every episode and return the results document (metrics, config, transcripts)."""
+    config.validate()
+    os.makedirs(config.workdir, exist_ok=True)
+    # matplotlib (imported by pddlgym) would otherwise build its font cache under $HOME.
+    os.environ.setdefault("MPLCONFIGDIR", os.path.join(config.workdir, "matplotlib"))
+    results: list[EpisodeResult] = []
+    t0 = time.perf_counter()
+    for name in config.tasks:
+        task = make_task(name, config.workdir, **config.task_options.get(name, {}))
+        try:
+            results.extend(_run_task(task, policy, config, log))
+        finally:
+            task.close()
+    summary = summarize(results, PAPER_WEIGHTS)
+    return {
+        "policy": policy.name,
+        "config": {k: v for k, v in dataclasses.asdict(config).items() if k != "workdir"},
+        "seconds": round(time.perf_counter() - t0, 1),
+        **summary,
+        "episodes": [r.to_json() for r in results],
+    }
+
+
+def _run_task(
+    task: EvalTask, policy: Policy, config: EvalConfig, log: Callable[[str], None]
+) -> list[EpisodeResult]:
+    max_steps = config.max_steps or task.default_max_steps
+    specs = task.episode_specs(config.episodes, config.seed)
+    task.prepare(specs)
+    n_pert = min(config.num_perturbations, task.num_perturbations) if config.perturb else 0
+    if config.perturb and n_pert < config.num_perturbations:
+        log(f"[eval] {task.name}: only {task.num_perturbations} perturbations defined; running {n_pert}")
+    jobs = [
+        EpisodeJob(task, spec, i, p, k, max_steps, job_seed(config.seed, task.name, p, i, k))
+        for p in range(n_pert + 1)
+        for i, spec in enumerate(specs)
+        for k in range(config.best_of)
+    ]
+    log(
+        f"[eval] {task.name}: {len(specs)} episodes x {n_pert + 1} variant(s) x {config.best_of} sample(s), "
+        f"max {max_steps} steps, policy {policy.name}"
+    )
+
+    def report(r: EpisodeResult) -> None:
+        extra = f" ({r.error})" if r.error else ""
+        log(
+            f"[eval] {r.task} {r.variant} episode {r.episode} sample {r.sample}: "
+            f"success={int(r.success)} progress={r.progress:.2f} steps={r.steps} end={r.termination}{extra}"
+        )
+
+    t0 = time.perf_counter()
+    results = run_episodes(jobs, policy, batch_size=config.batch_size, on_result=report)
+    log(f"[eval] {task.name}: {len(results)} runs in {time.perf_counter() - t0:.1f}s")
+    return results
+
+
+def _pct(x: float) -> str:
+    return "  n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:5.1f}"
+
+
+def format_table(doc: dict[str, Any]) -> str:
+    """A table like the paper's: success / progress (%) per task and the weighted held-out average."""
+    variants = doc["variants"]
+    tasks = [t for t in TASK_NAMES if any(t in v["tasks"] for v in variants.values())]
+    names = {"babyai": "BabyAI", "sciworld": "SciWorld", "pddl": "PDDL", "textworld": "TextWorld"}
+    cols = [names[t] for t in tasks] + ["Held-out avg"]
+    width = 15
+    head = f"{'':<18}" + "".join(f"{c:^{width}}" for c in cols)
+    sub = f"{'':<18}" + "".join(f"{'succ / prog':^{width}}" for _ in cols)
+    lines = [f"policy: {doc['policy']}   (success % / progress %)", head, sub]
+
+    def row(label: str, values: Sequence[tuple[float, float]]) -> str:
+        return f"{label:<18}" + "".join(f"{_pct(s) + ' / ' + _pct(p):^{width}}" for s, p in values)
+
+    for vname in sorted(variants, key=lambda v: (v != "original", v)):
+        v = variants[vname]
+        vals = [
+            (v["tasks"][t]["success_rate"], v["tasks"][t]["progress_rate"])
+            if t in v["tasks"]
+            else (math.nan, math.nan)
+            for t in tasks
+        ]
+        vals.append((v[HELD_OUT]["success_rate"], v[HELD_OUT]["progress_rate"]))
+        lines.append(row(vname, vals))
+    summary = doc.get("perturbation_summary") or {}
+    if summary:
+        keys = tasks + [HELD_OUT]
+        mean = [(summary[k]["success_rate"]["mean"], summary[k]["progress_rate"]["mean"]) for k in keys]
+        std = [(summary[k]["success_rate"]["std"], summary[k]["progress_rate"]["std"]) for k in keys]
+        lines.append(row("perturbed mean", mean))
+        lines.append(row("perturbed std", std))
+    weights = variants.get("original", next(iter(variants.values())))[HELD_OUT]["weights"]
+    lines.append(
+        "held-out weights (paper: BabyAI 112, SciWorld 90, PDDL 60, Jericho->TextWorld 20): "
+        + ", ".join(f"{names[t]} {weights[t]:.3f}" for t in TASK_NAMES if t in weights)
+    )
+    counts = []
+    for vname, v in variants.items():
+        for t, m in v["tasks"].items():
+            bad = {k: c for k, c in m["terminations"].items() if k in ("error", "context_overflow")}
+            if bad:
+                counts.append(f"{vname}/{t}: {bad}")
+    if counts:
+        lines.append("episodes ended by errors (counted as failures): " + "; ".join(counts))
+    best_of = doc["config"]["best_of"]
+    if best_of > 1:
+        lines.append(f"Best-of-{best_of}: an episode succeeds if any sample succeeds; progress is the max.")
+    return "\n".join(lines)
+
+
+__all__ = ["EvalConfig", "TASK_NAMES", "format_table", "make_task", "run_eval", "variant_name"]
