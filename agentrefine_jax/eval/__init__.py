@@ -25,7 +25,15 @@ from agentrefine_jax.eval.policies import (
     SamplingParams,
 )
 from agentrefine_jax.eval.react import parse_action
-from agentrefine_jax.eval.runner import TASK_NAMES, EvalConfig, format_table, make_task, run_eval
+from agentrefine_jax.eval.runner import (
+    TASK_NAMES,
+    EvalConfig,
+    available_tasks,
+    format_table,
+    make_task,
+    register_task,
+    run_eval,
+)
 
 __all__ = [
     "PAPER_WEIGHTS",
@@ -46,12 +54,14 @@ __all__ = [
     "StepResult",
     "TextEnv",
     "Vocabulary",
+    "available_tasks",
     "best_of_n",
     "format_table",
     "held_out_average",
     "make_task",
     "parse_action",
     "perturbation_summary",
+    "register_task",
     "run_episodes",
     "run_eval",
     "summarize",

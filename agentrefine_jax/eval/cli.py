@@ -8,6 +8,7 @@ python -m agentrefine_jax.eval --checkpoint runs/demo --episodes 20 --best-of 4 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shutil
@@ -72,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--workdir",
         help="where games, tool caches and scratch files go (default: a temp dir, deleted afterwards)",
     )
+    p.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        help="import MODULE first; it may call agentrefine_jax.eval.register_task (e.g. ALFWorld, Jericho)",
+    )
     p.add_argument("--out", help="write the results JSON (metrics + per-episode transcripts) here")
     p.add_argument("--quiet", action="store_true", help="no per-episode progress lines")
     return p
@@ -111,9 +118,12 @@ def make_policy(args: argparse.Namespace) -> Policy:
 
 
 def run(args: argparse.Namespace) -> int:
+    for module in args.plugin:
+        importlib.import_module(module)
     tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
     own_workdir = args.workdir is None
-    workdir = args.workdir or tempfile.mkdtemp(prefix="agentrefine-eval-")
+    # A placeholder until the arguments are known to be good, so a bad call leaves no temp dir behind.
+    workdir = args.workdir or "<temporary>"
     batch_size = args.batch_size or (1 if args.policy else 8)
     config = EvalConfig(
         tasks=tasks,
@@ -132,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
         _sampling(args)  # fail before loading a model
     log = (lambda _msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     policy = make_policy(args)
+    if own_workdir:
+        config.workdir = workdir = tempfile.mkdtemp(prefix="agentrefine-eval-")
     try:
         doc = run_eval(policy, config, log=log)
     finally:

@@ -32,6 +32,8 @@ from agentrefine_jax.eval.react import (
 
 @dataclasses.dataclass
 class EpisodeJob:
+    # Registered task name (reported in results; plug-ins may reuse a built-in EvalTask class).
+    name: str
     task: EvalTask
     spec: dict[str, Any]
     episode: int
@@ -101,9 +103,9 @@ def _finish(run: _Running, termination: str, error: str | None = None) -> Episod
     try:
         env.close()
     except Exception as e:  # noqa: BLE001 - a failing close must not lose the episode's result
-        print(f"[eval] warning: closing {run.job.task.name} env failed: {e}", file=sys.stderr)
+        print(f"[eval] warning: closing {run.job.name} env failed: {e}", file=sys.stderr)
     return EpisodeResult(
-        task=run.job.task.name,
+        task=run.job.name,
         variant=variant_name(run.job.perturbation),
         episode=run.job.episode,
         sample=run.job.sample,
@@ -123,7 +125,7 @@ def _finish(run: _Running, termination: str, error: str | None = None) -> Episod
 
 def _error_result(job: EpisodeJob, error: str) -> EpisodeResult:
     return EpisodeResult(
-        job.task.name,
+        job.name,
         variant_name(job.perturbation),
         job.episode,
         job.sample,
@@ -189,7 +191,7 @@ def run_episodes(
                 continue
             if isinstance(reply, PolicyError):
                 print(
-                    f"[eval] {run.job.task.name} episode {run.job.episode}: policy error: {reply}",
+                    f"[eval] {run.job.name} episode {run.job.episode}: policy error: {reply}",
                     file=sys.stderr,
                 )
                 done(idx, _finish(run, "error", str(reply)))
@@ -223,7 +225,7 @@ def _advance(run: _Running, reply: str) -> str | None:
                 valid=False, executed=False, error=f"environment step failed: {type(e).__name__}: {e}"
             )
             print(
-                f"[eval] {run.job.task.name} episode {run.job.episode}: {entry['error']}\n"
+                f"[eval] {run.job.name} episode {run.job.episode}: {entry['error']}\n"
                 f"{traceback.format_exc(limit=3)}",
                 file=sys.stderr,
             )

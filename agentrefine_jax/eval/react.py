@@ -25,7 +25,7 @@ FORMAT_ERROR = (
 )
 
 # The first "Action:" wins; anything after a hallucinated next "Observation:" is ignored.
-_ACTION_RE = re.compile(r"^\s*\**\s*action\s*\**\s*:\s*(.*)$", re.IGNORECASE | re.MULTILINE)
+_ACTION_RE = re.compile(r"^\s*\**\s*action\s*\**\s*:\s*\**\s*(.*)$", re.IGNORECASE | re.MULTILINE)
 _OBSERVATION_RE = re.compile(r"^\s*observation\s*:", re.IGNORECASE | re.MULTILINE)
 _WRAPPERS = "`'\"*"
 
@@ -42,9 +42,13 @@ def parse_action(response: str) -> str | None:
     if match is None:
         return None
     action = match.group(1).strip()
-    action = action.strip(_WRAPPERS).strip()
-    if action.endswith(".") and not action.endswith(".."):
-        action = action[:-1].rstrip()
+    while True:  # peel decorations in any order, e.g. `open fridge`.
+        peeled = action.strip(_WRAPPERS).strip()
+        if peeled.endswith(".") and not peeled.endswith(".."):
+            peeled = peeled[:-1].rstrip()
+        if peeled == action:
+            break
+        action = peeled
     action = " ".join(action.split())
     return action or None
 

@@ -18,25 +18,71 @@ from agentrefine_jax.eval.policies import Policy
 TASK_NAMES = ("babyai", "sciworld", "pddl", "textworld")
 
 
+@dataclasses.dataclass(frozen=True)
+class TaskEntry:
+    # (workdir, **options) -> EvalTask; import the simulator inside, so unused tasks cost nothing.
+    factory: Callable[..., EvalTask]
+    display_name: str
+    # Weight in the held-out average (the paper's problem count); None: reported, not averaged.
+    weight: int | None
+
+
+_REGISTRY: dict[str, TaskEntry] = {}
+
+
+def register_task(
+    name: str, factory: Callable[..., EvalTask], *, display_name: str, weight: int | None = None
+) -> None:
+    """Make a task family available to `run_eval` and the CLI (`--plugin MODULE` imports a module that
+    calls this), e.g. ALFWorld or real Jericho games for users who have their files."""
+    if not name or "," in name:
+        raise ValueError(f"bad task name {name!r}")
+    _REGISTRY[name] = TaskEntry(factory, display_name, weight)
+
+
+def available_tasks() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def task_weights() -> dict[str, int]:
+    return {n: e.weight for n, e in _REGISTRY.items() if e.weight is not None}
+
+
+def _babyai(workdir: str, **options: Any) -> EvalTask:
+    from agentrefine_jax.eval.envs.babyai import BabyAITask
+
+    return BabyAITask(workdir, **options)
+
+
+def _sciworld(workdir: str, **options: Any) -> EvalTask:
+    from agentrefine_jax.eval.envs.sciworld import SciWorldTask
+
+    return SciWorldTask(workdir, **options)
+
+
+def _pddl(workdir: str, **options: Any) -> EvalTask:
+    from agentrefine_jax.eval.envs.pddl import PDDLTask
+
+    return PDDLTask(workdir, **options)
+
+
+def _textworld(workdir: str, **options: Any) -> EvalTask:
+    from agentrefine_jax.eval.envs.textworld import TextWorldTask
+
+    return TextWorldTask(workdir, **options)
+
+
+register_task("babyai", _babyai, display_name="BabyAI", weight=PAPER_WEIGHTS["babyai"])
+register_task("sciworld", _sciworld, display_name="SciWorld", weight=PAPER_WEIGHTS["sciworld"])
+register_task("pddl", _pddl, display_name="PDDL", weight=PAPER_WEIGHTS["pddl"])
+register_task("textworld", _textworld, display_name="TextWorld", weight=PAPER_WEIGHTS["textworld"])
+
+
 def make_task(name: str, workdir: str, **options: Any) -> EvalTask:
-    """Instantiate a task family; its simulator package is imported lazily."""
-    if name == "babyai":
-        from agentrefine_jax.eval.envs.babyai import BabyAITask
-
-        return BabyAITask(workdir, **options)
-    if name == "sciworld":
-        from agentrefine_jax.eval.envs.sciworld import SciWorldTask
-
-        return SciWorldTask(workdir, **options)
-    if name == "pddl":
-        from agentrefine_jax.eval.envs.pddl import PDDLTask
-
-        return PDDLTask(workdir, **options)
-    if name == "textworld":
-        from agentrefine_jax.eval.envs.textworld import TextWorldTask
-
-        return TextWorldTask(workdir, **options)
-    raise ValueError(f"unknown task {name!r}; choose from {', '.join(TASK_NAMES)}")
+    """Instantiate a registered task family."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown task {name!r}; choose from {', '.join(_REGISTRY)}")
+    return _REGISTRY[name].factory(workdir, **options)
 
 
 @dataclasses.dataclass
@@ -54,9 +100,9 @@ class EvalConfig:
     task_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     def validate(self) -> None:
-        unknown = [t for t in self.tasks if t not in TASK_NAMES]
+        unknown = [t for t in self.tasks if t not in _REGISTRY]
         if unknown:
-            raise ValueError(f"unknown task(s) {unknown}; choose from {', '.join(TASK_NAMES)}")
+            raise ValueError(f"unknown task(s) {unknown}; choose from {', '.join(_REGISTRY)}")
         if not self.tasks:
             raise ValueError("no tasks selected")
         for field in ("episodes", "best_of", "batch_size"):
@@ -81,10 +127,10 @@ def run_eval(policy: Policy, config: EvalConfig, log: Callable[[str], None] = pr
     for name in config.tasks:
         task = make_task(name, config.workdir, **config.task_options.get(name, {}))
         try:
-            results.extend(_run_task(task, policy, config, log))
+            results.extend(_run_task(name, task, policy, config, log))
         finally:
             task.close()
-    summary = summarize(results, PAPER_WEIGHTS)
+    summary = summarize(results, task_weights())
     return {
         "policy": policy.name,
         "config": {k: v for k, v in dataclasses.asdict(config).items() if k != "workdir"},
@@ -95,22 +141,22 @@ def run_eval(policy: Policy, config: EvalConfig, log: Callable[[str], None] = pr
 
 
 def _run_task(
-    task: EvalTask, policy: Policy, config: EvalConfig, log: Callable[[str], None]
+    name: str, task: EvalTask, policy: Policy, config: EvalConfig, log: Callable[[str], None]
 ) -> list[EpisodeResult]:
     max_steps = config.max_steps or task.default_max_steps
     specs = task.episode_specs(config.episodes, config.seed)
     task.prepare(specs)
     n_pert = min(config.num_perturbations, task.num_perturbations) if config.perturb else 0
     if config.perturb and n_pert < config.num_perturbations:
-        log(f"[eval] {task.name}: only {task.num_perturbations} perturbations defined; running {n_pert}")
+        log(f"[eval] {name}: only {task.num_perturbations} perturbations defined; running {n_pert}")
     jobs = [
-        EpisodeJob(task, spec, i, p, k, max_steps, job_seed(config.seed, task.name, p, i, k))
+        EpisodeJob(name, task, spec, i, p, k, max_steps, job_seed(config.seed, name, p, i, k))
         for p in range(n_pert + 1)
         for i, spec in enumerate(specs)
         for k in range(config.best_of)
     ]
     log(
-        f"[eval] {task.name}: {len(specs)} episodes x {n_pert + 1} variant(s) x {config.best_of} sample(s), "
+        f"[eval] {name}: {len(specs)} episodes x {n_pert + 1} variant(s) x {config.best_of} sample(s), "
         f"max {max_steps} steps, policy {policy.name}"
     )
 
@@ -123,7 +169,7 @@ def _run_task(
 
     t0 = time.perf_counter()
     results = run_episodes(jobs, policy, batch_size=config.batch_size, on_result=report)
-    log(f"[eval] {task.name}: {len(results)} runs in {time.perf_counter() - t0:.1f}s")
+    log(f"[eval] {name}: {len(results)} runs in {time.perf_counter() - t0:.1f}s")
     return results
 
 
@@ -134,8 +180,8 @@ def _pct(x: float) -> str:
 def format_table(doc: dict[str, Any]) -> str:
     """A table like the paper's: success / progress (%) per task and the weighted held-out average."""
     variants = doc["variants"]
-    tasks = [t for t in TASK_NAMES if any(t in v["tasks"] for v in variants.values())]
-    names = {"babyai": "BabyAI", "sciworld": "SciWorld", "pddl": "PDDL", "textworld": "TextWorld"}
+    tasks = [t for t in doc["config"]["tasks"] if any(t in v["tasks"] for v in variants.values())]
+    names = {t: _REGISTRY[t].display_name if t in _REGISTRY else t for t in tasks}
     cols = [names[t] for t in tasks] + ["Held-out avg"]
     width = 15
     head = f"{'':<18}" + "".join(f"{c:^{width}}" for c in cols)
@@ -165,7 +211,7 @@ def format_table(doc: dict[str, Any]) -> str:
     weights = variants.get("original", next(iter(variants.values())))[HELD_OUT]["weights"]
     lines.append(
         "held-out weights (paper: BabyAI 112, SciWorld 90, PDDL 60, Jericho->TextWorld 20): "
-        + ", ".join(f"{names[t]} {weights[t]:.3f}" for t in TASK_NAMES if t in weights)
+        + ", ".join(f"{names[t]} {weights[t]:.3f}" for t in tasks if t in weights)
     )
     counts = []
     for vname, v in variants.items():
@@ -181,4 +227,15 @@ def format_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["EvalConfig", "TASK_NAMES", "format_table", "make_task", "run_eval", "variant_name"]
+__all__ = [
+    "TASK_NAMES",
+    "EvalConfig",
+    "TaskEntry",
+    "available_tasks",
+    "format_table",
+    "make_task",
+    "register_task",
+    "run_eval",
+    "task_weights",
+    "variant_name",
+]

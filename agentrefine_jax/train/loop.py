@@ -21,6 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from agentrefine_jax import sharding as shd
+from agentrefine_jax.checkpoint import ITEM_META, ITEM_PARAMS
 from agentrefine_jax.config import Config, to_dict
 from agentrefine_jax.train import flops
 from agentrefine_jax.train.optimizer import make_optimizer
@@ -93,22 +94,22 @@ def make_checkpoint_manager(paths: RunPaths, cfg: Config) -> ocp.CheckpointManag
         paths.checkpoints.absolute(),
         options=options,
         item_handlers={
-            "params": ocp.StandardCheckpointHandler(),
+            # Same item names and formats as `agentrefine_jax.checkpoint`, which export,
+            # generation and serving read; the trainer adds optimizer and data state.
+            ITEM_PARAMS: ocp.StandardCheckpointHandler(),
+            ITEM_META: ocp.JsonCheckpointHandler(),
             "opt_state": ocp.StandardCheckpointHandler(),
-            "meta": ocp.JsonCheckpointHandler(),
             "data_iter": grain.checkpoint.CheckpointHandler(),
         },
     )
 
 
 def _meta(cfg: Config, step: int) -> dict[str, Any]:
-    return {
-        "model": to_dict(cfg.model),
-        "tokenizer": cfg.data.tokenizer,
-        "template": cfg.data.template,
-        "config": to_dict(cfg),
-        "step": step,
-    }
+    from agentrefine_jax.checkpoint import make_meta
+
+    return make_meta(
+        cfg.model, step=step, tokenizer=cfg.data.tokenizer, template=cfg.data.template, config=cfg
+    )
 
 
 def save_checkpoint(

@@ -5,12 +5,13 @@ The agent acts with minigrid's primitive actions. The view is described relative
 by walls and closed doors is respected. Oracle: minigrid's `BabyAIBot`.
 
 Progress (our definition; AgentBoard's subgoal files are not available): the mission is split
-into its instruction leaves (go to / pick up / open / put next to), each leaf into ordered
-subgoals; progress is the best-so-far fraction of subgoals ever reached, 1.0 on success.
-  go to X:          X seen, next to X, facing X
-  pick up X:        X seen, facing X, carrying X
-  open door D:      D seen, facing D, D open
-  put X next to Y:  X seen, carrying X, Y seen, X placed next to Y
+into its instruction leaves (go to / pick up / open / put next to), each leaf into subgoals that
+are achievements in the world (merely seeing a target earns nothing); progress is the fraction of
+subgoals reached at some point of the episode (best so far), 1.0 on success.
+  go to X:          next to X, facing X
+  pick up X:        facing X, carrying X
+  open door D:      facing D, D open
+  put X next to Y:  facing X, carrying X, X placed next to Y
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from agentrefine_jax.eval.envs.base import INVALID_ACTION, EvalTask, TextEnv
+from agentrefine_jax.eval.envs.base import INVALID_ACTION, EvalTask, Outcome, TextEnv, rejected
 from agentrefine_jax.eval.perturb import ActionWord, Vocabulary
 
 # Single-room and one-door levels whose bot solutions fit in the step budget (<= 25 steps measured).
@@ -202,7 +203,7 @@ def _wall_distance(image: np.ndarray, dx: int, dy: int) -> str:
         if kind == "unseen":
             return "not visible"
         x, y, d = x + dx, y + dy, d + 1
-    return "out of sight"
+    return f"more than {_steps(d - 1)}"
 
 
 def _carried(obj: Any) -> str:
@@ -252,9 +253,9 @@ class BabyAIEnv(TextEnv):
         self._bot = None
         self._last_action = None
         self._leaves = _leaves(self._env.instrs)
-        self._num_subgoals = sum(4 if type(leaf).__name__ == "PutNextInstr" else 3 for leaf in self._leaves)
+        self._num_subgoals = sum(3 if type(leaf).__name__ == "PutNextInstr" else 2 for leaf in self._leaves)
         self._subgoals_done = set()
-        self._update_subgoals(obs["image"])
+        self._update_subgoals()
         return self._env.mission, render_view(obs["image"], self._env.carrying)
 
     def _initial_progress(self) -> float:
@@ -274,16 +275,16 @@ class BabyAIEnv(TextEnv):
                 return name
         raise RuntimeError(f"BabyAIBot suggested {action!r} on an unfinished {self.spec['level']} episode")
 
-    def _step(self, canonical: str) -> tuple[str, bool, bool, float, bool]:
+    def _step(self, canonical: str) -> Outcome:
         key = canonical.lower()
         if key not in self._actions:
-            return INVALID_ACTION.format(action=self.vocab.to_surface(canonical)), False, False, 0.0, False
+            return rejected(INVALID_ACTION.format(action=self.vocab.to_surface(canonical)))
         env = self._env
         before = (tuple(env.agent_pos), env.agent_dir, env.carrying, self._front_state())
         action = self._actions[key]
         obs, reward, terminated, truncated, _ = env.step(action)
         self._last_action = action
-        self._update_subgoals(obs["image"])
+        self._update_subgoals()
         feedback = self._feedback(key, before)
         text = render_view(obs["image"], env.carrying)
         if feedback:
@@ -292,7 +293,7 @@ class BabyAIEnv(TextEnv):
         if terminated and not success:
             text += "\nThe mission has failed."
         progress = len(self._subgoals_done) / self._num_subgoals
-        return text, bool(terminated or truncated), success, progress, True
+        return Outcome(text, bool(terminated or truncated), success, progress)
 
     # ------------------------------------------------------------------ helpers
 
@@ -325,56 +326,33 @@ class BabyAIEnv(TextEnv):
             return f"Nothing happens ({_front_name(front)} in front of you)."
         return ""
 
-    def _update_subgoals(self, image: np.ndarray) -> None:
+    def _update_subgoals(self) -> None:
         env = self._env
+        front = env.grid.get(*env.front_pos)
         idx = 0
         for leaf in self._leaves:
             kind = type(leaf).__name__
             if kind == "PutNextInstr":
                 moving, fixed = leaf.desc_move.obj_set, leaf.desc_fixed.obj_set
                 checks = [
-                    any(self._sees(o, image) for o in moving),
+                    any(front is o for o in moving) or any(env.carrying is o for o in moving),
                     any(env.carrying is o for o in moving),
-                    any(self._sees(o, image) for o in fixed),
                     any(_next_to(a, b) for a in moving for b in fixed if a is not env.carrying),
                 ]
             else:
                 objs = leaf.desc.obj_set
-                front = env.grid.get(*env.front_pos)
                 facing = any(front is o for o in objs)
                 if kind == "GoToInstr":
-                    checks = [
-                        any(self._sees(o, image) for o in objs),
-                        any(_adjacent(env.agent_pos, o) for o in objs),
-                        facing,
-                    ]
+                    checks = [any(_adjacent(env.agent_pos, o) for o in objs), facing]
                 elif kind == "PickupInstr":
-                    checks = [
-                        any(self._sees(o, image) for o in objs),
-                        facing,
-                        any(env.carrying is o for o in objs),
-                    ]
+                    carrying = any(env.carrying is o for o in objs)
+                    checks = [facing or carrying, carrying]
                 else:  # OpenInstr
-                    checks = [
-                        any(self._sees(o, image) for o in objs),
-                        facing,
-                        any(getattr(o, "is_open", False) for o in objs),
-                    ]
+                    checks = [facing, any(getattr(o, "is_open", False) for o in objs)]
             for ok in checks:
                 if ok:
                     self._subgoals_done.add(idx)
                 idx += 1
-
-    def _sees(self, obj: Any, image: np.ndarray) -> bool:
-        if obj is self._env.carrying:
-            return True
-        pos = obj.cur_pos
-        if pos is None or pos[0] < 0:
-            return False
-        rel = self._env.relative_coords(int(pos[0]), int(pos[1]))
-        if rel is None:
-            return False
-        return _IDX_TO_OBJECT[int(image[rel[0], rel[1], 0])] == obj.type
 
 
 def _front_name(cell: Any) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from agentrefine_jax.eval.perturb import ActionWord, Vocabulary
 from agentrefine_jax.eval.react import CHECK_VALID_ACTIONS
@@ -40,6 +40,23 @@ class StepResult:
     executed: bool
 
 
+class Outcome(NamedTuple):
+    """What an environment's `_step` reports for one canonical command."""
+
+    observation: str
+    done: bool = False
+    success: bool = False
+    # Progress of the current state in [0, 1]; the base class keeps the best so far.
+    progress: float = 0.0
+    valid: bool = True
+    executed: bool = True
+
+
+def rejected(observation: str) -> Outcome:
+    """A command refused before reaching the simulator."""
+    return Outcome(observation, valid=False, executed=False)
+
+
 class TextEnv(abc.ABC):
     """One episode of one task, seen through text."""
 
@@ -62,8 +79,8 @@ class TextEnv(abc.ABC):
         """Start the episode; return (goal, first observation)."""
 
     @abc.abstractmethod
-    def _step(self, canonical: str) -> tuple[str, bool, bool, float, bool]:
-        """Apply a canonical command: (observation, done, success, progress now, accepted)."""
+    def _step(self, canonical: str) -> Outcome:
+        """Apply a canonical command."""
 
     @abc.abstractmethod
     def _valid_canonical(self) -> list[str]:
@@ -116,11 +133,14 @@ class TextEnv(abc.ABC):
             return StepResult(
                 RENAMED_ACTION.format(action=command), False, False, self.best_progress, False, False
             )
-        obs, done, success, progress, accepted = self._step(canonical)
-        self.success = self.success or success
-        self.done = done or success
-        self.best_progress = max(self.best_progress, 1.0 if self.success else progress)
-        return StepResult(obs, self.done, self.success, self.best_progress, accepted, accepted)
+        out = self._step(canonical)
+        self.success = self.success or out.success
+        self.done = out.done or out.success
+        if out.executed:
+            self.best_progress = max(self.best_progress, 1.0 if self.success else out.progress)
+        return StepResult(
+            out.observation, self.done, self.success, self.best_progress, out.valid, out.executed
+        )
 
 
 class EvalTask(abc.ABC):

@@ -15,7 +15,7 @@ import os
 import re
 from typing import Any
 
-from agentrefine_jax.eval.envs.base import INVALID_ACTION, EvalTask, TextEnv
+from agentrefine_jax.eval.envs.base import INVALID_ACTION, EvalTask, Outcome, TextEnv, rejected
 from agentrefine_jax.eval.envs.pddl_plan import bfs_plan, goal_atoms
 from agentrefine_jax.eval.perturb import ActionWord, Vocabulary
 
@@ -331,15 +331,15 @@ class PDDLEnv(TextEnv):
             self._plan = plan
         return _command(self._plan[0])
 
-    def _step(self, canonical: str) -> tuple[str, bool, bool, float, bool]:
+    def _step(self, canonical: str) -> Outcome:
         tokens = re.sub(r"[(),]", " ", canonical.lower()).split()
         valid = {tuple(_command(lit).split()): lit for lit in self._valid_literals()}
         lit = valid.get(tuple(tokens))
         if lit is None:
             surface = self.vocab.to_surface(" ".join(tokens)) if tokens else canonical
             if tokens and tokens[0] in {w.canonical for w in self.text.words}:
-                return NOT_APPLICABLE.format(action=surface), False, False, 0.0, False
-            return INVALID_ACTION.format(action=surface), False, False, 0.0, False
+                return rejected(NOT_APPLICABLE.format(action=surface))
+            return rejected(INVALID_ACTION.format(action=surface))
         if self._plan and self._plan[0] == lit:
             self._plan.pop(0)
         else:
@@ -348,7 +348,7 @@ class PDDLEnv(TextEnv):
         obs = f'You executed "{self.vocab.to_surface(_command(lit))}". {self._render(state)}'
         if done:
             obs += " The goal is reached."
-        return obs, bool(done), bool(done), self._progress(state), True
+        return Outcome(obs, bool(done), bool(done), self._progress(state))
 
 
 def _goal_literals(goal: Any) -> list[Any]:

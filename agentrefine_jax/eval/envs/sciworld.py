@@ -11,7 +11,7 @@ import re
 import threading
 from typing import Any
 
-from agentrefine_jax.eval.envs.base import INVALID_ACTION, EvalTask, TextEnv
+from agentrefine_jax.eval.envs.base import INVALID_ACTION, EvalTask, Outcome, TextEnv, rejected
 from agentrefine_jax.eval.perturb import ActionWord, Vocabulary
 
 # Task types whose gold paths (simplification "easy", test variations) finish in <= 31 steps. Left out:
@@ -392,11 +392,15 @@ class SciWorldEnv(TextEnv):
             raise RuntimeError(f"gold path of {self.spec} exhausted before the task completed")
         return self._gold[self._gold_pos]
 
-    def _step(self, canonical: str) -> tuple[str, bool, bool, float, bool]:
+    def _step(self, canonical: str) -> Outcome:
         if canonical.strip().lower() in _BLOCKED:
-            return INVALID_ACTION.format(action=canonical), False, False, 0.0, False
-        if self._oracle and self._gold_pos < len(self._gold) and canonical == self._gold[self._gold_pos]:
-            self._gold_pos += 1
+            return rejected(INVALID_ACTION.format(action=canonical))
+        if self._oracle and self._gold_pos < len(self._gold):
+            gold = self._gold[self._gold_pos]
+            # Gold paths use aliases (e.g. "examine") that a perturbed vocabulary may map onto another
+            # canonical verb ("look at"); compare after the same surface round trip the command took.
+            if canonical in (gold, self.vocab.to_canonical(self.vocab.to_surface(gold))):
+                self._gold_pos += 1
         obs, _, completed, info = self._sw.step(canonical)
         score = int(info.get("score", 0))
         self._valid = list(info.get("valid", []))
@@ -404,7 +408,7 @@ class SciWorldEnv(TextEnv):
         success = bool(completed) and score >= 100
         if completed and not success:
             obs += "\nThe task has ended unsuccessfully."
-        return self._surface_text(obs), bool(completed), success, max(0, score) / 100.0, accepted
+        return Outcome(self._surface_text(obs), bool(completed), success, max(0, score) / 100.0, accepted)
 
 
 class SciWorldTask(EvalTask):

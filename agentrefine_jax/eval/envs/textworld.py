@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from agentrefine_jax.eval.envs.base import EvalTask, TextEnv
+from agentrefine_jax.eval.envs.base import EvalTask, Outcome, TextEnv
 from agentrefine_jax.eval.perturb import ActionWord, Vocabulary
 
 # Difficulty levels cycled over episodes (tw-cooking options); walkthroughs are <= ~20 commands.
@@ -217,7 +217,7 @@ WORDS = (
     ),
 )
 
-_BANNER_CHARS = set(" $_|\\/")
+_BANNER_CHARS = set(" $_|\\/<>")
 
 
 def clean_feedback(text: str) -> str:
@@ -328,7 +328,7 @@ class TextWorldEnv(TextEnv):
             f"TextWorld has no policy command left for {self.spec} (score {self._state.score})"
         )
 
-    def _step(self, canonical: str) -> tuple[str, bool, bool, float, bool]:
+    def _step(self, canonical: str) -> Outcome:
         accepted = canonical.lower() in {c.lower() for c in self._state.admissible_commands or []}
         self._state, _, done = self._env.step(canonical)
         s = self._state
@@ -336,7 +336,7 @@ class TextWorldEnv(TextEnv):
         if s.lost:
             obs += "\nYou have lost the game."
         progress = (s.score / s.max_score) if s.max_score else 0.0
-        return obs, bool(done), bool(s.won), progress, accepted
+        return Outcome(obs, bool(done), bool(s.won), progress, accepted)
 
 
 class TextWorldTask(EvalTask):
