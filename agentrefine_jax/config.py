@@ -270,3 +270,38 @@ def _coerce(v: Any, tp: Any) -> Any:
         inner = args[0] if args and len(args) == 2 and args[1] is Ellipsis else Any
         return tuple(_coerce(x, inner) if not isinstance(x, list) else tuple(x) for x in v)
     return v
+
+
+# ---------------------------------------------------------------------------- paper settings
+
+
+def paper_setting(
+    model: ModelConfig, *, tokenizer: str, max_length: int, run_dir: str, tensor: int = 1
+) -> Config:
+    """AgentRefine §4.1: lr 5e-6, cosine, no warm-up, global batch 64, 10 epochs.
+
+    The training file is a placeholder for the user's data (`--set data.train_files=...`).
+    """
+    return Config(
+        model=model,
+        data=DataConfig(
+            train_files=("data/agentrefine/train.jsonl",),
+            tokenizer=tokenizer,
+            template=tokenizer,
+            loss_on=("correct", "refinement"),
+            max_length=max_length,
+        ),
+        optim=OptimConfig(learning_rate=5e-6, schedule="cosine", warmup_steps=0),
+        mesh=MeshConfig(data=1, fsdp=-1, tensor=tensor),
+        train=TrainConfig(run_dir=run_dir, global_batch_size=64, num_epochs=10, checkpoint_every=200),
+    )
+
+
+def ablation(base: str, name: str, **data_changes: Any) -> Config:
+    """A paper Table 2 ablation: the `base` config with data settings changed and its own run_dir."""
+    cfg = load_config(base)
+    return dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(cfg.data, **data_changes),
+        train=dataclasses.replace(cfg.train, run_dir=f"{cfg.train.run_dir}_ablation_{name}"),
+    )

@@ -1,21 +1,7 @@
-"""Paper Table 2 ablation on the Llama-3-8B setting: no refinement data."""
+"""Table 2 ablation (Llama-3-8B): erroneous turns and their error feedback removed."""
 
-import dataclasses
-import importlib.util
-import pathlib
-
-from agentrefine_jax.config import Config
-
-_BASE = pathlib.Path(__file__).with_name("llama3_8b.py")
+from agentrefine_jax.config import Config, ablation
 
 
 def config() -> Config:
-    spec = importlib.util.spec_from_file_location("llama3_8b_base", _BASE)
-    base = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(base)
-    cfg = base.config()
-    return dataclasses.replace(
-        cfg,
-        data=dataclasses.replace(cfg.data, drop_refinement_data=True),
-        train=dataclasses.replace(cfg.train, run_dir="runs/llama3_8b_ablation_no_refinement_data"),
-    )
+    return ablation("llama3_8b", "no_refinement_data", drop_refinement_data=True)
