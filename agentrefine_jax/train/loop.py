@@ -130,7 +130,7 @@ def save_checkpoint(
 
 
 def restore_checkpoint(
-    mngr: ocp.CheckpointManager, step: int, fns: StepFns, abstract_opt: Any, data_iter: Any
+    mngr: ocp.CheckpointManager, step: int, fns: StepFns, data_iter: Any
 ) -> tuple[Any, Any]:
     import grain
 
@@ -139,7 +139,7 @@ def restore_checkpoint(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
         )
 
-    abstract_params = jax.eval_shape(lambda: fns.init_params(0))
+    abstract_params, abstract_opt = fns.abstract_params, fns.abstract_opt
     restored = mngr.restore(
         step,
         args=ocp.args.Composite(
@@ -285,13 +285,12 @@ def train(cfg: Config) -> dict[str, Any]:
         micro_batch=tc.micro_batch_size,
         loss_chunk=tc.loss_chunk_size,
     )
-    abstract_opt = jax.eval_shape(optimizer.init, jax.eval_shape(lambda: fns.init_params(0)))
 
     mngr = make_checkpoint_manager(paths, cfg)
     data_iter = iter(pipeline)
     start_step = mngr.latest_step()
     if start_step is not None:
-        params, opt_state = restore_checkpoint(mngr, start_step, fns, abstract_opt, data_iter)
+        params, opt_state = restore_checkpoint(mngr, start_step, fns, data_iter)
         log(f"resumed from {paths.checkpoints}/{start_step}")
     else:
         start_step = 0

@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from agentrefine_jax import sharding as shd
+from agentrefine_jax.checkpoint import abstract_params
 from agentrefine_jax.models import Transformer
 from agentrefine_jax.models.config import ModelConfig
 from agentrefine_jax.train.loss import chunked_cross_entropy, target_weights
@@ -32,18 +33,14 @@ class StepFns:
     graphdef: Any
     param_shardings: Params
     opt_shardings: Any
+    # ShapeDtypeStruct trees of the pure-dict params and the optimizer state (restore targets).
+    abstract_params: Params
+    abstract_opt: Any
     batch_sharding: NamedSharding
     init_params: Callable[[int], Params]
     init_opt: Callable[[Params], Any]
     train: Callable[[Params, Any, Batch], tuple[Params, Any, dict[str, jax.Array]]]
     evaluate: Callable[[Params, Batch], tuple[jax.Array, jax.Array]]
-
-
-def abstract_params(model_cfg: ModelConfig) -> tuple[Any, nnx.State]:
-    from agentrefine_jax.models import abstract
-
-    graphdef, state = nnx.split(abstract(model_cfg), nnx.Param)
-    return graphdef, state
 
 
 def param_shardings(model_cfg: ModelConfig, mesh: Mesh, rules: shd.Rules) -> tuple[Any, Params]:
@@ -83,7 +80,8 @@ def build_steps(
 
     init_params_jit = jax.jit(init_params, static_argnums=0, out_shardings=p_shard)
     with shd.use_sharding(mesh, rules):
-        abstract_opt = jax.eval_shape(optimizer.init, jax.eval_shape(lambda: init_params(0)))
+        abstract_pure = jax.eval_shape(lambda: init_params(0))
+        abstract_opt = jax.eval_shape(optimizer.init, abstract_pure)
     # Optimizer moments mirror the parameters' shardings; scalars (counts) are replicated.
     opt_shard = _mirror_shardings(abstract_opt, p_shard, replicated)
     init_opt = jax.jit(optimizer.init, in_shardings=(p_shard,), out_shardings=opt_shard)
@@ -145,6 +143,8 @@ def build_steps(
         graphdef=graphdef,
         param_shardings=p_shard,
         opt_shardings=opt_shard,
+        abstract_params=abstract_pure,
+        abstract_opt=abstract_opt,
         batch_sharding=b_shard,
         init_params=with_rules(init_params_jit),
         init_opt=with_rules(init_opt),
