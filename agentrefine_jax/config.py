@@ -17,7 +17,17 @@ from typing import Any
 
 from agentrefine_jax.models.config import ModelConfig, RopeScaling
 
-CONFIGS_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+
+def _configs_dir() -> pathlib.Path:
+    """The repository's `configs/` in a source checkout or editable install; the copy the wheel
+    ships as `agentrefine_jax/configs/` (see setup.py) after a regular install."""
+    package = pathlib.Path(__file__).resolve().parent
+    in_checkout = package.parent / "configs"
+    return in_checkout if in_checkout.is_dir() else package / "configs"
+
+
+CONFIGS_DIR = _configs_dir()
 
 
 @dataclasses.dataclass

@@ -10,10 +10,10 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
+from venvs import venv_seeing_this_interpreter
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "tpu_scripts"
@@ -162,24 +162,10 @@ def test_launch_refuses_unshared_run_dir() -> None:
 
 
 def _fake_worker_home(tmp_path: pathlib.Path) -> pathlib.Path:
-    """A worker's home: the project dir and a real virtualenv that sees what this interpreter sees.
-
-    `--system-site-packages` is not enough: run from inside a virtualenv it exposes the *base*
-    interpreter's packages, not the ones (and the project) installed in that virtualenv. A .pth
-    file listing this interpreter's import path works for a plain interpreter and a venv alike.
-    """
+    """A worker's home: the project dir and a real virtualenv that sees what this interpreter sees."""
     home = tmp_path / "home"
     (home / "agentrefine_jax").mkdir(parents=True)
-    venv = home / "agentrefine-venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    site = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    visible = [p for p in [str(REPO), *sys.path] if p and pathlib.Path(p).is_dir()]
-    (pathlib.Path(site) / "outer_interpreter.pth").write_text("\n".join(visible) + "\n")
+    venv_seeing_this_interpreter(home / "agentrefine-venv", extra=(str(REPO),))
     return home
 
 
