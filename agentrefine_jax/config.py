@@ -18,7 +18,6 @@ from typing import Any
 from agentrefine_jax.models.config import ModelConfig, RopeScaling
 
 
-
 def _configs_dir() -> pathlib.Path:
     """The repository's `configs/` in a source checkout or editable install; the copy the wheel
     ships as `agentrefine_jax/configs/` (see setup.py) after a regular install."""

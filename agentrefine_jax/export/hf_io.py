@@ -34,8 +34,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from agentrefine_jax.checkpoint import abstract_params, param_shardings
-from agentrefine_jax.export import mapping
-from agentrefine_jax.models import llama
+from agentrefine_jax.models import llama, params
 from agentrefine_jax.models.config import ModelConfig, RopeScaling
 
 Log = Callable[[str], None]
@@ -337,7 +336,7 @@ def load_hf_model(
     flat_abs = _flat(nnx.to_pure_dict(abs_params))
     flat_sh = _flat(shardings)
 
-    expected = mapping.expected_hf_names(cfg)
+    expected = params.expected_hf_names(cfg)
     total = len(expected)
     arrays: dict[tuple[str, ...], jax.Array] = {}
     seen: set[str] = set()
@@ -350,12 +349,12 @@ def load_hf_model(
         if name in seen:
             raise ValueError(f"tensor {name} appears twice in {hf_dir}")
         try:
-            want = mapping.hf_shape(name, cfg)
+            want = params.hf_shape(name, cfg)
         except KeyError as e:
             raise ValueError(f"{hf_dir}: {e.args[0]} (not part of a {cfg.family} model)") from None
         if tuple(tensor.shape) != want:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, config.json implies {want}")
-        path, layer, ours = mapping.hf_to_ours(name, tensor, cfg)
+        path, layer, ours = params.hf_to_ours(name, tensor, cfg)
         del tensor
         sh = flat_sh[path]
         if layer is None:
@@ -423,13 +422,7 @@ def _hf_plan(
     cfg: ModelConfig, flat_abs: Mapping[tuple[str, ...], Any]
 ) -> list[tuple[str, tuple[str, ...], int | None]]:
     """(HF name, our path, layer) in transformers' order: embed, layer 0..L-1, norm, lm_head."""
-    plan: list[tuple[str, tuple[str, ...], int | None]] = [("model.embed_tokens.weight", ("embed",), None)]
-    for i in range(cfg.num_layers):
-        for name in mapping.hf_layer_order():
-            plan.append((mapping.hf_layer_tensor_name(name, i), ("layers", name), i))
-    plan.append(("model.norm.weight", ("final_norm",), None))
-    if not cfg.tie_embeddings:
-        plan.append(("lm_head.weight", ("lm_head",), None))
+    plan = [(name, row.path, layer) for name, row, layer in params.hf_order(cfg)]
     missing = sorted({"/".join(p) for _, p, _ in plan} - {"/".join(p) for p in flat_abs})
     if missing:
         raise ValueError(f"model lacks parameters {missing}")
@@ -504,10 +497,8 @@ def save_hf(
         tensors: dict[str, np.ndarray] = {}
         for hf_name, path, layer in entries:
             arr = flat[path]
-            if layer is None:
-                name, host = mapping.top_level_to_hf(path, _to_host(arr))
-            else:
-                name, host = mapping.layer_to_hf(path[1], layer, _to_host(arr[layer]), model_cfg)
+            host = _to_host(arr if layer is None else arr[layer])
+            name, host = params.ours_to_hf(params.BY_PATH[path], host, layer)
             assert name == hf_name, (name, hf_name)
             tensors[name] = np.ascontiguousarray(host.astype(np_dtype, copy=False))
             weight_map[name] = fname

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from agentrefine_jax.models import rope
+from agentrefine_jax.models import params, rope
 from agentrefine_jax.models.config import ModelConfig
 from agentrefine_jax.sharding import constrain
 
@@ -33,13 +33,13 @@ _REMAT = {
 }
 
 
-def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape: tuple[int, ...], axes: tuple[str, ...]) -> nnx.Param:
-    init = jax.nn.initializers.normal(cfg.initializer_range)
-    return nnx.Param(init(rngs.params(), shape, jnp.dtype(cfg.param_dtype)), axes=axes)
-
-
-def _ones(cfg: ModelConfig, shape: tuple[int, ...], axes: tuple[str, ...]) -> nnx.Param:
-    return nnx.Param(jnp.ones(shape, jnp.dtype(cfg.param_dtype)), axes=axes)
+def _create(rngs: nnx.Rngs, cfg: ModelConfig, row: params.Param) -> nnx.Param:
+    shape, dtype = params.shape(row, cfg), jnp.dtype(cfg.param_dtype)
+    if row.init == "ones":
+        value = jnp.ones(shape, dtype)
+    else:
+        value = jax.nn.initializers.normal(cfg.initializer_range)(rngs.params(), shape, dtype)
+    return nnx.Param(value, axes=params.logical_axes(row))
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -85,23 +85,8 @@ class DecoderLayers(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        n, d, h, kv, hd, f = (
-            cfg.num_layers,
-            cfg.hidden_size,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.intermediate_size,
-        )
-        self.attn_norm = _ones(cfg, (n, d), ("layers", "norm"))
-        self.wq = _param(rngs, cfg, (n, d, h, hd), ("layers", "embed", "heads", "head_dim"))
-        self.wk = _param(rngs, cfg, (n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim"))
-        self.wv = _param(rngs, cfg, (n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim"))
-        self.wo = _param(rngs, cfg, (n, h, hd, d), ("layers", "heads", "head_dim", "embed"))
-        self.mlp_norm = _ones(cfg, (n, d), ("layers", "norm"))
-        self.w_gate = _param(rngs, cfg, (n, d, f), ("layers", "embed", "mlp"))
-        self.w_up = _param(rngs, cfg, (n, d, f), ("layers", "embed", "mlp"))
-        self.w_down = _param(rngs, cfg, (n, f, d), ("layers", "mlp", "embed"))
+        for row in params.LAYER_PARAMS:
+            setattr(self, row.path[1], _create(rngs, cfg, row))
 
 
 def layer_forward(
@@ -152,15 +137,12 @@ def layer_forward(
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        pdt = jnp.dtype(cfg.param_dtype)
-        embed_init = jax.nn.initializers.normal(cfg.initializer_range)
-        self.embed = nnx.Param(
-            embed_init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), pdt), axes=("vocab", "embed")
-        )
-        self.layers = DecoderLayers(cfg, rngs=rngs)
-        self.final_norm = _ones(cfg, (cfg.hidden_size,), ("norm",))
-        if not cfg.tie_embeddings:
-            self.lm_head = _param(rngs, cfg, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
+        # Table order is also the order random initialisers draw in: embed, layers, head.
+        for row in params.present(cfg):
+            if not row.per_layer:
+                setattr(self, row.path[0], _create(rngs, cfg, row))
+            elif not hasattr(self, "layers"):
+                self.layers = DecoderLayers(cfg, rngs=rngs)
 
     # ----------------------------------------------------------------------------- API
 

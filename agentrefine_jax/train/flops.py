@@ -9,8 +9,11 @@ MFU is "model FLOPs utilisation" in the PaLM sense.
 
 from __future__ import annotations
 
+import math
+
 import jax
 
+from agentrefine_jax.models import params
 from agentrefine_jax.models.config import ModelConfig
 
 # Peak dense bf16 FLOP/s per chip, from the vendors' published specs.
@@ -23,9 +26,8 @@ PEAK_FLOPS = {
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    d, f, h, kv, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    per_layer = d * (h * hd) * 2 + d * (kv * hd) * 2 + 3 * d * f
-    return cfg.num_layers * per_layer + d * cfg.vocab_size
+    """Every linear row of the parameter table; the output projection counts even when tied."""
+    return sum(math.prod(params.shape(row, cfg)) for row in params.TABLE if row.kind == "linear")
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

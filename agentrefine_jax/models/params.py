@@ -1,0 +1,161 @@
+"""The one table of our parameters: shape, sharding axes, initialiser, and Hugging Face name/layout.
+
+Model construction, HF import/export and FLOP counting all read this table, so adding a
+tensor (a bias, a q-norm) means adding one row here and using it in the forward pass.
+
+Layouts: HF stores a linear weight as [out, in]; we store [*in, *out] with heads split out so
+sharding rules can name the head axis. The conversion is a transpose and a reshape — exact.
+Both stacks use the same rotate-half RoPE layout, so q/k need no permutation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterator
+from typing import Literal
+
+import numpy as np
+
+from agentrefine_jax.models.config import ModelConfig
+
+Path = tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    path: Path  # ours, e.g. ("layers", "wq"); per-layer rows are stacked on a leading "layers" axis
+    hf: str  # transformers' name; "{i}" stands for the layer index
+    dims: tuple[str, ...]  # our shape (without the layers axis) in `ModelConfig` dimension names
+    axes: tuple[str, ...]  # logical axis names, same order as `dims`
+    kind: Literal["linear", "copy"]  # linear: [*in, *out] <-> HF [out, in]; copy: same layout
+    n_in: int = 1  # linear: how many leading `dims` are the input side
+    init: Literal["normal", "ones"] = "normal"
+    untied_only: bool = False  # absent when the output projection is tied to the embedding
+
+    @property
+    def per_layer(self) -> bool:
+        return self.path[0] == "layers"
+
+
+_L = "model.layers.{i}."  # transformers' per-layer prefix
+_QKV = ("hidden", "heads", "head_dim")
+_KV = ("hidden", "kv_heads", "head_dim")
+
+# fmt: off
+TABLE: tuple[Param, ...] = (
+    #      ours                     HF                                        dims (our shape)                    logical axes                           kind
+    Param(("embed",),               "model.embed_tokens.weight",              ("vocab", "hidden"),                ("vocab", "embed"),                     "copy"),
+    Param(("layers", "attn_norm"),  _L + "input_layernorm.weight",            ("hidden",),                        ("norm",),                              "copy", init="ones"),
+    Param(("layers", "wq"),         _L + "self_attn.q_proj.weight",           _QKV,                               ("embed", "heads", "head_dim"),         "linear"),
+    Param(("layers", "wk"),         _L + "self_attn.k_proj.weight",           _KV,                                ("embed", "kv_heads", "head_dim"),      "linear"),
+    Param(("layers", "wv"),         _L + "self_attn.v_proj.weight",           _KV,                                ("embed", "kv_heads", "head_dim"),      "linear"),
+    Param(("layers", "wo"),         _L + "self_attn.o_proj.weight",           ("heads", "head_dim", "hidden"),    ("heads", "head_dim", "embed"),         "linear", n_in=2),
+    Param(("layers", "mlp_norm"),   _L + "post_attention_layernorm.weight",   ("hidden",),                        ("norm",),                              "copy", init="ones"),
+    Param(("layers", "w_gate"),     _L + "mlp.gate_proj.weight",              ("hidden", "mlp"),                  ("embed", "mlp"),                       "linear"),
+    Param(("layers", "w_up"),       _L + "mlp.up_proj.weight",                ("hidden", "mlp"),                  ("embed", "mlp"),                       "linear"),
+    Param(("layers", "w_down"),     _L + "mlp.down_proj.weight",              ("mlp", "hidden"),                  ("mlp", "embed"),                       "linear"),
+    Param(("final_norm",),          "model.norm.weight",                      ("hidden",),                        ("norm",),                              "copy", init="ones"),
+    Param(("lm_head",),             "lm_head.weight",                         ("hidden", "vocab"),                ("embed", "vocab"),                     "linear", untied_only=True),
+)
+# fmt: on
+BY_PATH: dict[Path, Param] = {p.path: p for p in TABLE}
+LAYER_PARAMS: tuple[Param, ...] = tuple(p for p in TABLE if p.per_layer)
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_BY_HF_LAYER_SUFFIX = {p.hf.removeprefix(_L): p for p in LAYER_PARAMS}
+_BY_HF_TOP = {p.hf: p for p in TABLE if not p.per_layer}
+
+
+def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
+    return {
+        "vocab": cfg.vocab_size,
+        "hidden": cfg.hidden_size,
+        "heads": cfg.num_heads,
+        "kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "mlp": cfg.intermediate_size,
+    }
+
+
+def present(cfg: ModelConfig) -> tuple[Param, ...]:
+    """The rows a model under `cfg` holds (no lm_head when tied)."""
+    return tuple(p for p in TABLE if not (p.untied_only and cfg.tie_embeddings))
+
+
+def shape(p: Param, cfg: ModelConfig, *, stacked: bool = True) -> tuple[int, ...]:
+    """Our shape of `p`; with `stacked`, per-layer rows carry the leading layers axis."""
+    sizes = dim_sizes(cfg)
+    own = tuple(sizes[d] for d in p.dims)
+    return (cfg.num_layers, *own) if stacked and p.per_layer else own
+
+
+def logical_axes(p: Param) -> tuple[str, ...]:
+    return ("layers", *p.axes) if p.per_layer else p.axes
+
+
+def hf_shape_of(p: Param, cfg: ModelConfig) -> tuple[int, ...]:
+    own = shape(p, cfg, stacked=False)
+    if p.kind == "copy":
+        return own
+    return (math.prod(own[p.n_in :]), math.prod(own[: p.n_in]))
+
+
+def hf_name(p: Param, layer: int | None = None) -> str:
+    return p.hf.format(i=layer) if p.per_layer else p.hf
+
+
+def lookup_hf(name: str) -> tuple[Param, int | None]:
+    """HF tensor name -> (row, layer index or None). KeyError for a tensor we do not know."""
+    if name in _BY_HF_TOP:
+        return _BY_HF_TOP[name], None
+    m = _HF_LAYER_RE.match(name)
+    if m and m.group(2) in _BY_HF_LAYER_SUFFIX:
+        return _BY_HF_LAYER_SUFFIX[m.group(2)], int(m.group(1))
+    raise KeyError(f"unexpected tensor in HF checkpoint: {name}")
+
+
+def hf_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
+    """The HF shape a tensor named `name` must have under `cfg` (KeyError for unknown names)."""
+    return hf_shape_of(lookup_hf(name)[0], cfg)
+
+
+def expected_hf_names(cfg: ModelConfig) -> set[str]:
+    names: set[str] = set()
+    for p in present(cfg):
+        layers = range(cfg.num_layers) if p.per_layer else [None]
+        names.update(hf_name(p, i) for i in layers)
+    return names
+
+
+def hf_order(cfg: ModelConfig) -> Iterator[tuple[str, Param, int | None]]:
+    """(HF name, row, layer) in writing order: embed, layer 0..L-1, final norm, lm_head."""
+    rows = present(cfg)
+    for p in rows:
+        if p.path == ("embed",):
+            yield hf_name(p), p, None
+    for i in range(cfg.num_layers):
+        for p in rows:
+            if p.per_layer:
+                yield hf_name(p, i), p, i
+    for p in rows:
+        if not p.per_layer and p.path != ("embed",):
+            yield hf_name(p), p, None
+
+
+def hf_to_ours(name: str, tensor: np.ndarray, cfg: ModelConfig) -> tuple[Path, int | None, np.ndarray]:
+    """One HF tensor -> (our path, layer index or None, array in our layout, one layer's slice)."""
+    p, layer = lookup_hf(name)
+    if p.kind == "copy":
+        return p.path, layer, tensor
+    return p.path, layer, tensor.T.reshape(shape(p, cfg, stacked=False))
+
+
+def ours_to_hf(p: Param, array: np.ndarray, layer: int | None = None) -> tuple[str, np.ndarray]:
+    """One (layer's slice of a) parameter in our layout -> (HF tensor name, HF-layout array)."""
+    if p.kind == "copy":
+        out = array
+    else:
+        n_in = math.prod(array.shape[: p.n_in])
+        out = array.reshape(n_in, -1).T
+    return hf_name(p, layer), np.ascontiguousarray(out)
