@@ -15,7 +15,7 @@ from flax import nnx
 from agentrefine_jax.checkpoint import save_model
 from agentrefine_jax.eval.cli import main
 from agentrefine_jax.eval.policies import DEFAULT_STOP
-from agentrefine_jax.generate import ChatGenerator
+from agentrefine_jax.inference.chat import ChatGenerator
 from agentrefine_jax.models import llama
 from agentrefine_jax.models.config import preset
 

@@ -11,7 +11,7 @@ from flax import nnx
 from agentrefine_jax.checkpoint import save_model
 from agentrefine_jax.data.templates import get_template
 from agentrefine_jax.data.tokenizers import load_tokenizer
-from agentrefine_jax.generate import ChatGenerator, ContextOverflowError
+from agentrefine_jax.inference.chat import ChatGenerator, ContextOverflowError
 from agentrefine_jax.models import llama
 from agentrefine_jax.models.config import preset
 

@@ -20,9 +20,9 @@ import pytest
 import torch
 from hf_fixtures import load_hf, make_checkpoint
 
-from agentrefine_jax import generate as generate_cli
 from agentrefine_jax.checkpoint import save_model
 from agentrefine_jax.export.hf_io import load_hf_model, save_hf
+from agentrefine_jax.inference import cli as inference_cli
 from agentrefine_jax.inference.engine import generate, generate_ids
 
 NEW_TOKENS = 24
@@ -106,10 +106,10 @@ def test_cli_greedy_on_saved_and_exported_checkpoint(models, tmp_path, capsys):
     eos = list(model.cfg.eos_token_ids)
     prompts = random_prompts(model.cfg.vocab_size, [5, 41, 19], eos, seed=8)
 
-    argv = ["--checkpoint", str(ckpt), "--max-new-tokens", str(NEW_TOKENS), "--greedy"]
+    argv = ["generate", "--checkpoint", str(ckpt), "--max-new-tokens", str(NEW_TOKENS), "--greedy"]
     for p in prompts:
         argv += ["--prompt-ids", ",".join(map(str, p))]
-    assert generate_cli.main(argv) == 0
+    assert inference_cli.main(argv) == 0
     ours = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert ours == hf_greedy(load_hf(tmp_path / "exported"), prompts, NEW_TOKENS, eos)
     assert max(len(r) for r in ours) == NEW_TOKENS
@@ -117,7 +117,8 @@ def test_cli_greedy_on_saved_and_exported_checkpoint(models, tmp_path, capsys):
 
 def test_cli_entry_point_reports_errors_cleanly(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    cmd = [sys.executable, "-m", "agentrefine_jax.generate", "--checkpoint", str(tmp_path / "missing")]
+    missing = str(tmp_path / "missing")
+    cmd = [sys.executable, "-m", "agentrefine_jax.inference", "generate", "--checkpoint", missing]
     res = subprocess.run(
         cmd + ["--prompt-ids", "1,2", "--max-new-tokens", "2"],
         capture_output=True,

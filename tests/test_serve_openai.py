@@ -16,8 +16,8 @@ import pytest
 from test_generate_chat import CFG, CONVERSATION, numpy_model
 
 from agentrefine_jax.checkpoint import save_model
-from agentrefine_jax.generate import ChatGenerator
-from agentrefine_jax.serve import ChatService, make_server
+from agentrefine_jax.inference.chat import ChatGenerator
+from agentrefine_jax.inference.server import ChatService, make_server
 
 KEY = "test-key-123"
 # Same model, weights and prompt shapes as test_generate_chat, so one pytest session compiles once.
@@ -100,7 +100,8 @@ def test_models_and_errors(server):
 def test_cli_server_answers_openai_client(checkpoint, generator):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.pop("AGENTREFINE_SERVE_API_KEY", None)
-    cmd = [sys.executable, "-m", "agentrefine_jax.serve", "--checkpoint", str(checkpoint), "--port", "0"]
+    cmd = [sys.executable, "-m", "agentrefine_jax.inference", "serve", "--checkpoint", str(checkpoint)]
+    cmd += ["--port", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()  # blocks until the server is listening (or exits)

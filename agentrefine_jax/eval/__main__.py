@@ -1,5 +1,8 @@
+"""`python -m agentrefine_jax.eval ...` (see agentrefine_jax/eval/cli.py)."""
+
 import sys
 
 from agentrefine_jax.eval.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

@@ -153,7 +153,7 @@ class OpenAIChatPolicy:
 
 
 class CheckpointPolicy:
-    """A local checkpoint through `agentrefine_jax.generate.ChatGenerator` (one batched call per turn).
+    """A local checkpoint through `agentrefine_jax.inference.chat.ChatGenerator` (one batched call per turn).
 
     Prompts use the checkpoint's training chat template, so system-prompt placement and control-token
     escaping match fine-tuning.
@@ -169,7 +169,7 @@ class CheckpointPolicy:
         generator: Any | None = None,
     ):
         if generator is None:
-            from agentrefine_jax.generate import ChatGenerator  # lazy: pulls in JAX and the model
+            from agentrefine_jax.inference.chat import ChatGenerator  # lazy: pulls in JAX and the model
 
             generator = ChatGenerator.from_checkpoint(checkpoint, template=template)
         self._gen = generator
@@ -177,7 +177,7 @@ class CheckpointPolicy:
         self.sampling = sampling
 
     def act(self, requests: Sequence[ActRequest]) -> list[str | PolicyError]:
-        from agentrefine_jax.generate import ContextOverflowError
+        from agentrefine_jax.inference.chat import ContextOverflowError
 
         s = self.sampling
         seed = (sum(r.seed for r in requests) + max(r.step for r in requests)) % 2**31

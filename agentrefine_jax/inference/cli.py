@@ -1,9 +1,11 @@
-"""`python -m agentrefine_jax.generate`: generate from a checkpoint, on token ids or chat text.
+"""`python -m agentrefine_jax.inference generate|serve`: decode from a checkpoint, or serve it.
 
-    python -m agentrefine_jax.generate --checkpoint CKPT --prompt-ids 1,2,3 --max-new-tokens 16 --greedy
+    python -m agentrefine_jax.inference generate --checkpoint CKPT --prompt-ids 1,2,3 --max-new-tokens 16
         -> prints the generated ids as a JSON list (one line per --prompt-ids, batched)
-    python -m agentrefine_jax.generate --checkpoint CKPT --prompt "Hello" --template llama3
+    python -m agentrefine_jax.inference generate --checkpoint CKPT --prompt "Hello" --template llama3
         -> prints the assistant reply (the prompt is built with the training chat template)
+    python -m agentrefine_jax.inference serve --checkpoint CKPT --port 8000
+        -> an OpenAI-compatible /v1/chat/completions server (see inference/server.py)
 
 Progress and timings go to stderr; stdout carries only the result.
 """
@@ -12,16 +14,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
-from agentrefine_jax.inference.chat import ChatGenerator, Completion, ContextOverflowError
+from agentrefine_jax.inference.chat import ChatGenerator
 from agentrefine_jax.inference.engine import generate
 from agentrefine_jax.inference.loading import load_for_inference
+from agentrefine_jax.inference.server import ChatService, make_server
 from agentrefine_jax.models.llama import param_count
 
-__all__ = ["ChatGenerator", "Completion", "ContextOverflowError", "main"]
+PROG = "python -m agentrefine_jax.inference"
 
 
 def _ids(text: str) -> list[int]:
@@ -35,10 +41,22 @@ def _ids(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m agentrefine_jax.generate",
-        description="KV-cached generation from a project checkpoint or a Hugging Face directory.",
+    parser = argparse.ArgumentParser(prog=PROG, description="Decode from, or serve, a checkpoint.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(
+        sub.add_parser(
+            "generate", help="KV-cached generation from a project checkpoint or a Hugging Face directory."
+        )
     )
+    _add_serve(
+        sub.add_parser(
+            "serve", help="OpenAI-compatible /v1/chat/completions server for a checkpoint or HF model dir."
+        )
+    )
+    return parser
+
+
+def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="training run / checkpoint dir, or an HF model dir")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
@@ -62,7 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
     stops.add_argument("--no-stop-ids", action="store_true", help="never stop before --max-new-tokens")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="override the compute dtype")
     p.add_argument("--json", action="store_true", help="chat mode: print a JSON object instead of the text")
-    return p
 
 
 def _log(msg: str) -> None:
@@ -86,7 +103,7 @@ def _messages(args: argparse.Namespace) -> list[dict[str, Any]]:
     return msgs
 
 
-def run(args: argparse.Namespace) -> int:
+def run_generate(args: argparse.Namespace) -> int:
     temperature = _temperature(args)
     t0 = time.perf_counter()
     loaded = load_for_inference(args.checkpoint, dtype=args.dtype)
@@ -149,14 +166,71 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="training run / checkpoint dir, or an HF model dir")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="0 = any free port (printed at start-up)")
+    p.add_argument("--model-name", help="the model id clients must send (default: checkpoint dir name)")
+    p.add_argument("--template", help="chat template (default: the checkpoint's)")
+    p.add_argument("--tokenizer", help="tokenizer name or dir (default: the checkpoint's)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="override the compute dtype")
+    p.add_argument("--default-max-tokens", type=int, default=512, help="when a request sets no max_tokens")
+    p.add_argument("--max-n", type=int, default=16, help="largest 'n' a request may ask for")
+    p.add_argument(
+        "--api-key-env",
+        default="AGENTREFINE_SERVE_API_KEY",
+        help="env var holding the key clients must send; unset or empty = no authentication",
+    )
+    p.add_argument("--warmup", action="store_true", help="compile for a short request before serving")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    def log(msg: str) -> None:
+        print(f"[serve] {msg}", file=sys.stderr, flush=True)
+
+    try:
+        t0 = time.perf_counter()
+        gen = ChatGenerator.from_checkpoint(args.checkpoint, args.template, args.tokenizer, dtype=args.dtype)
+        log(f"loaded {args.checkpoint} in {time.perf_counter() - t0:.1f}s")
+        api_key = os.environ.get(args.api_key_env) or None
+        service = ChatService(
+            gen,
+            model_name=args.model_name,
+            default_max_tokens=args.default_max_tokens,
+            max_n=args.max_n,
+            api_key=api_key,
+            log=log,
+        )
+        if args.warmup:
+            t0 = time.perf_counter()
+            gen.complete([[{"role": "user", "content": "hi"}]], max_new_tokens=2)
+            log(f"warm-up compile done in {time.perf_counter() - t0:.1f}s")
+        server = make_server(service, args.host, args.port)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        log(f"error: {e}")
+        return 2
+    if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log(f"warning: serving on {args.host} without an API key (set ${args.api_key_env})")
+    host, port = server.server_address[:2]
+    # The exact line tests and scripts wait for; stdout carries nothing else.
+    print(f"serving {service.model_name!r} on http://{host}:{port}/v1", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        log("stopped")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return run_serve(args)
     try:
-        return run(args)
+        return run_generate(args)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"[generate] error: {e}", file=sys.stderr, flush=True)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

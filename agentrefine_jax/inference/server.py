@@ -1,6 +1,6 @@
-"""`python -m agentrefine_jax.serve`: an OpenAI-compatible chat-completions server for our models.
+"""An OpenAI-compatible chat-completions server for our models.
 
-    python -m agentrefine_jax.serve --checkpoint CKPT --port 8000
+    python -m agentrefine_jax.inference serve --checkpoint CKPT --port 8000
     # then, from any OpenAI client:
     openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x").chat.completions.create(
         model=NAME, messages=[...], max_tokens=256, temperature=0.7)
@@ -14,13 +14,10 @@ Bearer token (the key itself is never logged).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hmac
 import json
-import os
 import secrets
-import signal
 import sys
 import threading
 import time
@@ -349,73 +346,3 @@ def make_server(service: ChatService, host: str = "127.0.0.1", port: int = 8000)
     server = ThreadingHTTPServer((host, port), _handler(service))
     server.daemon_threads = True
     return server
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m agentrefine_jax.serve",
-        description="OpenAI-compatible /v1/chat/completions server for a checkpoint or HF model dir.",
-    )
-    p.add_argument("--checkpoint", required=True, help="training run / checkpoint dir, or an HF model dir")
-    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="0 = any free port (printed at start-up)")
-    p.add_argument("--model-name", help="the model id clients must send (default: checkpoint dir name)")
-    p.add_argument("--template", help="chat template (default: the checkpoint's)")
-    p.add_argument("--tokenizer", help="tokenizer name or dir (default: the checkpoint's)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="override the compute dtype")
-    p.add_argument("--default-max-tokens", type=int, default=512, help="when a request sets no max_tokens")
-    p.add_argument("--max-n", type=int, default=16, help="largest 'n' a request may ask for")
-    p.add_argument(
-        "--api-key-env",
-        default="AGENTREFINE_SERVE_API_KEY",
-        help="env var holding the key clients must send; unset or empty = no authentication",
-    )
-    p.add_argument("--warmup", action="store_true", help="compile for a short request before serving")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-
-    def log(msg: str) -> None:
-        print(f"[serve] {msg}", file=sys.stderr, flush=True)
-
-    try:
-        t0 = time.perf_counter()
-        gen = ChatGenerator.from_checkpoint(args.checkpoint, args.template, args.tokenizer, dtype=args.dtype)
-        log(f"loaded {args.checkpoint} in {time.perf_counter() - t0:.1f}s")
-        api_key = os.environ.get(args.api_key_env) or None
-        service = ChatService(
-            gen,
-            model_name=args.model_name,
-            default_max_tokens=args.default_max_tokens,
-            max_n=args.max_n,
-            api_key=api_key,
-            log=log,
-        )
-        if args.warmup:
-            t0 = time.perf_counter()
-            gen.complete([[{"role": "user", "content": "hi"}]], max_new_tokens=2)
-            log(f"warm-up compile done in {time.perf_counter() - t0:.1f}s")
-        server = make_server(service, args.host, args.port)
-    except (ValueError, FileNotFoundError, OSError) as e:
-        log(f"error: {e}")
-        return 2
-    if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-        log(f"warning: serving on {args.host} without an API key (set ${args.api_key_env})")
-    host, port = server.server_address[:2]
-    # The exact line tests and scripts wait for; stdout carries nothing else.
-    print(f"serving {service.model_name!r} on http://{host}:{port}/v1", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-        log("stopped")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
