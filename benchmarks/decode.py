@@ -108,7 +108,7 @@ def bench_transformers(
 
 
 def bench_ours(hf_dir: pathlib.Path, prompts: np.ndarray, args: argparse.Namespace) -> dict[str, object]:
-    from agentrefine_jax.export.hf_io import load_hf_model
+    from agentrefine_jax.hf.io import load_hf_model
     from agentrefine_jax.inference.engine import generate
 
     _, model = load_hf_model(hf_dir, dtype=args.dtype, param_dtype=args.dtype)
@@ -141,7 +141,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="decode-bench-") as tmp:
         hf_dir = pathlib.Path(args.hf_dir) if args.hf_dir else random_hf_dir(args, pathlib.Path(tmp) / "hf")
-        from agentrefine_jax.export.hf_io import read_hf_config
+        from agentrefine_jax.hf.io import read_hf_config
 
         cfg = read_hf_config(hf_dir)
         rng = np.random.default_rng(args.seed)

@@ -18,7 +18,7 @@ from flax import nnx
 
 from agentrefine_jax import checkpoint as ckpt
 from agentrefine_jax.export.cli import main
-from agentrefine_jax.export.hf_io import load_hf_model
+from agentrefine_jax.hf.io import load_hf_model
 
 VERIFY_LENS = "16,40"  # both past the tiny Mistral's sliding window (8)
 

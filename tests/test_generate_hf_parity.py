@@ -21,7 +21,7 @@ import torch
 from hf_fixtures import load_hf, make_checkpoint
 
 from agentrefine_jax.checkpoint import save_model
-from agentrefine_jax.export.hf_io import load_hf_model, save_hf
+from agentrefine_jax.hf.io import load_hf_model, save_hf
 from agentrefine_jax.inference import cli as inference_cli
 from agentrefine_jax.inference.engine import generate, generate_ids
 

@@ -11,7 +11,7 @@ from flax import nnx
 from hf_fixtures import make_checkpoint
 from test_generate_hf_parity import random_prompts
 
-from agentrefine_jax.export.hf_io import load_hf_model
+from agentrefine_jax.hf.io import load_hf_model
 from agentrefine_jax.inference import engine
 from agentrefine_jax.inference.engine import generate_ids, left_pad
 from agentrefine_jax.inference.sampling import row_keys, sample

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from agentrefine_jax.export.hf_io import load_hf_model
+from agentrefine_jax.hf.io import load_hf_model
 from agentrefine_jax.models import llama
 
 ATOL = 1e-4

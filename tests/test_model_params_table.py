@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from agentrefine_jax.export.hf_io import read_hf_config
+from agentrefine_jax.hf.io import read_hf_config
 from agentrefine_jax.models import llama, params
 from agentrefine_jax.train import flops
 

@@ -181,7 +181,7 @@ def test_init_from_hf_starts_from_the_transformers_weights(tmp_path):
 
     from agentrefine_jax.checkpoint import load_model
     from agentrefine_jax.config import load_config
-    from agentrefine_jax.export.hf_io import read_hf_config
+    from agentrefine_jax.hf.io import read_hf_config
     from agentrefine_jax.train.loop import train
 
     hf_dir = make_checkpoint(

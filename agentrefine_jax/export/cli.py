@@ -49,7 +49,7 @@ def cmd_from_hf(args: argparse.Namespace) -> int:
     import pathlib
 
     from agentrefine_jax.checkpoint import checkpoint_steps, save_model
-    from agentrefine_jax.export.hf_io import load_hf_model, read_hf_config
+    from agentrefine_jax.hf.io import load_hf_model, read_hf_config
 
     out_steps = checkpoint_steps(args.out)
     if out_steps:
@@ -82,7 +82,7 @@ def cmd_from_hf(args: argparse.Namespace) -> int:
 
 def cmd_to_hf(args: argparse.Namespace) -> int:
     from agentrefine_jax.checkpoint import load_model, resolve_checkpoint
-    from agentrefine_jax.export.hf_io import check_output_dir, parse_size, save_hf
+    from agentrefine_jax.hf.io import check_output_dir, parse_size, save_hf
 
     check_output_dir(args.out)
     mesh = parse_mesh(args.mesh)
@@ -128,8 +128,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from flax import nnx
 
     from agentrefine_jax.checkpoint import save_model
-    from agentrefine_jax.export.hf_io import check_output_dir, load_hf_model, save_hf
     from agentrefine_jax.export.verify import summary, verify
+    from agentrefine_jax.hf.io import check_output_dir, load_hf_model, save_hf
     from agentrefine_jax.models import llama, preset
 
     out = pathlib.Path(args.out)

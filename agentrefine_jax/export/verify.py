@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 
 from agentrefine_jax.checkpoint import load_model
-from agentrefine_jax.export.hf_io import NP_DTYPES, hf_weight_files, read_hf_config
+from agentrefine_jax.hf.io import NP_DTYPES, hf_weight_files, read_hf_config
 from agentrefine_jax.models.config import ModelConfig
 
 Log = Callable[[str], None]

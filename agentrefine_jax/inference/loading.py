@@ -42,7 +42,7 @@ def load_for_inference(
         overrides["dtype"] = dtype
     p = pathlib.Path(path)
     if is_hf_dir(p):
-        from agentrefine_jax.export.hf_io import load_hf_model
+        from agentrefine_jax.hf.io import load_hf_model
 
         cfg, model = load_hf_model(p, **overrides)
         has_tok = any((p / f).is_file() for f in _TOKENIZER_FILES)

@@ -403,7 +403,7 @@ def export_final(fns: StepFns, params: Any, cfg: Config, step: int) -> None:
 
     from flax import nnx
 
-    from agentrefine_jax.export.hf_io import save_hf
+    from agentrefine_jax.hf.io import save_hf
 
     out = pathlib.Path(cfg.train.export_hf_at_end)
     if not out.is_absolute():  # relative to the run, so two runs never write the same place
@@ -451,7 +451,7 @@ def _initial_params(cfg: Config, fns: StepFns, mesh: jax.sharding.Mesh) -> Any:
         return fns.init_params(cfg.train.seed)
     from flax import nnx
 
-    from agentrefine_jax.export.hf_io import load_hf_model
+    from agentrefine_jax.hf.io import load_hf_model
 
     hf_cfg, model = load_hf_model(
         cfg.train.init_from_hf, mesh=mesh, rules=cfg.mesh.rules, param_dtype=cfg.model.param_dtype

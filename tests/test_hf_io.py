@@ -1,4 +1,4 @@
-"""Reading and writing Hugging Face checkpoints (agentrefine_jax.export.hf_io) against transformers."""
+"""Reading and writing Hugging Face checkpoints (agentrefine_jax.hf.io) against transformers."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from agentrefine_jax.export import hf_io
+from agentrefine_jax.hf import io as hf_io
 from agentrefine_jax.models import RopeScaling
 from agentrefine_jax.sharding import make_mesh
 
