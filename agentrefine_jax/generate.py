@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any
 
+from agentrefine_jax.cli_errors import OneLineParser
 from agentrefine_jax.inference.chat import ChatGenerator, Completion, ContextOverflowError
 from agentrefine_jax.inference.engine import generate
 from agentrefine_jax.inference.loading import load_for_inference
@@ -35,7 +36,7 @@ def _ids(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m agentrefine_jax.generate",
         description="KV-cached generation from a project checkpoint or a Hugging Face directory.",
     )

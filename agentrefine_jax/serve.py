@@ -29,6 +29,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from agentrefine_jax.cli_errors import OneLineParser
 from agentrefine_jax.inference.chat import ChatGenerator, ContextOverflowError
 
 MAX_BODY_BYTES = 16 * 2**20
@@ -352,7 +353,7 @@ def make_server(service: ChatService, host: str = "127.0.0.1", port: int = 8000)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m agentrefine_jax.serve",
         description="OpenAI-compatible /v1/chat/completions server for a checkpoint or HF model dir.",
     )
