@@ -15,6 +15,7 @@ import types
 import typing
 from typing import Any
 
+from agentrefine_jax.config_checks import ConfigError, ConfigKeyError, ConfigNotFoundError, validate
 from agentrefine_jax.models.config import ModelConfig, RopeScaling
 
 
@@ -142,27 +143,33 @@ def resolve_config_path(name_or_path: str) -> pathlib.Path:
     if candidate.is_file():
         return candidate
     available = sorted(q.stem for q in CONFIGS_DIR.glob("*.py") if not q.stem.startswith("_"))
-    raise FileNotFoundError(f"no config {name_or_path!r}: not a file, and not one of configs/: {available}")
+    raise ConfigNotFoundError(f"no config {name_or_path!r}: not a file, and not one of configs/: {available}")
 
 
 def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Config:
+    """Load, override and validate: every user error is a one-line ConfigError (see config_checks)."""
     path = resolve_config_path(name_or_path)
     spec = importlib.util.spec_from_file_location(f"agentrefine_config_{path.stem}", path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "config"):
-        raise AttributeError(f"{path} must define `def config() -> Config`")
-    cfg = module.config()
+    try:
+        spec.loader.exec_module(module)
+        if not hasattr(module, "config"):
+            raise ConfigError(f"{path} must define `def config() -> Config`")
+        cfg = module.config()
+    except ConfigError:
+        raise
+    except Exception as e:  # the user's config file: report it in one line, not a traceback
+        raise ConfigError(f"config file {path} failed: {type(e).__name__}: {e}") from e
     if not isinstance(cfg, Config):
-        raise TypeError(f"{path}: config() returned {type(cfg).__name__}, expected Config")
-    return apply_overrides(cfg, overrides)
+        raise ConfigError(f"{path}: config() returned {type(cfg).__name__}, expected Config")
+    return validate(apply_overrides(cfg, overrides))
 
 
 def apply_overrides(cfg: Config, overrides: typing.Sequence[str]) -> Config:
     for item in overrides:
         if "=" not in item:
-            raise ValueError(f"--set expects key=value, got {item!r}")
+            raise ConfigError(f"--set expects key=value, got {item!r}")
         key, raw = item.split("=", 1)
         cfg = _set_path(cfg, key.strip().split("."), raw, key)
     return cfg
@@ -170,49 +177,71 @@ def apply_overrides(cfg: Config, overrides: typing.Sequence[str]) -> Config:
 
 def _set_path(obj: Any, parts: list[str], raw: str, full_key: str) -> Any:
     if not dataclasses.is_dataclass(obj):
-        raise KeyError(f"--set {full_key}: {type(obj).__name__} has no sub-fields")
+        raise ConfigKeyError(f"--set {full_key}: {type(obj).__name__} has no sub-fields")
     fields = {f.name: f for f in dataclasses.fields(obj)}
     name = parts[0]
     if name not in fields:
-        raise KeyError(f"--set {full_key}: unknown key {name!r}; choose from {sorted(fields)}")
+        raise ConfigKeyError(f"--set {full_key}: unknown key {name!r}; choose from {sorted(fields)}")
     hints = typing.get_type_hints(type(obj))
     if len(parts) == 1:
         value = parse_value(raw, hints[name], full_key)
     else:
         value = _set_path(getattr(obj, name), parts[1:], raw, full_key)
-    return dataclasses.replace(obj, **{name: value})
+    try:
+        return dataclasses.replace(obj, **{name: value})
+    except (ValueError, TypeError) as e:  # a dataclass's own __post_init__ check (ModelConfig)
+        raise ConfigError(f"--set {full_key}={raw}: {e}") from None
 
 
 def parse_value(raw: str, tp: Any, key: str = "") -> Any:
-    """Parse a CLI string into `tp` (bool/int/float/str/tuple/dict/Optional/dataclass)."""
+    """Parse a CLI string into `tp` (bool/int/float/str/tuple/dict/Optional/dataclass).
+
+    Raises ConfigError naming `key`, the raw value and what was expected.
+    """
+    try:
+        return _parse(raw, tp, key)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:  # bad JSON, a RopeScaling field typo, ...
+        raise ConfigError(f"--set {key}={raw}: {e}") from None
+
+
+def _parse(raw: str, tp: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         if raw.lower() in ("none", "null") and type(None) in args:
             return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:  # Optional[X]: X's own error says more
+            return _parse(raw, inner[0], key)
+        for arg in inner:
             try:
-                return parse_value(raw, arg, key)
-            except (ValueError, TypeError) as e:
-                errors.append(str(e))
-        raise ValueError(f"--set {key}: cannot parse {raw!r} as {tp}: {errors}")
+                return _parse(raw, arg, key)
+            except (ValueError, TypeError):
+                pass
+        names = [getattr(a, "__name__", str(a)) for a in inner]
+        raise ConfigError(f"--set {key}={raw}: expected {' or '.join(names)}")
     if origin is typing.Literal:
         if raw not in args:
-            raise ValueError(f"--set {key}: {raw!r} not one of {args}")
+            raise ConfigError(f"--set {key}={raw}: must be one of {', '.join(map(str, args))}")
         return raw
     if tp is bool:
         if raw.lower() in ("1", "true", "yes", "on"):
             return True
         if raw.lower() in ("0", "false", "no", "off"):
             return False
-        raise ValueError(f"--set {key}: {raw!r} is not a boolean")
+        raise ConfigError(f"--set {key}={raw}: expected true or false")
     if tp is int:
-        return int(raw)
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"--set {key}={raw}: expected an integer") from None
     if tp is float:
-        return float(raw)
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"--set {key}={raw}: expected a number") from None
     if tp is str:
         return raw
     if origin is tuple:
@@ -221,18 +250,23 @@ def parse_value(raw: str, tp: Any, key: str = "") -> Any:
         else:
             items = [s for s in raw.split(",") if s.strip()] if raw else []
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(parse_value(str(i).strip(), args[0], key) for i in items)
+            # JSON items that are already values (lists for nested tuples, numbers) are kept as such.
+            return tuple(_parse(i.strip(), args[0], key) if isinstance(i, str) else _tuples(i) for i in items)
         return tuple(items)
     if origin is dict or tp is dict:
         value = json.loads(raw)
         if not isinstance(value, dict):
-            raise ValueError(f"--set {key}: expected a JSON object")
+            raise ConfigError(f"--set {key}={raw}: expected a JSON object")
         return value
     if tp is RopeScaling:
         return RopeScaling(**json.loads(raw))
     if tp is Any:
         return json.loads(raw) if raw[:1] in '[{"' or raw in ("null", "true", "false") else raw
-    raise TypeError(f"--set {key}: unsupported field type {tp}")
+    raise ConfigError(f"--set {key}: unsupported field type {tp}")
+
+
+def _tuples(v: Any) -> Any:
+    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
 
 
 def to_dict(cfg: Any) -> Any:

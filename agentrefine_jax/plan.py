@@ -24,6 +24,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from agentrefine_jax.cli_errors import OneLineParser, fail
+
 GiB = 1024**3
 
 # HBM per chip (one JAX device per chip: v4 and v5p run their two TensorCores as a megacore).
@@ -514,7 +516,7 @@ def format_plan(p: dict[str, Any], name: str = "") -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog="python -m agentrefine_jax.plan",
         description="Per-device memory, FLOPs and step time of a training config on a TPU mesh.",
     )
@@ -566,8 +568,7 @@ def main(argv: list[str] | None = None) -> int:
             name=args.config,
         )
     except (PlanError, FileNotFoundError, KeyError, ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail("plan", e)
     if args.json:
         if not args.leaves:
             result.pop("param_leaves")

@@ -2,7 +2,16 @@
 
 import pytest
 
-from agentrefine_jax.config import CONFIGS_DIR, apply_overrides, from_dict, load_config, to_dict
+from agentrefine_jax import config_checks
+from agentrefine_jax.config import (
+    CONFIGS_DIR,
+    Config,
+    ConfigError,
+    apply_overrides,
+    from_dict,
+    load_config,
+    to_dict,
+)
 
 
 @pytest.mark.parametrize(
@@ -72,3 +81,146 @@ def test_resolved_config_round_trips_through_json_dict():
     cfg = load_config("llama3_70b", ["train.max_steps=5"])
     assert to_dict(from_dict(to_dict(cfg))) == to_dict(cfg)
     assert from_dict(to_dict(cfg)).model == cfg.model
+
+
+# ---------------------------------------------------------------------------- load-time validation
+
+
+@pytest.mark.parametrize(
+    "override,named",
+    [
+        ("optim.learning_rate=-1", "optim.learning_rate=-1.0: must be > 0"),
+        ("optim.learning_rate=nan", "optim.learning_rate=nan"),
+        ("optim.schedule=cosin", "optim.schedule='cosin': must be one of cosine, constant"),
+        ("optim.warmup_steps=-1", "optim.warmup_steps"),
+        ("optim.weight_decay=-0.1", "optim.weight_decay"),
+        ("optim.grad_clip_norm=-1", "optim.grad_clip_norm"),
+        ("optim.b2=1.0", "optim.b2"),
+        ("train.max_steps=-3", "train.max_steps=-3"),
+        ("train.max_steps=0", "train.max_steps=0"),
+        ("train.num_epochs=0", "train.num_epochs"),
+        ("train.log_every=0", "train.log_every=0: must be >= 1"),
+        ("train.eval_every=-1", "train.eval_every"),
+        ("train.checkpoint_every=-5", "train.checkpoint_every"),
+        ("train.keep_checkpoints=0", "train.keep_checkpoints"),
+        ("train.global_batch_size=0", "train.global_batch_size"),
+        ("train.micro_batch_size=3", "train.micro_batch_size=3: must divide train.global_batch_size=4"),
+        ("train.loss_chunk_size=0", "train.loss_chunk_size"),
+        ("train.export_dtype=float8", "train.export_dtype='float8': must be one of auto, float32"),
+        ("train.run_dir=", "train.run_dir"),
+        ("data.loss_on=correct,wrong", "data.loss_on"),
+        ("data.loss_on=", "data.loss_on=()"),
+        ("data.overlength=cut", "data.overlength='cut': must be one of truncate, drop"),
+        ("data.format=alpaca", "data.format='alpaca'"),
+        ("data.template=chatml", "data.template='chatml'"),
+        ("data.max_length=0", "data.max_length"),
+        ("data.eval_fraction=1.5", "data.eval_fraction"),
+        ("data.max_skip_fraction=2", "data.max_skip_fraction"),
+        ("mesh.tensor=0", "mesh.tensor=0: must be -1 (all remaining devices) or >= 1"),
+        ("mesh.data=-1", "mesh.data=-1, mesh.fsdp=-1: at most one mesh axis may be -1"),
+        ("mesh.data=-2", "mesh.data=-2"),
+        ('mesh.rules=[["batch", "dta"]]', "mesh.rules: 'batch' -> 'dta'"),
+        ("model.num_layers=0", "model.num_layers"),
+        ("model.rms_norm_eps=0", "model.rms_norm_eps"),
+        ("model.sliding_window=0", "model.sliding_window"),
+    ],
+)
+def test_bad_values_are_refused_at_load_time_naming_the_key(override, named):
+    with pytest.raises(ConfigError) as e:
+        load_config("demo", [override])
+    msg = str(e.value)
+    assert named in msg and "\n" not in msg
+
+
+def test_optim_warmup_must_fit_in_max_steps():
+    with pytest.raises(ConfigError, match=r"optim.warmup_steps=30: must be < train.max_steps=30"):
+        load_config("demo", ["optim.warmup_steps=30"])
+    assert load_config("demo", ["optim.warmup_steps=30", "optim.schedule=constant"]).optim.warmup_steps == 30
+
+
+def test_every_bad_key_is_named_in_one_line():
+    with pytest.raises(ConfigError) as e:
+        load_config("demo", ["optim.learning_rate=0", "train.log_every=0"])
+    assert "optim.learning_rate=0.0" in str(e.value) and "train.log_every=0" in str(e.value)
+
+
+def test_edge_values_that_mean_off_are_accepted():
+    cfg = load_config(
+        "demo",
+        [
+            "train.eval_every=0",
+            "train.checkpoint_every=0",
+            "optim.grad_clip_norm=0",
+            "train.max_steps=none",
+            "train.export_dtype=auto",
+            "mesh.fsdp=1",
+            "mesh.data=-1",
+        ],
+    )
+    assert cfg.train.max_steps is None and cfg.mesh.data == -1
+
+
+def test_wrong_types_in_a_config_file_are_refused(tmp_path):
+    """A config file is Python: a string where a number belongs must not reach the trainer."""
+    path = tmp_path / "bad.py"
+    path.write_text(
+        "import dataclasses\n"
+        "from agentrefine_jax.config import load_config\n"
+        "def config():\n"
+        "    cfg = load_config('demo')\n"
+        "    train = dataclasses.replace(cfg.train, max_steps='10', seed=True)\n"
+        "    return dataclasses.replace(cfg, train=train)\n"
+    )
+    with pytest.raises(ConfigError, match=r"train.max_steps='10': must be an integer.*train.seed=True"):
+        load_config(str(path))
+
+
+def test_a_broken_config_file_is_one_config_error(tmp_path):
+    path = tmp_path / "broken.py"
+    path.write_text("def config(:\n")
+    with pytest.raises(ConfigError, match=r"broken.py failed: SyntaxError"):
+        load_config(str(path))
+    path.write_text("X = 1\n")
+    with pytest.raises(ConfigError, match=r"must define `def config\(\) -> Config`"):
+        load_config(str(path))
+
+
+@pytest.mark.parametrize(
+    "override,named",
+    [
+        ("train.max_steps=three", "--set train.max_steps=three: expected an integer"),
+        ("model.scan_layers=maybe", "--set model.scan_layers=maybe: expected true or false"),
+        ("model.remat_policy=everything", "--set model.remat_policy=everything: remat_policy must be"),
+        ("model.param_dtype=float8", "--set model.param_dtype=float8"),
+        ('model.rope_scaling={"fator": 2}', "--set model.rope_scaling="),
+        ("data.field_map=[1]", "--set data.field_map=[1]: expected a JSON object"),
+        ("data.field_map={bad", "--set data.field_map={bad"),
+    ],
+)
+def test_unparseable_overrides_name_the_key(override, named):
+    with pytest.raises(ConfigError) as e:
+        load_config("demo", [override])
+    assert str(e.value).startswith(named) and "\n" not in str(e.value)
+
+
+def test_every_rule_names_an_existing_field_and_shipped_configs_pass():
+    cfg = Config()
+    for key in config_checks.RULES:
+        config_checks.lookup(cfg, key)  # AttributeError: a rule for a field that does not exist
+    for path in CONFIGS_DIR.glob("*.py"):
+        if not path.stem.startswith("_"):
+            load_config(path.stem)  # validated on load
+
+
+def test_closed_sets_match_the_modules_that_own_them():
+    from agentrefine_jax.data import examples, templates
+    from agentrefine_jax.hf import io as hf_io
+
+    assert config_checks.TEMPLATES == templates.TEMPLATES
+    assert config_checks.OVERLENGTH_MODES == examples.OVERLENGTH_MODES
+    assert set(config_checks.DTYPES) == set(hf_io.NP_DTYPES)
+    for schedule in config_checks.SCHEDULES:  # every accepted schedule builds
+        from agentrefine_jax.config import OptimConfig
+        from agentrefine_jax.train.optimizer import learning_rate_schedule
+
+        learning_rate_schedule(OptimConfig(schedule=schedule), 10)

@@ -127,5 +127,5 @@ def test_cli_entry_point_reports_errors_cleanly(tmp_path):
         timeout=120,
     )
     assert res.returncode == 2
-    assert "[generate] error:" in res.stderr and "does not exist" in res.stderr
+    assert "[inference] error:" in res.stderr and "does not exist" in res.stderr
     assert res.stdout == ""

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from agentrefine_jax.cli_errors import OneLineParser, fail
 from agentrefine_jax.config import DataConfig
 from agentrefine_jax.data.examples import prepare_messages
 from agentrefine_jax.data.packing import materialize, padding_efficiency
@@ -218,7 +219,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m agentrefine_jax.data", description=__doc__.split("\n")[0])
+    ap = OneLineParser(prog="python -m agentrefine_jax.data", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("dump", help="write token ids + loss masks as JSONL")
     _common(p)
@@ -245,5 +246,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.fn(args))
     except (ValueError, FileNotFoundError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail("data", e)

@@ -15,6 +15,7 @@ import shutil
 import sys
 import tempfile
 
+from agentrefine_jax.cli_errors import OneLineParser
 from agentrefine_jax.eval.policies import (
     DEFAULT_STOP,
     CheckpointPolicy,
@@ -30,7 +31,7 @@ BEST_OF_TEMPERATURE = 0.7
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m agentrefine_jax.eval",
         description="Evaluate an agent on offline held-out tasks (BabyAI, ScienceWorld, PDDL, TextWorld).",
     )

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 
+from agentrefine_jax.cli_errors import OneLineParser, fail
 from agentrefine_jax.models.llama import param_count
 
 
@@ -162,7 +162,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m agentrefine_jax.export",
         description="Convert Hugging Face Llama/Mistral checkpoints to and from project checkpoints; verify.",
     )
@@ -217,5 +217,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except (FileNotFoundError, FileExistsError, ValueError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return fail("export", e)

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any
 
+from agentrefine_jax.cli_errors import OneLineParser, fail
 from agentrefine_jax.inference.chat import ChatGenerator
 from agentrefine_jax.inference.engine import generate
 from agentrefine_jax.inference.loading import load_for_inference
@@ -41,7 +42,7 @@ def _ids(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Decode from, or serve, a checkpoint.")
+    parser = OneLineParser(prog=PROG, description="Decode from, or serve, a checkpoint.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(
         sub.add_parser(
@@ -207,8 +208,7 @@ def run_serve(args: argparse.Namespace) -> int:
             log(f"warm-up compile done in {time.perf_counter() - t0:.1f}s")
         server = make_server(service, args.host, args.port)
     except (ValueError, FileNotFoundError, OSError) as e:
-        log(f"error: {e}")
-        return 2
+        return fail("inference", e)
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         log(f"warning: serving on {args.host} without an API key (set ${args.api_key_env})")
     host, port = server.server_address[:2]
@@ -232,5 +232,4 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_generate(args)
     except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"[generate] error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return fail("inference", e)

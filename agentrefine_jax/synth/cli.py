@@ -8,6 +8,7 @@ import json
 import pathlib
 import sys
 
+from agentrefine_jax.cli_errors import OneLineParser
 from agentrefine_jax.synth import jsonl
 from agentrefine_jax.synth.convert import convert_file
 from agentrefine_jax.synth.generate import GenerateConfig, run_generate
@@ -22,17 +23,28 @@ def _err(msg: str) -> None:
 
 def cmd_generate(a: argparse.Namespace) -> int:
     common = dict(
-        temperature=a.temperature, max_tokens=a.max_tokens, timeout=a.timeout,
-        max_api_retries=a.max_api_retries, backoff_base=a.backoff_base, backoff_max=a.backoff_max,
+        temperature=a.temperature,
+        max_tokens=a.max_tokens,
+        timeout=a.timeout,
+        max_api_retries=a.max_api_retries,
+        backoff_base=a.backoff_base,
+        backoff_max=a.backoff_max,
     )
     traj = LLMSettings(base_url=a.base_url, model=a.model, api_key_env=a.api_key_env, **common)
     script = LLMSettings(
-        base_url=a.script_base_url or a.base_url, model=a.script_model or a.model,
-        api_key_env=a.script_api_key_env or a.api_key_env, **common,
+        base_url=a.script_base_url or a.base_url,
+        model=a.script_model or a.model,
+        api_key_env=a.script_api_key_env or a.api_key_env,
+        **common,
     )
     cfg = GenerateConfig(
-        personas=pathlib.Path(a.personas), out_dir=pathlib.Path(a.out), script_llm=script,
-        trajectory_llm=traj, concurrency=a.concurrency, max_retries=a.max_retries, limit=a.limit,
+        personas=pathlib.Path(a.personas),
+        out_dir=pathlib.Path(a.out),
+        script_llm=script,
+        trajectory_llm=traj,
+        concurrency=a.concurrency,
+        max_retries=a.max_retries,
+        limit=a.limit,
         progress_interval=a.progress_interval,
     )
     if a.concurrency < 1 or a.max_retries < 0:
@@ -48,7 +60,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         f"[synth] generate: {report.succeeded} verified, {report.failed} failed, "
         f"{report.unfinished} unfinished this run ({report.done_before} finished earlier); "
         f"tokens: {u.prompt_tokens:,} prompt + {u.completion_tokens:,} completion in {u.calls} calls",
-        file=sys.stderr, flush=True,
+        file=sys.stderr,
+        flush=True,
     )
     if report.fatal:
         _err(report.fatal)
@@ -71,13 +84,25 @@ def cmd_verify(a: argparse.Namespace) -> int:
         if result.reason != "invalid_json":
             obj = json.loads(line)
             rid = obj.get("id") if isinstance(obj, dict) else None
-        rows.append({"id": rid, "ok": result.ok, "verified_turns": result.verified_turns,
-                     "reason": result.reason, "detail": result.detail, "line": n})
+        rows.append(
+            {
+                "id": rid,
+                "ok": result.ok,
+                "verified_turns": result.verified_turns,
+                "reason": result.reason,
+                "detail": result.detail,
+                "line": n,
+            }
+        )
         reasons[result.reason] += 1
     jsonl.write_atomic(a.out, rows)
     passed = reasons.pop("ok", 0)
-    print(f"[synth] verify: {len(rows)} line(s), {passed} pass, {len(rows) - passed} fail"
-          + (f" {dict(sorted(reasons.items()))}" if reasons else "") + f" -> {a.out}", file=sys.stderr)
+    print(
+        f"[synth] verify: {len(rows)} line(s), {passed} pass, {len(rows) - passed} fail"
+        + (f" {dict(sorted(reasons.items()))}" if reasons else "")
+        + f" -> {a.out}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -88,32 +113,43 @@ def cmd_convert(a: argparse.Namespace) -> int:
         _err(f"cannot read {a.input}: {e}")
         return 2
     d = summary.as_dict()
-    print(f"[synth] convert: read {d['read']}, wrote {d['written']} -> {a.out}; "
-          f"dropped {sum(d['dropped'].values())}: {d['dropped']}; "
-          f"{d['error_turns']}/{d['assistant_turns']} assistant turns are erroneous (loss false)",
-          file=sys.stderr)
+    print(
+        f"[synth] convert: read {d['read']}, wrote {d['written']} -> {a.out}; "
+        f"dropped {sum(d['dropped'].values())}: {d['dropped']}; "
+        f"{d['error_turns']}/{d['assistant_turns']} assistant turns are erroneous (loss false)",
+        file=sys.stderr,
+    )
     if a.summary:
         jsonl.write_json_atomic(a.summary, d)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m agentrefine_jax.synth", description=__doc__)
+    p = OneLineParser(prog="python -m agentrefine_jax.synth", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="persona -> script -> trajectory -> Algorithm 1, resumable")
-    g.add_argument("--personas", default=str(PACKAGED),
-                   help="text (one persona a line) or JSONL (Persona Hub layout); default: the packaged list")
+    g.add_argument(
+        "--personas",
+        default=str(PACKAGED),
+        help="text (one persona a line) or JSONL (Persona Hub layout); default: the packaged list",
+    )
     g.add_argument("--out", required=True, help="output directory (resumes if it already has results)")
-    g.add_argument("--base-url", required=True, help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1")
+    g.add_argument(
+        "--base-url", required=True, help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1"
+    )
     g.add_argument("--model", required=True, help="model for trajectory generation")
     g.add_argument("--script-model", help="model for script generation (default: --model)")
     g.add_argument("--script-base-url", help="endpoint for script generation (default: --base-url)")
     g.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key")
     g.add_argument("--script-api-key-env", help="key variable for --script-base-url (default: --api-key-env)")
     g.add_argument("--concurrency", type=int, default=4, help="personas processed at once")
-    g.add_argument("--max-retries", type=int, default=3,
-                   help="regenerations per persona after a failed verification / unusable script")
+    g.add_argument(
+        "--max-retries",
+        type=int,
+        default=3,
+        help="regenerations per persona after a failed verification / unusable script",
+    )
     g.add_argument("--max-api-retries", type=int, default=6, help="retries of one request on 429/5xx/timeout")
     g.add_argument("--backoff-base", type=float, default=1.0, help="first backoff delay in seconds (doubles)")
     g.add_argument("--backoff-max", type=float, default=60.0, help="longest backoff delay in seconds")
@@ -121,8 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--max-tokens", type=int, default=None, help="completion token cap per request")
     g.add_argument("--limit", type=int, default=None, help="only the first N personas")
-    g.add_argument("--progress-interval", type=float, default=5.0,
-                   help="seconds between status lines when stderr is not a terminal")
+    g.add_argument(
+        "--progress-interval",
+        type=float,
+        default=5.0,
+        help="seconds between status lines when stderr is not a terminal",
+    )
     g.set_defaults(func=cmd_generate)
 
     v = sub.add_parser("verify", help="Algorithm 1 verdict for every line of a raw JSONL file")

@@ -3,6 +3,9 @@
 The `openai` client's own retries are disabled so that the policy lives here: exponential
 backoff with jitter on 429 / 5xx / 408 / 409 / timeouts / connection errors (honouring
 Retry-After), a fatal error on other 4xx (a bad key or model name would fail every request).
+A 200 that is not a chat completion (a body that is not JSON, no `choices`, a choice without a
+message: proxies and overloaded servers send these) is a transport fault, not the model's
+answer, so it is retried the same way instead of costing the persona a regeneration.
 The API key is read from an environment variable and never printed: error texts pass through
 `redact` before they reach a log.
 """
@@ -153,8 +156,14 @@ class ChatClient:
                 last = f"HTTP {code}"
             except (openai.APITimeoutError, openai.APIConnectionError) as e:
                 last = type(e).__name__
+            except (json.JSONDecodeError, openai.APIResponseValidationError):
+                last = "HTTP 200 with a body that is not JSON"
             else:
-                return self._record(resp)
+                problem = _not_a_completion(resp)
+                if problem is None:
+                    return self._record(resp)
+                self._count_usage(resp)  # a malformed reply may still have been billed
+                last = f"HTTP 200 {problem}"
             if attempt == s.max_api_retries:
                 break
             delay = self._backoff(attempt, hint)
@@ -164,20 +173,35 @@ class ChatClient:
             self._sleep(delay)
         raise APITransientError(f"{last} from {s.base_url} persisted through {s.max_api_retries} retries")
 
-    def _record(self, resp: Any) -> Reply:
+    def _count_usage(self, resp: Any) -> Usage:
         u = getattr(resp, "usage", None)
-        usage = Usage(
-            prompt_tokens=int(getattr(u, "prompt_tokens", 0) or 0),
-            completion_tokens=int(getattr(u, "completion_tokens", 0) or 0),
-            calls=1,
-        )
+        try:
+            usage = Usage(
+                prompt_tokens=int(getattr(u, "prompt_tokens", 0) or 0),
+                completion_tokens=int(getattr(u, "completion_tokens", 0) or 0),
+                calls=1,
+            )
+        except (TypeError, ValueError):  # a malformed usage block: count the call only
+            usage = Usage(calls=1)
         with self._lock:
             self.usage.add(usage)
-        choices = getattr(resp, "choices", None) or []
-        if not choices:
-            return Reply("", usage, None)
-        msg = choices[0].message
-        return Reply(msg.content or "", usage, choices[0].finish_reason)
+        return usage
+
+    def _record(self, resp: Any) -> Reply:
+        usage = self._count_usage(resp)
+        choice = resp.choices[0]
+        return Reply(choice.message.content or "", usage, choice.finish_reason)
+
+
+def _not_a_completion(resp: Any) -> str | None:
+    """Why a 200 reply is not a usable chat completion, or None when it is one."""
+    choices = getattr(resp, "choices", None)
+    if not isinstance(choices, list) or not choices:
+        return "without choices"
+    message = getattr(choices[0], "message", None)
+    if message is None or not isinstance(getattr(message, "content", None), (str, type(None))):
+        return "with a choice that has no message"
+    return None
 
 
 # ------------------------------------------------------------------ JSON extraction

@@ -1,13 +1,21 @@
-"""Command line for training, including the multi-host (jax.distributed) settings."""
+"""Command line for training, including the multi-host (jax.distributed) settings.
+
+Errors follow the house convention (agentrefine_jax.cli_errors): one line on stderr, exit 2 for
+a bad command line or config, exit 1 when training itself stops on an error.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 
+from agentrefine_jax.cli_errors import OneLineParser, fail
+
+TOOL = "train"
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m agentrefine_jax.train",
         description="Refinement tuning (AgentRefine) of a LLaMA/Mistral model.",
     )
@@ -29,17 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="call jax.distributed.initialize() with auto-detection (TPU pods)",
     )
-    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument(
+        "--print-config", action="store_true", help="validate and print the resolved config, then exit"
+    )
     return p
 
 
 def init_distributed(args: argparse.Namespace) -> None:
     import jax
 
-    explicit = (args.coordinator_address, args.num_processes, args.process_id)
-    if any(v is not None for v in explicit):
-        if any(v is None for v in explicit):
-            raise SystemExit("--coordinator-address, --num-processes and --process-id go together")
+    if args.coordinator_address is not None:
         jax.distributed.initialize(
             coordinator_address=args.coordinator_address,
             num_processes=args.num_processes,
@@ -49,12 +56,24 @@ def init_distributed(args: argparse.Namespace) -> None:
         jax.distributed.initialize()
 
 
+def _check_distributed(args: argparse.Namespace) -> str | None:
+    explicit = (args.coordinator_address, args.num_processes, args.process_id)
+    if any(v is not None for v in explicit) and any(v is None for v in explicit):
+        return "--coordinator-address, --num-processes and --process-id go together"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from agentrefine_jax.config import load_config, to_dict
+    from agentrefine_jax.config import ConfigError, load_config, to_dict
 
-    cfg = load_config(args.config, args.overrides)
+    if msg := _check_distributed(args):
+        return fail(TOOL, msg)
+    try:
+        cfg = load_config(args.config, args.overrides)  # validated: nothing is read before this passes
+    except ConfigError as e:
+        return fail(TOOL, e)
     if args.print_config:
         import json
 
@@ -66,6 +85,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(cfg)
     except TrainingError as e:
-        print(f"error: {e}", flush=True)
+        fail(TOOL, e)
         return 1
     return 0

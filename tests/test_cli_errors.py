@@ -1,0 +1,104 @@
+"""Every CLI answers a bad argument with one stderr line naming the tool, exit 2, no traceback.
+
+The train config cases run as real subprocesses (what a user sees, timed generously for a loaded
+2-core machine: config errors must come before any data is read). The sweep over all CLIs calls
+each `main(argv)` in-process: an exception escaping `main` fails the test just as it would print
+a traceback, and it saves the suite a Python start-up per case.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+MISSING = "/nonexistent/agentrefine-cli-test"
+
+
+def _run(tool: str, *args: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess[str], float]:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    t0 = time.monotonic()
+    res = subprocess.run(
+        [sys.executable, "-m", f"agentrefine_jax.{tool}", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    return res, time.monotonic() - t0
+
+
+def _assert_one_line_error(res: subprocess.CompletedProcess[str], tool: str, *needles: str) -> str:
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    assert "Traceback" not in res.stderr
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith(f"[{tool}] error: "), lines[0]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("optim.learning_rate=-1", "optim.learning_rate=-1.0: must be > 0"),
+        ("train.log_every=0", "train.log_every=0: must be >= 1"),
+        ("optim.schedule=cosin", "optim.schedule='cosin': must be one of cosine, constant"),
+        ("train.max_steps=-3", "train.max_steps=-3: must be >= 1"),
+        ("train.export_dtype=float8", "train.export_dtype='float8': must be one of auto, float32"),
+    ],
+)
+def test_train_refuses_a_bad_config_value_before_any_work(tmp_path, override, needle):
+    run_dir = tmp_path / "run"
+    res, seconds = _run("train", "--config", "demo", "--set", f"train.run_dir={run_dir}", "--set", override)
+    _assert_one_line_error(res, "train", needle)
+    assert not run_dir.exists()  # nothing was written: the run never started
+    assert seconds < 120  # start-up only (imports); the demo's data would take far longer
+
+
+def test_print_config_validates():
+    res, _ = _run("train", "--config", "demo", "--set", "optim.schedule=cosin", "--print-config")
+    _assert_one_line_error(res, "train", "optim.schedule")
+    assert res.stdout == ""
+    ok, _ = _run("train", "--config", "demo", "--set", "train.max_steps=5", "--print-config")
+    assert ok.returncode == 0 and '"max_steps": 5' in ok.stdout
+
+
+@pytest.mark.parametrize(
+    "tool,args,needle",
+    [
+        ("train", ["--config", "demo", "--set", "train.max_step=3"], "unknown key 'max_step'"),
+        ("train", ["--config", "demo", "--set", "train.max_steps=three"], "expected an integer"),
+        ("train", ["--config", "no_such_config"], "no config 'no_such_config'"),
+        ("train", ["--config", "demo", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        ("train", ["--config", "demo", "--num-processes", "2"], "go together"),
+        ("plan", ["--config", "demo", "--set", "optim.schedule=cosin"], "optim.schedule"),
+        ("plan", ["--config", "no_such_config"], "no config 'no_such_config'"),
+        ("plan", ["--config", "demo", "--mesh", "bogus=2"], "unknown axis 'bogus'"),
+        ("data", ["bogus"], "invalid choice: 'bogus'"),
+        ("data", ["stats", "--input", "x.jsonl", "--overlength", "cut"], "invalid choice: 'cut'"),
+        ("synth", ["convert", "--input", "x.jsonl"], "required: --out"),
+        ("synth", ["verify", "--input", MISSING, "--out", MISSING], "cannot read"),
+        ("export", ["verify", "--checkpoint", MISSING], "required: --hf"),
+        ("export", ["to-hf", "--checkpoint", MISSING, "--out", MISSING], "does not exist"),
+        ("eval", ["--policy", "oracle", "--tasks", "nosuchtask"], "unknown task(s)"),
+        ("eval", ["--policy", "oracle", "--episodes", "x"], "invalid int value"),
+        ("inference", ["generate", "--checkpoint", MISSING, "--prompt", "hi"], "required: --max-new-tokens"),
+        ("inference", ["serve", "--checkpoint", MISSING, "--port", "x"], "invalid int value: 'x'"),
+        ("inference", ["serve", "--checkpoint", MISSING], "does not exist"),
+        ("inference", ["decode"], "invalid choice: 'decode'"),
+    ],
+)
+def test_every_cli_answers_a_bad_argument_with_one_line(tool, args, needle, capsys):
+    main = importlib.import_module(f"agentrefine_jax.{tool if tool == 'plan' else tool + '.cli'}").main
+    try:
+        code = main(args)
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code
+    out = capsys.readouterr()
+    _assert_one_line_error(subprocess.CompletedProcess(args, code, out.out, out.err), tool, needle)
