@@ -92,7 +92,6 @@ def _log(msg: str) -> None:
 
 def cmd_dump(args: argparse.Namespace) -> int:
     cfg = _config(args, pack=not args.no_pack)
-    _log(f"tokenizing {', '.join(cfg.train_files)} with template {cfg.template} ...")
     local = build_data(cfg, "train")
     store = local.store
     tok = build_template(cfg).tokenizer
