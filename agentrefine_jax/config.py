@@ -54,9 +54,17 @@ class DataConfig:
     seed: int = 0
     num_workers: int = 0
     prefetch: int = 2
-    # Fail (instead of training on what is left) when more than this fraction of a process's
-    # records is skipped: usually a wrong format / field_map.
+    # Fail (instead of training on what is left) when more than this fraction of the records
+    # is skipped: usually a wrong format / field_map. The data CLI uses the same default.
     max_skip_fraction: float = 0.5
+    # Train on exactly this many examples: the first N valid ones of a permutation seeded by
+    # `seed` (nested: the first 8k of a 16k run are the 8k run's). None = all.
+    train_size: int | None = None
+    # General chat data (e.g. ShareGPT) mixed into the training split: `general_ratio` general
+    # examples per agent example, the first ones of a seeded permutation of `general_files`.
+    general_files: tuple[str, ...] = ()
+    general_format: str = "auto"
+    general_ratio: float = 0.0
 
 
 @dataclasses.dataclass

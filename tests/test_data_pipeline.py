@@ -11,7 +11,7 @@ import pytest
 from agentrefine_jax.config import DataConfig
 from agentrefine_jax.data import DEMO_TRAIN
 from agentrefine_jax.data.packing import pack_best_fit
-from agentrefine_jax.data.pipeline import build_local, make_pipeline
+from agentrefine_jax.data.pipeline import build_data, make_pipeline
 
 KEYS = ("input_ids", "loss_mask", "segment_ids", "positions")
 N_ROWS = 160  # a slice of the demo data keeps tokenisation cheap; every test builds pipelines
@@ -41,7 +41,7 @@ def _same(a, b):
 
 @pytest.fixture(scope="module")
 def local():
-    return build_local(CFG, "train", 0, 1)
+    return build_data(CFG, "train")
 
 
 def test_best_fit_packs_everything_once_within_capacity():
@@ -132,20 +132,49 @@ def test_orbax_checkpoint_of_iterator_state(tmp_path):
     assert _same(_batches(it2, 3), expected)
 
 
-def test_two_processes_shard_records_and_agree_on_steps():
-    p0 = make_pipeline(CFG, global_batch_size=8, num_epochs=1, process_index=0, process_count=2)
-    p1 = make_pipeline(CFG, global_batch_size=8, num_epochs=1, process_index=1, process_count=2)
-    assert p0.steps_per_epoch == p1.steps_per_epoch > 0
-    assert p0.local_batch_size == 4
-    w0, w1 = set(p0.store.where), set(p1.store.where)
-    assert not (w0 & w1) and len(w0 | w1) == N_ROWS
-    b0, b1 = _batches(iter(p0)), _batches(iter(p1))
-    assert len(b0) == len(b1) == p0.steps_per_epoch and b0[0]["input_ids"].shape == (4, 1024)
+def test_global_batches_do_not_depend_on_the_number_of_processes():
+    """Shuffle + packing on, two epochs: the rows of processes 0..P-1 at step k, stacked, are
+    the 1-process global batch k, for P = 2 and 4 and for an interleaved row assignment."""
+    one = _batches(iter(make_pipeline(CFG, global_batch_size=8, num_epochs=2)))
+    for count in (2, 4):
+        parts = [
+            _batches(
+                iter(
+                    make_pipeline(
+                        CFG, global_batch_size=8, num_epochs=2, process_index=p, process_count=count
+                    )
+                )
+            )
+            for p in range(count)
+        ]
+        assert all(len(part) == len(one) for part in parts)
+        stacked = [{k: np.concatenate([part[i][k] for part in parts]) for k in KEYS} for i in range(len(one))]
+        assert _same(stacked, one)
+    # A process whose devices hold rows 1, 3, 5, 7 (hosts interleaved in the mesh) gets exactly those.
+    odd = _batches(iter(make_pipeline(CFG, global_batch_size=8, num_epochs=2, batch_rows=[1, 3, 5, 7])))
+    assert _same(odd, [{k: b[k][1::2] for k in KEYS} for b in one])
 
 
-def test_more_processes_than_files():
+def test_iterator_starts_at_a_global_step_on_any_topology():
+    """The data position is the global step: a 2-process run stopped at step k continues on 1
+    process (and vice versa) with the batches of the uninterrupted run."""
+    full = _batches(iter(make_pipeline(CFG, global_batch_size=8, num_epochs=2)))
+    k = len(full) // 2 + 1  # inside the second half, past an epoch boundary when steps/epoch is small
+    halves = [
+        make_pipeline(CFG, global_batch_size=8, num_epochs=2, process_index=p, process_count=2)
+        for p in range(2)
+    ]
+    resumed = [_batches(h.iterator(k)) for h in halves]
+    stacked = [
+        {key: np.concatenate([r[i][key] for r in resumed]) for key in KEYS} for i in range(len(full) - k)
+    ]
+    assert _same(stacked, full[k:])
+    assert _same(_batches(make_pipeline(CFG, global_batch_size=8, num_epochs=2).iterator(k)), full[k:])
+
+
+def test_many_processes_share_one_plan():
     p = make_pipeline(CFG, global_batch_size=5, num_epochs=1, process_index=4, process_count=5)
-    assert p.report.records_in_shard == N_ROWS // 5 and p.steps_per_epoch > 0
+    assert p.report.records_in_shard == N_ROWS and p.steps_per_epoch > 0 and p.local_batch_size == 1
 
 
 def test_unpacked_rows_hold_one_example(local):
@@ -174,5 +203,5 @@ def test_eval_holdout_is_disjoint_and_padded():
 
 
 def test_too_small_for_batch_is_a_clear_error():
-    with pytest.raises(ValueError, match="less than one local batch"):
+    with pytest.raises(ValueError, match="less than one global batch"):
         make_pipeline(CFG, global_batch_size=4096, num_epochs=1)

@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from agentrefine_jax.config import DataConfig
-from agentrefine_jax.data.pipeline import build_local
+from agentrefine_jax.data.pipeline import build_data
 from agentrefine_jax.data.schema import (
     RowError,
     assistant_categories,
@@ -86,7 +86,7 @@ def test_bad_rows_are_counted_with_line_numbers(tmp_path):
         GOOD,
     ]
     path = _write_jsonl(tmp_path / "mixed.jsonl", rows)
-    local = build_local(_cfg(path, max_skip_fraction=0.9), "train", 0, 1)
+    local = build_data(_cfg(path, max_skip_fraction=0.9), "train")
     rep = local.report
     assert rep.records_in_shard == 9 and rep.parsed == 2 and rep.examples == 2
     assert dict(rep.skipped) == {
@@ -111,7 +111,7 @@ def test_too_many_skips_fail_loudly(tmp_path):
         tmp_path / "bad.jsonl", [{"conversations": [{"from": "human", "value": "x"}]}] * 3 + [GOOD]
     )
     with pytest.raises(ValueError, match="max_skip_fraction"):
-        build_local(_cfg(path), "train", 0, 1)
+        build_data(_cfg(path), "train")
 
 
 def test_no_loss_tokens_and_overlength_are_counted(tmp_path):
@@ -119,29 +119,29 @@ def test_no_loss_tokens_and_overlength_are_counted(tmp_path):
     long = {"messages": [_u("word " * 400), _a("late answer")]}
     two_turns = {"messages": [_u("q"), _a("short answer"), _u("more " * 300), _a("second")]}
     path = _write_jsonl(tmp_path / "len.jsonl", [only_errors, long, two_turns, GOOD])
-    rep = build_local(_cfg(path, max_skip_fraction=1.0), "train", 0, 1).report
+    rep = build_data(_cfg(path, max_skip_fraction=1.0), "train").report
     assert rep.skipped["no loss tokens"] == 1
     assert rep.skipped["overlength"] == 1  # first assistant turn ends past max_length
     assert rep.truncated == 1 and rep.examples == 2  # two_turns kept up to its first answer
     assert rep.lengths.max() <= 256
-    rep = build_local(_cfg(path, max_skip_fraction=1.0, overlength="drop"), "train", 0, 1).report
+    rep = build_data(_cfg(path, max_skip_fraction=1.0, overlength="drop"), "train").report
     assert rep.skipped["overlength"] == 2 and rep.truncated == 0
 
 
 def test_drop_refinement_option_and_trailing_users(tmp_path):
     path = _write_jsonl(tmp_path / "c.jsonl", [{"id": "c", "messages": CONVO + [_u("final observation")]}])
-    rep = build_local(_cfg(path), "train", 0, 1).report
+    rep = build_data(_cfg(path), "train").report
     assert rep.trailing_user_turns_trimmed == 1
     assert dict(rep.turns) == {"correct": 2, "erroneous": 3, "refinement": 2}
     assert dict(rep.trained_turns) == {"correct": 2, "erroneous": 0, "refinement": 2}
-    rep = build_local(_cfg(path, drop_refinement_data=True), "train", 0, 1).report
+    rep = build_data(_cfg(path, drop_refinement_data=True), "train").report
     assert rep.refinement_turns_removed == 6
     assert dict(rep.turns) == {"correct": 4}
 
 
 def _canonical_ids(tmp_path, rows):
     path = _write_jsonl(tmp_path / "canon.jsonl", rows)
-    local = build_local(_cfg(path), "train", 0, 1)
+    local = build_data(_cfg(path), "train")
     return [local.store.example(i)[0].tolist() for i in range(len(local.store))], [
         local.store.example(i)[1].tolist() for i in range(len(local.store))
     ]
@@ -198,7 +198,7 @@ def test_sharegpt_agentflan_parquet_custom_and_datasets_agree(tmp_path):
         (str(ds_dir), "sharegpt", {}),
     ]
     for path, fmt, field_map in cases:
-        local = build_local(_cfg(path, format=fmt, field_map=field_map), "train", 0, 1)
+        local = build_data(_cfg(path, format=fmt, field_map=field_map), "train")
         got = [local.store.example(i)[0].tolist() for i in range(len(local.store))]
         masks = [local.store.example(i)[1].tolist() for i in range(len(local.store))]
         assert (got, masks) == want, (path, fmt)

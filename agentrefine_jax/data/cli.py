@@ -6,8 +6,8 @@ dump   one JSON object per example (`--no-pack`) or per packed row: input_ids, l
 stats  length distribution, loss-token fraction, turn categories, packing vs padding.
 show   one conversation in the terminal, trained spans in green, untrained ones dimmed.
 
-All three run the same code as the training pipeline (`build_local`), so what they show is
-what the trainer gets.
+All three run the same code as the training pipeline (`build_data`), so what they show is
+what the trainer gets. `dump` and `stats` exit 2 with one line when no row is usable.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from agentrefine_jax.cli_errors import OneLineParser, fail
 from agentrefine_jax.config import DataConfig
 from agentrefine_jax.data.examples import prepare_messages
 from agentrefine_jax.data.packing import materialize, padding_efficiency
-from agentrefine_jax.data.pipeline import build_local, build_template
+from agentrefine_jax.data.pipeline import build_data, build_template
 from agentrefine_jax.data.report import DataReport
 from agentrefine_jax.data.schema import (
     FORMATS,
@@ -57,7 +57,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=FORMATS, default=d.format)
     p.add_argument("--field-map", default="{}", help='JSON, e.g. {"turns": "conversations", "role": "from"}')
     p.add_argument(
-        "--max-skip-fraction", type=float, default=1.0, help="fail when more rows than this are skipped"
+        "--max-skip-fraction",
+        type=float,
+        default=d.max_skip_fraction,  # the training default, defined once in DataConfig
+        help="fail when more than this fraction of the rows is skipped (default %(default)s)",
     )
 
 
@@ -90,8 +93,7 @@ def _log(msg: str) -> None:
 
 def cmd_dump(args: argparse.Namespace) -> int:
     cfg = _config(args, pack=not args.no_pack)
-    _log(f"tokenizing {', '.join(cfg.train_files)} with template {cfg.template} ...")
-    local = build_local(cfg, "train", 0, 1)
+    local = build_data(cfg, "train")
     store = local.store
     tok = build_template(cfg).tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -121,7 +123,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     cfg = _config(args, pack=True)
-    local = build_local(cfg, "train", 0, 1)
+    local = build_data(cfg, "train")
     rep = local.report
     lengths = local.store.lengths
     stats = rep.to_dict()

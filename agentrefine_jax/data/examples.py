@@ -52,10 +52,10 @@ class TokenStore:
         return self.ids[a:b], self.mask[a:b]
 
 
-def prepare_messages(
+def prepare_example(
     row: Any, field_map: FieldMap | None, fallback_id: str, drop_refinement: bool, report: DataReport
-) -> list[dict[str, Any]]:
-    """Schema mapping, validation and the message-level edits; raises RowError to skip."""
+) -> tuple[str, list[dict[str, Any]]]:
+    """Schema mapping, validation and the message-level edits -> (id, messages); raises RowError to skip."""
     conv = normalize_row(row, field_map, fallback_id)
     messages, trimmed = trim_trailing_users(conv["messages"])
     report.trailing_user_turns_trimmed += trimmed
@@ -63,7 +63,26 @@ def prepare_messages(
         messages, removed = drop_refinement_data(messages)
         report.refinement_turns_removed += removed
         messages = validate_messages(messages)  # e.g. nothing but errors -> "no assistant turn"
-    return messages
+    return conv["id"], messages
+
+
+def prepare_messages(
+    row: Any, field_map: FieldMap | None, fallback_id: str, drop_refinement: bool, report: DataReport
+) -> list[dict[str, Any]]:
+    return prepare_example(row, field_map, fallback_id, drop_refinement, report)[1]
+
+
+def concat_stores(stores: Sequence[TokenStore]) -> TokenStore:
+    """One store holding the examples of `stores`, in order."""
+    lengths = np.concatenate([s.lengths for s in stores]) if stores else np.zeros(0, np.int64)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return TokenStore(
+        ids=np.concatenate([s.ids for s in stores]) if stores else np.zeros(0, np.int32),
+        mask=np.concatenate([s.mask for s in stores]) if stores else np.zeros(0, np.uint8),
+        offsets=offsets,
+        where=[w for s in stores for w in s.where],
+    )
 
 
 def fit_length(
@@ -99,13 +118,19 @@ def build_examples(
     drop_refinement: bool = False,
     field_map: FieldMap | None = None,
     report: DataReport,
+    seen_ids: dict[str, str] | None = None,
 ) -> TokenStore:
+    """Examples of `records`, in order; `report` accumulates (call again for more records).
+
+    `seen_ids` (id -> first location) carries duplicate-id detection across calls.
+    """
     if overlength not in OVERLENGTH_MODES:
         raise ValueError(f"overlength must be one of {OVERLENGTH_MODES}, got {overlength!r}")
     if max_length < 8:
         raise ValueError(f"max_length={max_length} is too small")
     train = check_loss_on(loss_on)
     report.max_length = max_length
+    seen_ids = {} if seen_ids is None else seen_ids
     ids_parts: list[np.ndarray] = []
     mask_parts: list[np.ndarray] = []
     lengths: list[int] = []
@@ -155,19 +180,23 @@ def build_examples(
             report.skip(where, row.reason, row.detail)
             continue
         try:
-            messages = prepare_messages(row, field_map, where, drop_refinement, report)
+            rid, messages = prepare_example(row, field_map, where, drop_refinement, report)
         except RowError as e:
             report.skip(where, e.reason, e.detail)
             continue
         report.parsed += 1
+        if rid in seen_ids:
+            report.duplicate(where, rid)
+        else:
+            seen_ids[rid] = where
         pending.append((where, messages))
         if len(pending) >= _ENCODE_CHUNK:
             flush()
     if pending:
         flush()
 
-    report.examples = len(lengths)
-    report.lengths = np.asarray(lengths, dtype=np.int64)
+    report.examples += len(lengths)
+    report.lengths = np.concatenate([report.lengths, np.asarray(lengths, dtype=np.int64)])
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     return TokenStore(

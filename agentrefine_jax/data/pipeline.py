@@ -1,42 +1,49 @@
 """The Grain input pipeline the trainer consumes.
 
-source -> shard by record -> parse/validate -> tokenize+mask -> pack (plan once) ->
-per-epoch row shuffle -> materialise rows -> batch -> prefetch.
+records -> split (eval hold-out) -> [train_size selection] -> parse/validate -> tokenize+mask
+-> [+ general chat mix] -> pack (plan once) -> per-epoch row order -> each process
+materialises its rows of each global batch -> prefetch.
 
-Tokenisation and the packing plan are done up front: the plan needs every example length,
-and `steps_per_epoch` must be known (and equal on every process) before step 0. What
-streams through Grain afterwards is cheap: picking a row and copying its tokens.
+Topology invariance: everything up to the row order is computed identically on every
+process from the whole dataset, so the global batch at step k holds the same packed rows
+in the same order whatever the number of processes or devices; process p then materialises
+only the rows of each global batch that its devices hold (`batch_rows`). The iterator's
+position is the global step, so a run stopped on one topology resumes on another with the
+same data (`Pipeline.iterator(start_step)`). The price: every process tokenizes the whole
+training set up front (the packing plan and `steps_per_epoch` need every length before
+step 0), which is a one-off cost of about 130k tokens/s/core and ~5 bytes per token.
 
-Final partial batch: the training split DROPS it. Rows are reshuffled every epoch, so a
-different handful of rows sits out each epoch (the report says how many). With several
-processes every process emits the same number of batches: `min` over processes of its own
-full batches. The eval split PADS instead (empty rows: segment 0, mask 0) to the `max` over
-processes, so every eval token is scored once.
-
-Resuming: the iterator is a `grain.DatasetIterator`; `get_state()` / `set_state()` (or
-`grain.checkpoint.CheckpointSave/CheckpointRestore` inside an orbax CheckpointManager)
-restore the exact position, including mid-epoch. See docs/data.md.
+Final partial batch: the training split DROPS it (rows are reshuffled every epoch, so a
+different handful sits out each epoch; the report says how many). The eval split PADS it
+with empty rows (segment 0, mask 0), so every eval token is scored once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import grain
 import numpy as np
 
 from agentrefine_jax.config import DataConfig
-from agentrefine_jax.data.examples import TokenStore, build_examples
+from agentrefine_jax.data.examples import TokenStore, build_examples, concat_stores
 from agentrefine_jax.data.packing import materialize, pack_best_fit
 from agentrefine_jax.data.report import DataReport
-from agentrefine_jax.data.schema import check_loss_on, resolve_field_map
+from agentrefine_jax.data.schema import FieldMap, check_loss_on, resolve_field_map
 from agentrefine_jax.data.sources import RecordSet
 from agentrefine_jax.data.templates import ChatTemplate, get_template
 from agentrefine_jax.data.tokenizers import load_tokenizer
 
 SPLITS = ("train", "eval")
 BATCH_KEYS = ("input_ids", "loss_mask", "segment_ids", "positions")
+# Seeds of the independent random streams derived from data.seed.
+_HOLDOUT, _SELECT, _GENERAL, _EPOCH = 0xE7A1, 0x5E1EC7, 0x6E7E, 0xE90C
+
+
+class DataError(ValueError):
+    """No usable training data (one line; the report has the details)."""
 
 
 def split_indices(n_total: int, cfg: DataConfig, split: str, has_eval_files: bool) -> np.ndarray:
@@ -49,7 +56,7 @@ def split_indices(n_total: int, cfg: DataConfig, split: str, has_eval_files: boo
     n_eval = max(1, int(round(cfg.eval_fraction * n_total)))
     # The hold-out depends only on the seed and the record count, so every process agrees.
     held = np.zeros(n_total, dtype=bool)
-    held[np.random.default_rng([cfg.seed, 0xE7A1]).permutation(n_total)[:n_eval]] = True
+    held[np.random.default_rng([cfg.seed, _HOLDOUT]).permutation(n_total)[:n_eval]] = True
     return all_idx[held] if split == "eval" else all_idx[~held]
 
 
@@ -58,25 +65,78 @@ def build_template(cfg: DataConfig) -> ChatTemplate:
 
 
 @dataclasses.dataclass
-class LocalData:
+class BuiltData:
+    """The whole split as every process sees it: examples, packed rows, report."""
+
     store: TokenStore
     rows: list[tuple[int, ...]]
     report: DataReport
 
 
-def build_local(
+def _check_knobs(cfg: DataConfig) -> None:
+    if cfg.train_size is not None and cfg.train_size < 1:
+        raise ValueError(f"data.train_size must be >= 1 (or None for all), got {cfg.train_size}")
+    if cfg.general_ratio < 0:
+        raise ValueError(f"data.general_ratio must be >= 0, got {cfg.general_ratio}")
+    if cfg.general_ratio > 0 and not cfg.general_files:
+        raise ValueError("data.general_ratio > 0 needs data.general_files")
+    if not 0.0 <= cfg.max_skip_fraction <= 1.0:
+        raise ValueError(f"data.max_skip_fraction must be in [0, 1], got {cfg.max_skip_fraction}")
+
+
+def _examples(
     cfg: DataConfig,
-    split: str,
-    process_index: int,
-    process_count: int,
-    template: ChatTemplate | None = None,
-    records: RecordSet | None = None,
-) -> LocalData:
-    """Everything one process holds: its shard's examples, its packed rows, and the report."""
+    records: RecordSet,
+    order: np.ndarray,
+    limit: int | None,
+    template: ChatTemplate,
+    field_map: FieldMap | None,
+    report: DataReport,
+) -> TokenStore:
+    """Examples from `records[order]`; with `limit`, exactly the first `limit` valid ones.
+
+    Records are read in chunks of what is still missing (a record yields at most one
+    example), so the examples and the report cover exactly the records consumed.
+    """
+    kwargs = dict(
+        loss_on=check_loss_on(cfg.loss_on),
+        max_length=cfg.max_length,
+        overlength=cfg.overlength,
+        drop_refinement=cfg.drop_refinement_data,
+        field_map=field_map,
+        report=report,
+        seen_ids={},
+    )
+    if limit is None:
+        report.records_in_shard = len(order)
+        return build_examples(records.read(order.tolist()), template, **kwargs)
+    stores, have, pos = [], 0, 0
+    while have < limit and pos < len(order):
+        chunk = order[pos : pos + (limit - have)]
+        pos += len(chunk)
+        stores.append(build_examples(records.read(chunk.tolist()), template, **kwargs))
+        have += len(stores[-1])
+    report.records_in_shard = pos
+    return concat_stores(stores)
+
+
+def _check_skips(cfg: DataConfig, report: DataReport, what: str) -> None:
+    if report.records_in_shard and report.examples == 0:
+        raise DataError(f"no usable {what} examples: {report.one_line()}; check data.format / data.field_map")
+    if report.records_in_shard and report.skipped_total > cfg.max_skip_fraction * report.records_in_shard:
+        raise DataError(
+            f"{what}: {report.one_line()}: more than data.max_skip_fraction={cfg.max_skip_fraction}; "
+            "check data.format / data.field_map"
+        )
+
+
+def build_data(
+    cfg: DataConfig, split: str, template: ChatTemplate | None = None, records: RecordSet | None = None
+) -> BuiltData:
+    """Examples, packed rows and report of `split`: identical on every process."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    if not 0 <= process_index < process_count:
-        raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+    _check_knobs(cfg)
     files = cfg.eval_files if (split == "eval" and cfg.eval_files) else cfg.train_files
     if not files:
         raise ValueError(
@@ -87,81 +147,101 @@ def build_local(
         raise ValueError("split 'eval' needs data.eval_files or data.eval_fraction > 0")
     records = records or RecordSet(files)
     template = template or build_template(cfg)
-    field_map = resolve_field_map(cfg.format, cfg.field_map)
     idx = split_indices(len(records), cfg, split, has_eval_files=bool(cfg.eval_files))
-    mine = idx[process_index::process_count]
-    report = DataReport(
-        split=split,
-        process_index=process_index,
-        process_count=process_count,
-        sources=records.describe(),
-        records_total=len(records),
-        records_in_shard=len(mine),
-        packed=cfg.pack,
-    )
-    store = build_examples(
-        records.read(mine.tolist()),
-        template,
-        loss_on=check_loss_on(cfg.loss_on),
-        max_length=cfg.max_length,
-        overlength=cfg.overlength,
-        drop_refinement=cfg.drop_refinement_data,
-        field_map=field_map,
-        report=report,
-    )
-    if report.records_in_shard and report.skipped_total > cfg.max_skip_fraction * report.records_in_shard:
-        raise ValueError(
-            f"{report.skipped_total} of {report.records_in_shard} records skipped (more than "
-            f"data.max_skip_fraction={cfg.max_skip_fraction}); check data.format / data.field_map.\n"
-            + report.summary()
+    report = DataReport(split=split, sources=records.describe(), records_total=len(records), packed=cfg.pack)
+    limit = cfg.train_size if split == "train" else None
+    if limit is not None:
+        idx = idx[np.random.default_rng([cfg.seed, _SELECT]).permutation(len(idx))]
+    field_map = resolve_field_map(cfg.format, cfg.field_map)
+    store = _examples(cfg, records, idx, limit, template, field_map, report)
+    _check_skips(cfg, report, split)
+    if limit is not None:
+        if len(store) < limit:
+            raise DataError(
+                f"data.train_size={limit} but only {len(store)} usable examples in {len(idx)} records"
+            )
+        report.selection = (
+            f"train_size: the first {limit} valid examples of a permutation seeded by data.seed={cfg.seed} "
+            f"({report.records_in_shard} of {len(idx)} records read)"
         )
+    if split == "train" and cfg.general_ratio > 0:
+        store = concat_stores([store, _general(cfg, len(store), template, report)])
     if cfg.pack:
         rows = [tuple(r) for r in pack_best_fit(store.lengths, cfg.max_length)]
     else:
         rows = [(i,) for i in range(len(store))]
     report.rows = len(rows)
-    return LocalData(store=store, rows=rows, report=report)
+    return BuiltData(store=store, rows=rows, report=report)
 
 
-def _agree(local: int, op: str, count_for: Any, process_index: int, process_count: int) -> int:
-    """The same number on every process: min (train) or max (eval) of per-process counts.
+def _general(cfg: DataConfig, n_agent: int, template: ChatTemplate, report: DataReport) -> TokenStore:
+    """round(general_ratio * n_agent) general chat examples: the first of a seeded permutation."""
+    want = int(round(cfg.general_ratio * n_agent))
+    records = RecordSet(cfg.general_files)
+    order = np.random.default_rng([cfg.seed, _GENERAL]).permutation(len(records))
+    gen = DataReport(split="general", sources=records.describe(), records_total=len(records), packed=cfg.pack)
+    report.general = gen
+    if want == 0:
+        return concat_stores([])
+    store = _examples(cfg, records, order, want, template, resolve_field_map(cfg.general_format), gen)
+    _check_skips(cfg, gen, "general")
+    if len(store) < want:
+        raise DataError(
+            f"data.general_ratio={cfg.general_ratio} x {n_agent} agent examples needs {want} general "
+            f"examples; data.general_files has only {len(store)} usable"
+        )
+    gen.selection = (
+        f"general_ratio {cfg.general_ratio}: the first {want} valid examples of a permutation seeded by "
+        f"data.seed={cfg.seed}"
+    )
+    return store
 
-    Under a real multi-process JAX runtime the counts are all-gathered; when processes are
-    simulated in one Python process (tests, offline inspection) each shard is built here.
+
+def contiguous_rows(process_index: int, process_count: int, global_batch_size: int) -> np.ndarray:
+    """Process p's rows of a global batch when each process holds one contiguous block."""
+    local = global_batch_size // process_count
+    return np.arange(process_index * local, (process_index + 1) * local, dtype=np.int64)
+
+
+def process_batch_rows(sharding: Any, global_batch_size: int) -> np.ndarray:
+    """The global-batch rows this process's devices hold under `sharding`, ascending.
+
+    This is the order `jax.make_array_from_process_local_data` expects the process-local
+    rows in, whatever the mesh's device order (hosts interleaved, batch replicated...).
     """
-    if process_count == 1:
-        return local
-    import jax
-
-    if jax.process_count() == process_count:
-        from jax.experimental import multihost_utils
-
-        counts = np.asarray(multihost_utils.process_allgather(np.asarray([local], np.int64))).reshape(-1)
-    else:
-        counts = np.asarray([local if p == process_index else count_for(p) for p in range(process_count)])
-    return int(counts.min() if op == "min" else counts.max())
+    rows: set[int] = set()
+    for device, index in sharding.addressable_devices_indices_map((global_batch_size, 1)).items():
+        del device
+        rows.update(range(global_batch_size)[index[0]])
+    return np.asarray(sorted(rows), dtype=np.int64)
 
 
 class _Rows:
-    """Index -> row dict. Picklable (used by Grain worker processes when num_workers > 0)."""
+    """Local index -> row dict. Picklable (used by Grain worker processes when num_workers > 0).
+
+    Local index i is row `batch_rows[i % L]` of global batch `i // L` (L = len(batch_rows));
+    global batch s of epoch e holds positions [s*G, (s+1)*G) of that epoch's row order.
+    """
 
     def __init__(
         self,
         store: TokenStore,
         rows: list[tuple[int, ...]],
-        rows_per_epoch: int,
+        steps_per_epoch: int,
+        global_batch_size: int,
+        batch_rows: np.ndarray,
         shuffle: bool,
         seed: int,
-        process_index: int,
         max_length: int,
         pad_id: int,
     ):
         self.store = store
         self.rows = rows
-        self.rows_per_epoch = rows_per_epoch
+        self.steps_per_epoch = steps_per_epoch
+        self.global_batch_size = global_batch_size
+        self.batch_rows = np.asarray(batch_rows, dtype=np.int64)
         self.shuffle = shuffle
         self.seed = seed
-        self.process_index = process_index
         self.max_length = max_length
         self.pad_id = pad_id
         self._cached: tuple[int, np.ndarray] | None = None
@@ -173,38 +253,44 @@ class _Rows:
             return cached[1]
         n = len(self.rows)
         if self.shuffle:
-            order = np.random.default_rng([self.seed, self.process_index, epoch]).permutation(n)
+            order = np.random.default_rng([self.seed, _EPOCH, epoch]).permutation(n)
         else:
             order = np.arange(n)
         self._cached = (epoch, order)
         return order
 
     def __call__(self, index: int, _element: Any) -> dict[str, np.ndarray]:
-        epoch, j = divmod(int(index), self.rows_per_epoch)
+        step, j = divmod(int(index), len(self.batch_rows))
+        epoch, s = divmod(step, self.steps_per_epoch)
+        pos = s * self.global_batch_size + int(self.batch_rows[j])
         order = self.order(epoch)
-        examples = self.rows[int(order[j])] if j < len(order) else ()  # () = padding row (eval)
+        examples = self.rows[int(order[pos])] if pos < len(order) else ()  # () = padding row (eval)
         return materialize(self.store, examples, self.max_length, self.pad_id)
 
 
 @dataclasses.dataclass
 class Pipeline:
-    """Iterate for this process's slice of each global batch (see module docstring)."""
+    """Iterate for this process's rows of each global batch (see module docstring)."""
 
     steps_per_epoch: int
     report: DataReport
     global_batch_size: int
     local_batch_size: int
+    batch_rows: np.ndarray  # which rows of every global batch this process materialises
     num_epochs: int | None
     max_length: int
     pad_id: int
-    dataset: Any  # grain.MapDataset of batches (index = global step)
+    dataset: Any  # grain.MapDataset of local batches (index = global step)
     read_options: grain.ReadOptions
     num_workers: int
     store: TokenStore
     rows: list[tuple[int, ...]]
 
-    def __iter__(self) -> grain.DatasetIterator:
-        ds = self.dataset.to_iter_dataset(self.read_options)
+    def iterator(self, start_step: int = 0) -> grain.DatasetIterator:
+        """Batches from global step `start_step` on: the data position is the step, so this is
+        how a run resumes, on any number of processes."""
+        ds = self.dataset[start_step:] if start_step else self.dataset
+        ds = ds.to_iter_dataset(self.read_options)
         if self.num_workers > 0:
             # grain 0.2.x reads an absl flag in its worker code and raises when the program
             # never parsed absl flags (google/grain#1355): declare the defaults as parsed.
@@ -214,6 +300,9 @@ class Pipeline:
                 flags.FLAGS.mark_as_parsed()
             ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.num_workers))
         return iter(ds)
+
+    def __iter__(self) -> grain.DatasetIterator:
+        return self.iterator(0)
 
     @property
     def total_steps(self) -> int | None:
@@ -231,50 +320,61 @@ def make_pipeline(
     num_epochs: int | None,
     process_index: int = 0,
     process_count: int = 1,
+    batch_rows: Sequence[int] | None = None,
 ) -> Pipeline:
+    """The pipeline of `split` for one process.
+
+    `batch_rows`: the rows of each global batch this process materialises (ascending; see
+    `process_batch_rows`); default: the contiguous block `process_index` of `process_count`.
+    No collective is involved: every process computes the same plan on its own.
+    """
     if global_batch_size <= 0 or global_batch_size % process_count:
         raise ValueError(
             f"global_batch_size {global_batch_size} must be a positive multiple of {process_count}"
         )
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} not in [0, {process_count})")
     if num_epochs is not None and num_epochs <= 0:
         raise ValueError(f"num_epochs must be positive or None, got {num_epochs}")
-    local_bs = global_batch_size // process_count
+    if batch_rows is None:
+        batch_rows = contiguous_rows(process_index, process_count, global_batch_size)
+    batch_rows = np.asarray(batch_rows, dtype=np.int64)
+    if not len(batch_rows) or batch_rows.min() < 0 or batch_rows.max() >= global_batch_size:
+        raise ValueError(f"batch_rows must be non-empty rows of [0, {global_batch_size})")
     template = build_template(cfg)
-    records = RecordSet(cfg.eval_files if (split == "eval" and cfg.eval_files) else cfg.train_files)
-    local = build_local(cfg, split, process_index, process_count, template, records)
-    n_rows = len(local.rows)
-
-    def rows_of(p: int) -> int:
-        return len(build_local(cfg, split, p, process_count, template, records).rows)
-
+    data = build_data(cfg, split, template)
+    n_rows = len(data.rows)
+    report = data.report
     if split == "train":
-        rows_all = _agree(n_rows, "min", rows_of, process_index, process_count)
-        steps = rows_all // local_bs
+        steps = n_rows // global_batch_size
         if steps == 0:
-            raise ValueError(
-                f"split {split!r}: {rows_all} rows per process is less than one local batch of {local_bs} "
-                f"(global batch {global_batch_size}); lower the batch size or add data\n"
-                + local.report.summary()
+            raise DataError(
+                f"split {split!r}: {n_rows} rows is less than one global batch of {global_batch_size}; "
+                "lower the batch size or add data"
             )
         shuffle = cfg.shuffle
     else:
-        rows_all = _agree(n_rows, "max", rows_of, process_index, process_count)
-        steps = -(-rows_all // local_bs)
+        steps = -(-n_rows // global_batch_size)
         shuffle = False
-    if steps == 0:
-        raise ValueError(f"split {split!r} has no examples\n" + local.report.summary())
-    rows_per_epoch = steps * local_bs
-    report = local.report
     report.steps_per_epoch = steps
-    report.rows_per_epoch = rows_per_epoch
+    report.rows_per_epoch = steps * global_batch_size
     report.last_batch = "drop" if split == "train" else "pad"
 
     tok = template.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else template.stop_token_ids[0]
+    local_bs = len(batch_rows)
     picker = _Rows(
-        local.store, local.rows, rows_per_epoch, shuffle, cfg.seed, process_index, cfg.max_length, pad_id
+        data.store,
+        data.rows,
+        steps,
+        global_batch_size,
+        batch_rows,
+        shuffle,
+        cfg.seed,
+        cfg.max_length,
+        pad_id,
     )
-    ds = grain.MapDataset.range(rows_per_epoch)
+    ds = grain.MapDataset.range(steps * local_bs)
     if num_epochs != 1:
         ds = ds.repeat(num_epochs)
     ds = ds.map_with_index(picker).batch(local_bs, drop_remainder=True)
@@ -286,12 +386,13 @@ def make_pipeline(
         report=report,
         global_batch_size=global_batch_size,
         local_batch_size=local_bs,
+        batch_rows=batch_rows,
         num_epochs=num_epochs,
         max_length=cfg.max_length,
         pad_id=int(pad_id),
         dataset=ds,
         read_options=read_options,
         num_workers=cfg.num_workers,
-        store=local.store,
-        rows=local.rows,
+        store=data.store,
+        rows=data.rows,
     )

@@ -17,13 +17,17 @@ class DataReport:
     process_index: int = 0
     process_count: int = 1
     sources: str = ""
-    records_total: int = 0  # all records in the inputs (before the split / shard)
-    records_in_shard: int = 0  # records this process read
+    records_total: int = 0  # all records in the inputs (before the split / selection)
+    records_in_shard: int = 0  # records read (every process reads the same, see pipeline.py)
     parsed: int = 0  # rows that passed validation
     skipped: Counter = dataclasses.field(default_factory=Counter)  # reason -> count
     skipped_at: list[tuple[str, str, str]] = dataclasses.field(
         default_factory=list
     )  # (where, reason, detail)
+    duplicate_ids: int = 0  # valid rows whose id an earlier row already had (kept, reported)
+    duplicate_ids_at: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (where, id)
+    selection: str = ""  # data.train_size: how the examples were chosen
+    general: DataReport | None = None  # the mixed-in general chat data (data.general_*)
     trailing_user_turns_trimmed: int = 0
     refinement_turns_removed: int = 0  # drop_refinement_data: erroneous turns + their feedback
     truncated: int = 0
@@ -45,6 +49,11 @@ class DataReport:
         if len(self.skipped_at) < MAX_KEPT_LOCATIONS:
             self.skipped_at.append((where, reason, detail))
 
+    def duplicate(self, where: str, rid: str) -> None:
+        self.duplicate_ids += 1
+        if len(self.duplicate_ids_at) < MAX_KEPT_LOCATIONS:
+            self.duplicate_ids_at.append((where, rid))
+
     @property
     def skipped_total(self) -> int:
         return sum(self.skipped.values())
@@ -52,15 +61,23 @@ class DataReport:
     @property
     def packing_efficiency(self) -> float:
         """Fraction of row slots holding real tokens (1.0 = no padding)."""
-        return self.tokens / (self.rows * self.max_length) if self.rows and self.max_length else 0.0
+        tokens = self.tokens + (self.general.tokens if self.general else 0)  # rows hold both
+        return tokens / (self.rows * self.max_length) if self.rows and self.max_length else 0.0
 
     @property
     def padded_efficiency(self) -> float:
         """Same fraction if every example were padded to max_length on its own row."""
-        return self.tokens / (self.examples * self.max_length) if self.examples and self.max_length else 0.0
+        tokens = self.tokens + (self.general.tokens if self.general and self.rows else 0)
+        examples = self.examples + (self.general.examples if self.general and self.rows else 0)
+        return tokens / (examples * self.max_length) if examples and self.max_length else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("lengths",)}
+        d = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("lengths", "general")
+        }
+        d["general"] = self.general.to_dict() if self.general is not None else None
         d["skipped"] = dict(self.skipped)
         d["turns"] = dict(self.turns)
         d["trained_turns"] = dict(self.trained_turns)
@@ -90,6 +107,12 @@ class DataReport:
             at = [w for w, r, _ in self.skipped_at if r == reason][:max_locations]
             first = next((d for _, r, d in self.skipped_at if r == reason), "")
             lines.append(f"    - {reason}: {n} (e.g. {', '.join(at)}{'...' if n > len(at) else ''}) {first}")
+        if self.duplicate_ids:
+            shown = ", ".join(f"{rid!r} at {w}" for w, rid in self.duplicate_ids_at[:max_locations])
+            more = "..." if self.duplicate_ids > max_locations else ""
+            lines.append(f"  duplicate ids (rows kept): {self.duplicate_ids} (e.g. {shown}{more})")
+        if self.selection:
+            lines.append(f"  {self.selection}")
         if self.truncated:
             lines.append(f"  truncated at a turn boundary to {self.max_length} tokens: {self.truncated}")
         if self.trailing_user_turns_trimmed:
@@ -109,10 +132,11 @@ class DataReport:
             )
             lines.append(f"  assistant turns: {turns}")
         mode = "packed" if self.packed else "padded"
-        lines.append(
-            f"  {mode} rows: {self.rows} x {self.max_length}, fill {self.packing_efficiency:.1%} "
-            f"(one example per row: {self.padded_efficiency:.1%})"
-        )
+        if self.rows:  # a mixed-in source's own report has no rows: they are packed with the main data
+            lines.append(
+                f"  {mode} rows: {self.rows} x {self.max_length}, fill {self.packing_efficiency:.1%} "
+                f"(one example per row: {self.padded_efficiency:.1%})"
+            )
         unused = self.rows - self.rows_per_epoch
         tail = (
             f"; {unused} rows/epoch not used (final partial batch dropped, reshuffled each epoch)"
@@ -123,4 +147,13 @@ class DataReport:
             tail = f"; {-unused} empty padding rows/epoch (final partial batch padded)"
         if self.steps_per_epoch:  # only once a pipeline has fixed the batch layout
             lines.append(f"  steps/epoch: {self.steps_per_epoch}{tail}")
+        if self.general is not None:
+            lines.append("  mixed in (general chat):")
+            lines.extend("  " + line for line in self.general.summary(max_locations).splitlines())
         return "\n".join(lines)
+
+    def one_line(self) -> str:
+        """The skip counts on one line, for errors (the full summary is for logs)."""
+        reasons = ", ".join(f"{r} {n}" for r, n in sorted(self.skipped.items(), key=lambda kv: -kv[1]))
+        first = f"; first at {self.skipped_at[0][0]}: {self.skipped_at[0][2]}" if self.skipped_at else ""
+        return f"{self.skipped_total} of {self.records_in_shard} records skipped ({reasons or 'none'}){first}"

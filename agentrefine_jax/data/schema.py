@@ -5,14 +5,17 @@ Canonical row::
     {"id": str, "messages": [{"role": "system"|"user"|"assistant", "content": str, "loss": bool}]}
 
 `loss` matters only on assistant messages (default true); `loss: false` marks an *erroneous*
-turn. Every assistant turn falls in exactly one category:
+turn. An assistant message may instead carry `"train": false`: a turn that is context only
+(AgentInstruct's "Ok." acknowledgement, in-context demonstrations) - never trained, and not a
+mistake. Every assistant turn falls in exactly one category:
 
+* ``untrained``  - ``train: false`` (no loss whatever `loss_on` says; transparent for the rules below);
 * ``erroneous``  - ``loss: false``;
 * ``refinement`` - the next assistant turn after an erroneous one, itself not erroneous;
 * ``correct``    - every other assistant turn.
 
-`loss_on` (a subset of the three) says which categories carry loss. The default
-``correct,refinement`` is the paper's Equation 1.
+`loss_on` (a subset of correct/refinement/erroneous) says which categories carry loss. The
+default ``correct,refinement`` is the paper's Equation 1.
 """
 
 from __future__ import annotations
@@ -24,10 +27,15 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 ROLES = ("system", "user", "assistant")
-CATEGORIES = ("correct", "refinement", "erroneous")
+CATEGORIES = ("correct", "refinement", "erroneous")  # what `loss_on` may name
+UNTRAINED = "untrained"  # category of `train: false` turns; never in loss_on
+FLAG_MEANINGS = ("loss", "error", "train")
 DEFAULT_LOSS_ON: tuple[str, ...] = ("correct", "refinement")
 
 Message = dict[str, Any]
+
+
+TOO_DEEP = "nested too deeply"  # skip reason: JSON deeper than Python's parser recursion limit
 
 
 class RowError(ValueError):
@@ -44,8 +52,10 @@ class FieldMap:
     """Where a row keeps its turns, and how to read each turn.
 
     `flag` names the per-turn boolean; `flag_means` gives its polarity: "loss" (true = train
-    on this turn, false = erroneous) or "error" (true = erroneous turn). A missing flag means
-    "not erroneous". `roles` maps the file's role values onto system/user/assistant.
+    on this turn, false = erroneous), "error" (true = erroneous turn), or "train" (true =
+    train on it, false = context only: not trained and NOT erroneous - AgentInstruct /
+    AgentTraj-L). A missing flag means "trained, not erroneous". `roles` maps the file's role
+    values onto system/user/assistant.
     """
 
     turns: str
@@ -57,8 +67,8 @@ class FieldMap:
     id: str | None = "id"
 
     def __post_init__(self) -> None:
-        if self.flag_means not in ("loss", "error"):
-            raise ValueError(f"field_map.flag_means must be 'loss' or 'error', got {self.flag_means!r}")
+        if self.flag_means not in FLAG_MEANINGS:
+            raise ValueError(f"field_map.flag_means must be one of {FLAG_MEANINGS}, got {self.flag_means!r}")
         bad = {k: v for k, v in self.roles.items() if v not in ROLES}
         if bad:
             raise ValueError(f"field_map.roles must map onto {ROLES}; bad entries: {bad}")
@@ -77,6 +87,19 @@ PRESETS: dict[str, FieldMap] = {
     "sharegpt": FieldMap(turns="conversations", role="from", content="value", roles=_SHAREGPT_ROLES),
     # Agent-FLAN's layout: conversation[{role, content, loss}].
     "agentflan": FieldMap(turns="conversation", role="role", content="content"),
+    # THUDM/AgentInstruct and AgentGym/AgentTraj-L: ShareGPT columns, but `loss: false` marks
+    # turns that are simply not trained (the "Ok." ack, in-context demo turns), not mistakes.
+    "agentinstruct": FieldMap(
+        turns="conversations", role="from", content="value", flag_means="train", roles=_SHAREGPT_ROLES
+    ),
+    "agenttraj": FieldMap(
+        turns="conversations",
+        role="from",
+        content="value",
+        flag_means="train",
+        roles=_SHAREGPT_ROLES,
+        id="item_id",
+    ),
 }
 FORMATS = ("auto", "custom", *PRESETS)
 _FIELD_MAP_KEYS = {f.name for f in dataclasses.fields(FieldMap)} | {"loss"}
@@ -86,6 +109,7 @@ def resolve_field_map(fmt: str, overrides: Mapping[str, Any] | None = None) -> F
     """The FieldMap for `fmt` with `overrides` applied; None means "auto-detect per row".
 
     `custom` starts from the canonical keys, so a custom map only names what differs.
+    A `roles` override extends the preset's role map (a value may also remap a preset key).
     """
     overrides = dict(overrides or {})
     unknown = set(overrides) - _FIELD_MAP_KEYS
@@ -102,6 +126,8 @@ def resolve_field_map(fmt: str, overrides: Mapping[str, Any] | None = None) -> F
     base = PRESETS["canonical" if fmt == "custom" else fmt]
     if "roles" in overrides and not isinstance(overrides["roles"], Mapping):
         raise ValueError("field_map.roles must be an object mapping file values to system/user/assistant")
+    if "roles" in overrides:
+        overrides["roles"] = {**base.roles, **overrides["roles"]}
     return dataclasses.replace(base, **overrides)
 
 
@@ -139,6 +165,8 @@ def normalize_row(row: Any, field_map: FieldMap | None, fallback_id: str) -> dic
             turns = json.loads(turns)
         except json.JSONDecodeError as e:
             raise RowError("bad turns field", f"{fm.turns!r} is a string but not JSON: {e}") from None
+        except RecursionError:
+            raise RowError(TOO_DEEP, f"{fm.turns!r} is a JSON string nested too deeply") from None
     if not isinstance(turns, Sequence) or isinstance(turns, (str, bytes)):
         raise RowError("bad turns field", f"{fm.turns!r} must be a list, got {type(turns).__name__}")
     messages: list[Message] = []
@@ -155,10 +183,12 @@ def normalize_row(row: Any, field_map: FieldMap | None, fallback_id: str) -> dic
         msg: Message = {"role": role, "content": content}
         if role == "assistant":
             flag = _read_flag(turn.get(fm.flag), i) if fm.flag else None
-            if flag is None:
-                msg["loss"] = True
-            else:
-                msg["loss"] = flag if fm.flag_means == "loss" else not flag
+            msg["loss"] = True
+            if flag is not None:
+                if fm.flag_means == "train":
+                    msg["train"] = flag
+                else:
+                    msg["loss"] = flag if fm.flag_means == "loss" else not flag
         messages.append(msg)
     rid = row.get(fm.id) if fm.id else None
     return {"id": str(rid) if rid is not None else fallback_id, "messages": validate_messages(messages)}
@@ -202,6 +232,11 @@ def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[Message]:
             if not content.strip():
                 raise RowError("empty assistant turn", f"message {i}: assistant content is empty")
             msg["loss"] = loss
+            trained = m.get("train", True)
+            if not isinstance(trained, bool):
+                raise RowError("bad loss flag", f"message {i}: train must be a boolean, got {trained!r}")
+            if not trained:
+                msg["train"] = False
         out.append(msg)
     if not any(m["role"] == "assistant" for m in out):
         raise RowError("no assistant turn", "a trajectory needs at least one assistant turn")
@@ -215,12 +250,18 @@ def trim_trailing_users(messages: list[Message]) -> tuple[list[Message], int]:
 
 
 def assistant_categories(messages: Sequence[Mapping[str, Any]]) -> list[str | None]:
-    """Category per message (None for system/user)."""
+    """Category per message (None for system/user).
+
+    An untrained turn neither is a mistake nor ends one: an error, then an untrained turn,
+    then a trained turn makes that trained turn the refinement.
+    """
     cats: list[str | None] = []
     after_error = False
     for m in messages:
         if m["role"] != "assistant":
             cats.append(None)
+        elif m.get("train", True) is False:
+            cats.append(UNTRAINED)
         elif not m.get("loss", True):
             cats.append("erroneous")
             after_error = True
@@ -252,7 +293,7 @@ def drop_refinement_data(messages: list[Message]) -> tuple[list[Message], int]:
     removed = 0
     skip_next_user = False
     for m in messages:
-        if m["role"] == "assistant" and not m.get("loss", True):
+        if m["role"] == "assistant" and not m.get("loss", True) and m.get("train", True) is not False:
             removed += 1
             skip_next_user = True
             continue

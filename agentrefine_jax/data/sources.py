@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from agentrefine_jax.data.schema import RowError
+from agentrefine_jax.data.schema import TOO_DEEP, RowError
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -73,6 +73,8 @@ class _JsonlSource(_Source):
                     out.append((where, json.loads(raw)))
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:
                     out.append((where, RowError("invalid json", str(e))))
+                except RecursionError:  # e.g. 100k nested brackets: a bad row, not a crash
+                    out.append((where, RowError(TOO_DEEP, "JSON nested deeper than the parser allows")))
         return out
 
 
@@ -85,6 +87,8 @@ class _ListSource(_Source):
             obj = json.loads(path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path}: not valid JSON ({e}); use .jsonl for one row per line") from None
+        except RecursionError:
+            raise ValueError(f"{path}: JSON nested deeper than the parser allows") from None
         if isinstance(obj, dict) and isinstance(obj.get("data"), list):
             obj = obj["data"]
         if not isinstance(obj, list):
@@ -160,6 +164,8 @@ def _is_single_json(path: pathlib.Path) -> bool:
         json.loads(path.read_text(encoding="utf-8"))
         return True
     except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    except RecursionError:  # one too-deep value: read it as JSON Lines, where it is a counted skip
         return False
 
 

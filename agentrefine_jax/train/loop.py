@@ -129,11 +129,9 @@ def save_checkpoint(
     )
 
 
-def restore_checkpoint(
-    mngr: ocp.CheckpointManager, step: int, fns: StepFns, data_iter: Any
-) -> tuple[Any, Any]:
-    import grain
-
+def restore_checkpoint(mngr: ocp.CheckpointManager, step: int, fns: StepFns) -> tuple[Any, Any]:
+    # The data position is not restored from the (per-process) Grain state: it is the step
+    # (`Pipeline.iterator(step)`), so a run may resume on a different number of processes.
     def target(abstract: Any, shardings: Any) -> Any:
         return jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
@@ -145,7 +143,6 @@ def restore_checkpoint(
         args=ocp.args.Composite(
             params=ocp.args.StandardRestore(target(abstract_params, fns.param_shardings)),
             opt_state=ocp.args.StandardRestore(target(abstract_opt, fns.opt_shardings)),
-            data_iter=grain.checkpoint.CheckpointRestore(data_iter),
         ),
     )
     _check_restored(restored["params"], abstract_params, "params")
@@ -238,13 +235,13 @@ def _format_eta(seconds: float) -> str:
 
 def train(cfg: Config) -> dict[str, Any]:
     """Run (or resume) training; returns a summary with the final step and losses."""
-    from agentrefine_jax.data.pipeline import make_pipeline
+    from agentrefine_jax.data.pipeline import make_pipeline, process_batch_rows
 
     tc = cfg.train
     paths = RunPaths(pathlib.Path(tc.run_dir))
     mesh = shd.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     rules = cfg.mesh.rules
-    pc, pi = jax.process_count(), jax.process_index()
+    pc = jax.process_count()
     if tc.global_batch_size % pc:
         raise TrainingError(f"train.global_batch_size={tc.global_batch_size} not divisible by {pc} processes")
     batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -257,13 +254,14 @@ def train(cfg: Config) -> dict[str, Any]:
     log(f"mesh {dict(mesh.shape)} over {jax.device_count()} devices ({pc} processes)")
 
     check_resume_config(paths, cfg)
+    # Each process materialises exactly the rows of the global batch its devices hold.
+    batch_rows = process_batch_rows(shd.batch_sharding(mesh, rules), tc.global_batch_size)
     pipeline = make_pipeline(
         cfg.data,
         split="train",
         global_batch_size=tc.global_batch_size,
         num_epochs=tc.num_epochs,
-        process_index=pi,
-        process_count=pc,
+        batch_rows=batch_rows,
     )
     log(pipeline.report.summary())
     if pipeline.steps_per_epoch < 1:
@@ -287,10 +285,9 @@ def train(cfg: Config) -> dict[str, Any]:
     )
 
     mngr = make_checkpoint_manager(paths, cfg)
-    data_iter = iter(pipeline)
     start_step = mngr.latest_step()
     if start_step is not None:
-        params, opt_state = restore_checkpoint(mngr, start_step, fns, data_iter)
+        params, opt_state = restore_checkpoint(mngr, start_step, fns)
         log(f"resumed from {paths.checkpoints}/{start_step}")
     else:
         start_step = 0
@@ -299,6 +296,7 @@ def train(cfg: Config) -> dict[str, Any]:
         if is_main_process():
             paths.root.mkdir(parents=True, exist_ok=True)
             paths.config.write_text(json.dumps(to_dict(cfg), indent=2))
+    data_iter = pipeline.iterator(start_step)  # the data position is the global step
 
     eval_pipeline = None
     if tc.eval_every and (cfg.data.eval_files or cfg.data.eval_fraction > 0):
@@ -307,8 +305,7 @@ def train(cfg: Config) -> dict[str, Any]:
             split="eval",
             global_batch_size=tc.global_batch_size,
             num_epochs=1,
-            process_index=pi,
-            process_count=pc,
+            batch_rows=batch_rows,
         )
 
     seq_len = cfg.data.max_length
