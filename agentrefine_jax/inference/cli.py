@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -21,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+from agentrefine_jax import logs
 from agentrefine_jax.cli_errors import OneLineParser, fail
 from agentrefine_jax.inference.chat import ChatGenerator
 from agentrefine_jax.inference.engine import generate
@@ -29,6 +31,7 @@ from agentrefine_jax.inference.server import ChatService, make_server
 from agentrefine_jax.models.llama import param_count
 
 PROG = "python -m agentrefine_jax.inference"
+log = logging.getLogger(__name__)
 
 
 def _ids(text: str) -> list[int]:
@@ -58,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
+    logs.add_flags(p)
     p.add_argument("--checkpoint", required=True, help="training run / checkpoint dir, or an HF model dir")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
@@ -83,10 +87,6 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="chat mode: print a JSON object instead of the text")
 
 
-def _log(msg: str) -> None:
-    print(f"[generate] {msg}", file=sys.stderr, flush=True)
-
-
 def _temperature(args: argparse.Namespace) -> float:
     if args.greedy and args.temperature not in (None, 0.0):
         raise ValueError("--greedy contradicts --temperature > 0")
@@ -108,7 +108,7 @@ def run_generate(args: argparse.Namespace) -> int:
     temperature = _temperature(args)
     t0 = time.perf_counter()
     loaded = load_for_inference(args.checkpoint, dtype=args.dtype)
-    _log(
+    log.info(
         f"loaded {args.checkpoint} ({loaded.source}, {param_count(loaded.model) / 1e6:.2f}M params, "
         f"compute {loaded.cfg.dtype}) in {time.perf_counter() - t0:.1f}s"
     )
@@ -127,7 +127,7 @@ def run_generate(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
         n = sum(len(g.tokens) for g in gens)
-        _log(
+        log.info(
             f"generated {n} tokens for {len(gens)} prompt(s) in "
             f"{time.perf_counter() - t1:.1f}s (incl. compile)"
         )
@@ -146,7 +146,7 @@ def run_generate(args: argparse.Namespace) -> int:
         stop=args.stop,
         seed=args.seed,
     )
-    _log(
+    log.info(
         f"{c.prompt_tokens} prompt + {c.completion_tokens} generated tokens in "
         f"{time.perf_counter() - t1:.1f}s (incl. compile); finish: {c.finish_reason}"
     )
@@ -168,6 +168,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _add_serve(p: argparse.ArgumentParser) -> None:
+    logs.add_flags(p)
     p.add_argument("--checkpoint", required=True, help="training run / checkpoint dir, or an HF model dir")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="0 = any free port (printed at start-up)")
@@ -186,13 +187,10 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    def log(msg: str) -> None:
-        print(f"[serve] {msg}", file=sys.stderr, flush=True)
-
     try:
         t0 = time.perf_counter()
         gen = ChatGenerator.from_checkpoint(args.checkpoint, args.template, args.tokenizer, dtype=args.dtype)
-        log(f"loaded {args.checkpoint} in {time.perf_counter() - t0:.1f}s")
+        log.info(f"loaded {args.checkpoint} in {time.perf_counter() - t0:.1f}s")
         api_key = os.environ.get(args.api_key_env) or None
         service = ChatService(
             gen,
@@ -200,17 +198,17 @@ def run_serve(args: argparse.Namespace) -> int:
             default_max_tokens=args.default_max_tokens,
             max_n=args.max_n,
             api_key=api_key,
-            log=log,
+            log=log.info,
         )
         if args.warmup:
             t0 = time.perf_counter()
             gen.complete([[{"role": "user", "content": "hi"}]], max_new_tokens=2)
-            log(f"warm-up compile done in {time.perf_counter() - t0:.1f}s")
+            log.info(f"warm-up compile done in {time.perf_counter() - t0:.1f}s")
         server = make_server(service, args.host, args.port)
     except (ValueError, FileNotFoundError, OSError) as e:
         return fail("inference", e)
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-        log(f"warning: serving on {args.host} without an API key (set ${args.api_key_env})")
+        log.warning(f"serving on {args.host} without an API key (set ${args.api_key_env})")
     host, port = server.server_address[:2]
     # The exact line tests and scripts wait for; stdout carries nothing else.
     print(f"serving {service.model_name!r} on http://{host}:{port}/v1", flush=True)
@@ -221,12 +219,13 @@ def run_serve(args: argparse.Namespace) -> int:
         pass
     finally:
         server.server_close()
-        log("stopped")
+        log.info("stopped")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logs.setup("inference", args)
     if args.command == "serve":
         return run_serve(args)
     try:

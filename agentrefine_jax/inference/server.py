@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import json
+import logging
 import secrets
 import sys
 import threading
@@ -202,7 +203,7 @@ class ChatService:
         self._lock = threading.Lock()
         self._rng = secrets.SystemRandom()
         self.created = int(time.time())
-        self.log = log or (lambda msg: print(f"[serve] {msg}", file=sys.stderr, flush=True))
+        self.log = log or logging.getLogger(__name__).info
 
     def authorized(self, header: str | None) -> bool:
         if self._api_key is None:
