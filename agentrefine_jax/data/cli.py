@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from agentrefine_jax.cli_errors import OneLineParser, fail
-from agentrefine_jax.config import DataConfig
+from agentrefine_jax.config import Config, DataConfig, validate
 from agentrefine_jax.data.examples import prepare_messages
 from agentrefine_jax.data.packing import materialize, padding_efficiency
 from agentrefine_jax.data.pipeline import build_data, build_template
@@ -68,10 +68,10 @@ def _config(args: argparse.Namespace, pack: bool) -> DataConfig:
     try:
         field_map = json.loads(args.field_map)
     except json.JSONDecodeError as e:
-        raise SystemExit(f"--field-map is not valid JSON: {e}") from None
+        raise ValueError(f"--field-map is not valid JSON: {e}") from None
     if not isinstance(field_map, dict):
-        raise SystemExit("--field-map must be a JSON object")
-    return DataConfig(
+        raise ValueError("--field-map must be a JSON object")
+    cfg = DataConfig(
         train_files=tuple(args.input),
         format=args.format,
         field_map=field_map,
@@ -85,6 +85,8 @@ def _config(args: argparse.Namespace, pack: bool) -> DataConfig:
         shuffle=False,
         max_skip_fraction=args.max_skip_fraction,
     )
+    validate(Config(data=cfg))  # the training config's own checks: bad values fail before any read
+    return cfg
 
 
 def _log(msg: str) -> None:
@@ -192,7 +194,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     cfg = _config(args, pack=False)
     records = RecordSet(cfg.train_files)
     if not 0 <= args.row < len(records):
-        raise SystemExit(f"--row {args.row} out of range: {len(records)} records in {records.describe()}")
+        raise ValueError(f"--row {args.row} out of range: {len(records)} records in {records.describe()}")
     where, row = records.read([args.row])[0]
     report = DataReport()
     try:
