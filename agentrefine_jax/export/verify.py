@@ -80,8 +80,9 @@ class VerifyResult:
 
 
 def config_mismatches(ours: ModelConfig, hf: ModelConfig) -> list[str]:
-    """Architecture differences, checkpoint first (the one rule: ModelConfig.architecture_diff)."""
-    return [f"{d} (checkpoint vs HF)" for d in ours.architecture_diff(hf)]
+    return [
+        f"{f}: checkpoint {getattr(ours, f)!r} vs HF {getattr(hf, f)!r}" for f in ours.architecture_diff(hf)
+    ]
 
 
 def _round_params(model: nnx.Module, dtype: str) -> None:

@@ -68,14 +68,14 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     def architecture_diff(self, other: ModelConfig) -> list[str]:
-        """Differences in fields that change the function the model computes, as "field: a vs b".
+        """Names of the fields that differ and change the function the model computes.
 
         Everything counts except `NOT_ARCHITECTURE` (how and in what precision it runs, token
         ids, init), so a field added later is compared unless it is listed there on purpose.
         Used by `train.init_from_hf` and `export verify`.
         """
         return [
-            f"{f.name}: {getattr(self, f.name)!r} vs {getattr(other, f.name)!r}"
+            f.name
             for f in dataclasses.fields(self)
             if f.name not in NOT_ARCHITECTURE and getattr(self, f.name) != getattr(other, f.name)
         ]

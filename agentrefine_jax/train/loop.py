@@ -657,12 +657,12 @@ def _initial_params(cfg: Config, fns: StepFns, mesh: jax.sharding.Mesh) -> Any:
     hf_cfg, model = load_hf_model(
         cfg.train.init_from_hf, mesh=mesh, rules=cfg.mesh.rules, param_dtype=cfg.model.param_dtype
     )
-    bad = cfg.model.architecture_diff(hf_cfg)
+    bad = [
+        f"{f}: config {getattr(cfg.model, f)!r} vs checkpoint {getattr(hf_cfg, f)!r}"
+        for f in cfg.model.architecture_diff(hf_cfg)
+    ]
     if bad:
-        raise TrainingError(
-            f"train.init_from_hf={cfg.train.init_from_hf} does not match the model config "
-            f"(config vs checkpoint): {'; '.join(bad)}"
-        )
+        raise TrainingError(f"train.init_from_hf={cfg.train.init_from_hf} does not match model config: {bad}")
     log(f"initialised from {cfg.train.init_from_hf}")
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     return jax.device_put(params, fns.param_shardings)
