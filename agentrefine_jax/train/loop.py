@@ -181,7 +181,9 @@ class RunCheckpoints:
         self.failed = False
 
     def save(self, step: int, params: Any, opt_state: Any, data_iter: Any, cfg: Config, facts: Any) -> None:
-        self.poll()
+        # Orbax would wait for the previous save here anyway; finishing it first lets its manifest
+        # be written before the keep policy can delete anything.
+        self.poll(wait=True)
         try:
             save_checkpoint(self.mngr, step, params, opt_state, data_iter, cfg, facts)
         except Exception as e:  # noqa: BLE001 - any storage error ends the run with one line
@@ -201,7 +203,7 @@ class RunCheckpoints:
         if is_main_process():
             kept = set(self.mngr.all_steps())
             for step in self.pending:
-                if step in kept:  # not already removed by the keep policy
+                if step in kept and (self.paths.checkpoints / str(step)).exists():  # not removed since
                     write_manifest(self.paths.checkpoints / str(step))
         self.pending.clear()
 
