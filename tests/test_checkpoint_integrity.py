@@ -215,3 +215,27 @@ def test_export_dtype_auto_prefers_the_imported_dtype() -> None:
     assert resolve_export_dtype("float16", source_dtype="float32", param_dtype="float32") == "float16"
     with pytest.raises(ValueError, match="float8"):
         resolve_export_dtype("float8", source_dtype=None, param_dtype="float32")
+
+
+@pytest.mark.parametrize("keep_epochs", [False, True])
+def test_epoch_checkpoints_survive_the_keep_policy(tmp_path, keep_epochs) -> None:
+    import grain
+    import jax.numpy as jnp
+
+    from agentrefine_jax.config import Config, TrainConfig
+    from agentrefine_jax.train.loop import RunCheckpoints, RunPaths
+
+    cfg = Config(model=CFG, train=TrainConfig(keep_checkpoints=1, keep_epoch_checkpoints=keep_epochs))
+    paths = RunPaths(str(tmp_path / "run"))
+    run = RunCheckpoints(paths, cfg, steps_per_epoch=2)
+    data = iter(grain.MapDataset.range(8).to_iter_dataset())
+    for step in range(1, 6):
+        next(data)
+        run.save(step, {"w": jnp.full(3, step)}, {"mu": jnp.zeros(3)}, data, cfg, {"steps_per_epoch": 2})
+    run.finish()
+    kept = ckpt.checkpoint_steps(paths.checkpoints)
+    assert kept == ([2, 4, 5] if keep_epochs else [5])
+    for step in kept:
+        ckpt.verify_step(paths.checkpoints / str(step))  # each one got its manifest
+    epochs = {s: ckpt.read_meta(paths.checkpoints, s)["epoch"] for s in kept}
+    assert epochs == ({2: 1, 4: 2, 5: None} if keep_epochs else {5: None})
