@@ -33,7 +33,7 @@ from agentrefine_jax.checkpoint import (
 )
 from agentrefine_jax.config import Config, to_dict
 from agentrefine_jax.train import flops
-from agentrefine_jax.train.optimizer import make_optimizer
+from agentrefine_jax.train.optimizer import horizon_matters, make_optimizer
 from agentrefine_jax.train.step import BATCH_KEYS, StepFns, build_steps
 
 # Sections of the config that must not change when a run resumes.
@@ -253,11 +253,13 @@ def choose_resume_step(paths: RunPaths) -> int | None:
     return None if code < 0 else code
 
 
-def check_schedule(paths: RunPaths, meta: dict[str, Any], total_steps: int, allow_change: bool) -> None:
-    """The LR schedule is part of the optimizer state's meaning: a new horizon must be asked for."""
+def check_schedule(paths: RunPaths, meta: dict[str, Any], total_steps: int, cfg: Config) -> None:
+    """The LR schedule is part of the optimizer state's meaning: a new horizon must be asked for
+    (only where it changes the learning rate: cosine, not constant)."""
     old = meta.get("schedule_steps")
-    if old is None or int(old) == total_steps:
+    if old is None or int(old) == total_steps or not horizon_matters(cfg.optim):
         return
+    allow_change = cfg.train.allow_schedule_change
     if not allow_change:
         raise TrainingError(
             f"{paths.root} was trained on a {old}-step learning-rate schedule, this run's schedule has "
@@ -480,7 +482,7 @@ def train(cfg: Config) -> dict[str, Any]:
     facts: dict[str, Any] = {"schedule_steps": total_steps, "steps_per_epoch": pipeline.steps_per_epoch}
     if resume_step is not None:
         meta = read_meta(paths.checkpoints, resume_step)
-        check_schedule(paths, meta, total_steps, tc.allow_schedule_change)
+        check_schedule(paths, meta, total_steps, cfg)
         facts["source_dtype"] = meta.get("source_dtype")
 
     model_cfg = cfg.model
