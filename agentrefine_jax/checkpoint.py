@@ -11,6 +11,13 @@ subdirectory is one step, holding at least two items:
 The trainer adds `opt_state` and `data_iter` to the same steps; loaders here read only
 `params` and `meta` and ignore everything else.
 
+Integrity: once Orbax has finalised a step, `write_manifest` records the size and sha256 of
+every file in it (`MANIFEST`, written last). `verify_step` re-hashes them; a step without a
+manifest is an interrupted save, one whose files differ is corrupt. The trainer resumes from
+the newest intact step (`newest_intact_step`) and says which ones it skipped.
+
+Paths may be URLs (gs://..., anything etils.epath handles); `file://` URLs are local paths.
+
 Loading never zero-fills: the stored tree is checked against the model the config
 describes, and any missing, extra or mis-shaped leaf is an error that names the leaf.
 """
@@ -18,8 +25,11 @@ describes, and any missing, extra or mis-shaped leaf is an error that names the 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import pathlib
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,6 +47,11 @@ ITEM_PARAMS = "params"
 ITEM_META = "meta"
 RUN_CHECKPOINTS_SUBDIR = "checkpoints"
 META_KEYS = ("model", "tokenizer", "template", "config", "step")
+MANIFEST = "agentrefine_manifest.json"
+
+
+class CheckpointIntegrityError(ValueError):
+    """A checkpoint step whose files do not match its manifest (or that has none)."""
 
 
 def handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
@@ -69,8 +84,14 @@ def make_meta(
     tokenizer: str | None = None,
     template: str | None = None,
     config: Any = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The `meta` item; `config` may be a `Config` dataclass or its dict."""
+    """The `meta` item; `config` may be a `Config` dataclass or its dict.
+
+    `extra` adds run facts readers may use: `source_dtype` (dtype of the HF weights it was
+    imported from; export's `auto`), `schedule_steps` (the LR schedule's horizon),
+    `steps_per_epoch` and `epoch` (set on a step that closes an epoch).
+    """
     from agentrefine_jax.config import to_dict
 
     if config is not None and dataclasses.is_dataclass(config):
@@ -81,6 +102,7 @@ def make_meta(
         "template": template,
         "config": config,
         "step": int(step),
+        **(extra or {}),
     }
 
 
@@ -104,10 +126,32 @@ def model_config_from_meta(meta: Mapping[str, Any]) -> ModelConfig:
 # ----------------------------------------------------------------------------- locating
 
 
+def is_url(path: str | os.PathLike[str]) -> bool:
+    """True for remote URLs (gs://, s3://, ...); `file://` and plain paths are local."""
+    text = os.fspath(path) if not isinstance(path, epath.Path) else str(path)
+    return "://" in text and not text.startswith("file://")
+
+
 def as_path(path: str | os.PathLike[str]) -> epath.Path:
-    """An absolute epath (Orbax refuses relative paths); URLs such as gs://... pass through."""
+    """An absolute epath (Orbax refuses relative paths); URLs such as gs://... pass through untouched.
+
+    `file:///x` is the local path `/x` (etils has no file:// backend).
+    """
+    if isinstance(path, epath.Path) and is_url(path):
+        return path
     text = os.fspath(path)
+    if text.startswith("file://"):
+        text = text[len("file://") :]
+        if not text.startswith("/"):
+            raise ValueError(f"file:// URLs must be absolute (file:///path), got {os.fspath(path)!r}")
     return epath.Path(text if "://" in text else os.path.abspath(text))
+
+
+def join(base: str | os.PathLike[str], relative: str) -> epath.Path:
+    """`relative` inside `base` unless it is absolute or a URL itself."""
+    if "://" in relative or os.path.isabs(relative):
+        return as_path(relative)
+    return as_path(base) / relative
 
 
 def checkpoint_steps(root: str | os.PathLike[str]) -> list[int]:
@@ -163,12 +207,13 @@ def save_model(
     tokenizer: str | None = None,
     template: str | None = None,
     config: Any = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> epath.Path:
     """Write `params` + `meta` as step `step` of the checkpoint root `directory`; returns the step dir."""
     root = as_path(directory)
     params = params_pure_dict(model_or_params_state)
     check_params(params, model_cfg, what=f"parameters being saved to {root}")
-    meta = make_meta(model_cfg, step=step, tokenizer=tokenizer, template=template, config=config)
+    meta = make_meta(model_cfg, step=step, tokenizer=tokenizer, template=template, config=config, extra=extra)
     with ocp.CheckpointManager(root, handler_registry=handler_registry()) as mngr:
         if step in mngr.all_steps():
             raise FileExistsError(f"{root} already has a checkpoint for step {step}; choose a new directory")
@@ -180,7 +225,111 @@ def save_model(
             force=True,
         )
         mngr.wait_until_finished()
+    write_manifest(root / str(step))
     return root / str(step)
+
+
+# ------------------------------------------------------------------------------ integrity
+
+
+def _file_digest(path: epath.Path) -> tuple[int, str]:
+    h = hashlib.sha256()
+    size = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def _digests(step_dir: epath.Path, names: list[str]) -> list[tuple[int, str]]:
+    """(size, sha256) per file, several files at once (hashlib releases the GIL on big reads)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda rel: _file_digest(step_dir / rel), names))
+
+
+def _step_files(step_dir: epath.Path) -> list[str]:
+    """Relative names of every file in a step directory except the manifest."""
+    out = []
+    for dirpath, _, filenames in step_dir.walk():
+        for name in filenames:
+            rel = str((epath.Path(dirpath) / name).relative_to(step_dir))
+            if rel not in (MANIFEST, MANIFEST + ".tmp"):
+                out.append(rel)
+    return sorted(out)
+
+
+def write_manifest(step_dir: str | os.PathLike[str]) -> epath.Path:
+    """Record size + sha256 of every file of a finalised step; written last, so it marks completion."""
+    step_dir = as_path(step_dir)
+    names = _step_files(step_dir)
+    files = {
+        rel: {"size": size, "sha256": digest}
+        for rel, (size, digest) in zip(names, _digests(step_dir, names), strict=True)
+    }
+    if not files:
+        raise CheckpointIntegrityError(f"checkpoint {step_dir} holds no files")
+    target = step_dir / MANIFEST
+    body = json.dumps({"version": 1, "files": files}, indent=1, sort_keys=True)
+    if is_url(step_dir):
+        target.write_text(body)  # object stores publish an object whole
+    else:
+        tmp = step_dir / (MANIFEST + ".tmp")
+        tmp.write_text(body)
+        tmp.rename(target)
+    return target
+
+
+def verify_step(step_dir: str | os.PathLike[str]) -> None:
+    """Raise CheckpointIntegrityError naming the first problem found in a step directory."""
+    step_dir = as_path(step_dir)
+    manifest = step_dir / MANIFEST
+    if not manifest.exists():
+        raise CheckpointIntegrityError(f"checkpoint {step_dir} is incomplete: it has no {MANIFEST}")
+    try:
+        want = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointIntegrityError(f"checkpoint {step_dir}: unreadable {MANIFEST} ({e})") from None
+    have = set(_step_files(step_dir))
+    missing = sorted(set(want) - have)
+    if missing:
+        raise CheckpointIntegrityError(f"checkpoint {step_dir} is incomplete: {missing[0]} is missing")
+    extra = sorted(have - set(want))
+    if extra:
+        raise CheckpointIntegrityError(f"checkpoint {step_dir} has a file its manifest lacks: {extra[0]}")
+    for (rel, rec), (size, digest) in zip(want.items(), _digests(step_dir, list(want)), strict=True):
+        if size != rec["size"]:
+            raise CheckpointIntegrityError(
+                f"checkpoint {step_dir} is truncated: {rel} has {size} bytes, {rec['size']} were written"
+            )
+        if digest != rec["sha256"]:
+            raise CheckpointIntegrityError(f"checkpoint {step_dir} is corrupt: {rel} fails its sha256 check")
+
+
+def newest_intact_step(root: str | os.PathLike[str]) -> tuple[int | None, list[tuple[int, str]]]:
+    """(newest step whose files match its manifest, [(step, problem)] of the newer steps skipped).
+
+    (None, []) when there is no step at all; raises CheckpointIntegrityError when steps exist
+    but none is intact, naming them.
+    """
+    root = as_path(root)
+    steps = checkpoint_steps(root)
+    skipped: list[tuple[int, str]] = []
+    for step in reversed(steps):
+        try:
+            verify_step(root / str(step))
+        except CheckpointIntegrityError as e:
+            skipped.append((step, str(e)))
+            continue
+        return step, skipped
+    if steps:
+        raise CheckpointIntegrityError(
+            f"no intact checkpoint in {root}: steps {steps} all fail verification "
+            f"({'; '.join(p for _, p in skipped)}); start a new train.run_dir or restore the checkpoints"
+        )
+    return None, skipped
 
 
 # ------------------------------------------------------------------------------ loading
@@ -262,6 +411,10 @@ def load_model(
     dtype="float32", scan_layers=False, remat_policy="full"). Returns (config, model, meta).
     """
     root, step = resolve_checkpoint(path)
+    if (root / str(step) / MANIFEST).exists():
+        verify_step(root / str(step))
+    else:  # written by another tool or an older version: usable, but say it is unverified
+        warnings.warn(f"checkpoint {root / str(step)} has no {MANIFEST}; loading it unverified", stacklevel=2)
     meta = read_meta(root, step)
     model_cfg = model_config_from_meta(meta)
     changes = dict(overrides)

@@ -118,13 +118,18 @@ class TrainConfig:
     eval_every: int = 0
     checkpoint_every: int = 500
     keep_checkpoints: int = 3
+    # Also save (and never delete) the checkpoint that closes each epoch; meta["epoch"] names it.
+    keep_epoch_checkpoints: bool = False
+    # Resuming under a different LR-schedule horizon (max_steps / num_epochs) is refused unless set.
+    allow_schedule_change: bool = False
     # Loss is computed over the vocabulary in sequence chunks of this many tokens.
     loss_chunk_size: int = 1024
     seed: int = 0
     init_from_hf: str | None = None
     # Export a Hugging Face directory when training ends (a relative path is inside run_dir).
     export_hf_at_end: str | None = None
-    export_dtype: str = "bfloat16"
+    # "auto": the dtype init_from_hf weights came in, else model.param_dtype; or float32/bfloat16/float16.
+    export_dtype: str = "auto"
     # Peak FLOP/s per device used for MFU; 0 = look it up from the device kind.
     peak_flops_per_device: float = 0.0
 

@@ -83,7 +83,11 @@ def test_print_config_validates():
         ("data", ["bogus"], "invalid choice: 'bogus'"),
         ("data", ["stats", "--input", "x.jsonl", "--overlength", "cut"], "invalid choice: 'cut'"),
         ("data", ["stats", "--input", MISSING, "--max-length", "0"], "data.max_length=0: must be >= 2"),
-        ("data", ["dump", "--input", MISSING, "-o", MISSING, "--field-map", "{x"], "--field-map is not valid"),
+        (
+            "data",
+            ["dump", "--input", MISSING, "-o", MISSING, "--field-map", "{x"],
+            "--field-map is not valid",
+        ),
         ("synth", ["convert", "--input", "x.jsonl"], "required: --out"),
         ("synth", ["verify", "--input", MISSING, "--out", MISSING], "cannot read"),
         ("export", ["verify", "--checkpoint", MISSING], "required: --hf"),

@@ -161,7 +161,9 @@ def test_cli_exits_2_with_one_line_when_nothing_is_usable(tmp_path, capsys, cmd)
     assert cli.main(argv) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("[data] error: no usable train examples: 3 of 3 records skipped")
+    assert len(lines) == 1 and lines[0].startswith(
+        "[data] error: no usable train examples: 3 of 3 records skipped"
+    )
     assert "nested too deeply 1" in lines[0] and captured.out == ""
 
 

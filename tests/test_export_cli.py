@@ -101,7 +101,7 @@ def test_mistral_round_trip_bfloat16_with_tokenizer(hf_dirs, tmp_path, capsys) -
     assert meta["tokenizer"] == "mistral" and meta["template"] == "mistral"
 
     out = tmp_path / "hf"
-    assert main(["to-hf", "--checkpoint", str(ck), "--out", str(out)]) == 0
+    assert main(["to-hf", "--checkpoint", str(ck), "--out", str(out), "--dtype", "bfloat16"]) == 0
     assert (out / "model.safetensors").exists() and not (out / "model.safetensors.index.json").exists()
     assert json.loads((out / "config.json").read_text())["sliding_window"] == 8
 
@@ -123,6 +123,28 @@ def test_mistral_round_trip_bfloat16_with_tokenizer(hf_dirs, tmp_path, capsys) -
     capsys.readouterr()
     assert main(["verify", "--checkpoint", str(ck), "--hf", str(out), "--seq-lens", VERIFY_LENS]) == 0
     assert "rounding checkpoint weights to bfloat16" in capsys.readouterr().out
+
+
+def test_default_flags_round_trip_is_exact(hf_dirs, llama_ckpt, tmp_path, capsys) -> None:
+    """float32 HF -> project -> HF with no --dtype: `auto` writes the imported dtype, bit for bit."""
+    from safetensors.numpy import load_file
+
+    src = hf_dirs["llama"]
+    out = tmp_path / "hf"
+    capsys.readouterr()
+    assert main(["to-hf", "--checkpoint", str(llama_ckpt), "--out", str(out)]) == 0
+    assert "--dtype auto: float32, the dtype it was imported from" in capsys.readouterr().out
+
+    def tensors(d: pathlib.Path) -> dict[str, np.ndarray]:
+        return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    before, after = tensors(src), tensors(out)
+    assert sorted(before) == sorted(after)
+    for name, value in before.items():
+        assert after[name].dtype == value.dtype == np.float32, name
+        np.testing.assert_array_equal(after[name], value, err_msg=name)
+    ids = F.random_ids(np.random.default_rng(2), 512, 1, 40)
+    np.testing.assert_array_equal(F.hf_logits(out, ids), F.hf_logits(src, ids))
 
 
 def test_verify_rejects_a_corrupted_layer(hf_dirs, llama_ckpt, tmp_path, capsys) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +19,9 @@ import tempfile
 import time
 
 import pytest
+from test_checkpoint_integrity import flip_bit, truncate
+
+from agentrefine_jax.checkpoint import MANIFEST
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # Small enough for CI: 2 x 256-token rows per step.
@@ -66,6 +71,16 @@ def _losses(run_dir: pathlib.Path) -> dict[int, float]:
     """Loss per step; a step re-done after a crash keeps its latest row."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _strict_rows(run_dir: pathlib.Path) -> list[dict]:
+    """metrics.jsonl rows, parsed as strict JSON (a bare NaN / Infinity fails)."""
+
+    def reject(constant: str) -> None:
+        raise AssertionError(f"metrics.jsonl holds the non-JSON constant {constant}")
+
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line, parse_constant=reject) for line in lines]
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
@@ -170,6 +185,12 @@ def test_nan_loss_stops_with_last_good_checkpoint(tmp_path):
     bad_step = max(_losses(run_dir))
     saved = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
     assert saved and max(saved) < bad_step
+    # The message names a checkpoint that exists and is complete; the NaN row is valid JSON (null).
+    named = re.search(r"Last good checkpoint: step (\d+) in (\S+)\.", out)
+    assert named and (pathlib.Path(named[2]) / named[1] / MANIFEST).exists(), out
+    rows = _strict_rows(run_dir)
+    assert rows[-1]["step"] == bad_step and "error" in rows[-1]
+    assert None in (rows[-1]["loss"], rows[-1]["grad_norm"])
 
 
 def test_init_from_hf_starts_from_the_transformers_weights(tmp_path):
@@ -216,3 +237,76 @@ def test_init_from_hf_starts_from_the_transformers_weights(tmp_path):
     _, model, _ = load_model(tmp_path / "run")
     ids = np.random.RandomState(0).randint(0, 128256, (1, 24)).astype(np.int32)
     np.testing.assert_allclose(np.asarray(model(ids)), hf_logits(hf_dir, ids), atol=1e-4)
+
+
+def _copy_run(reference_run: pathlib.Path, run_dir: pathlib.Path) -> pathlib.Path:
+    shutil.copytree(reference_run, run_dir)
+    ck = run_dir / "checkpoints"
+    assert sorted(int(p.name) for p in ck.iterdir() if p.name.isdigit()) == [4, 6, 8]
+    return ck
+
+
+def _largest(directory: pathlib.Path) -> pathlib.Path:
+    return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def test_corrupt_and_truncated_checkpoints_fall_back_to_an_intact_one(reference_run, tmp_path):
+    run_dir = tmp_path / "damaged"
+    ck = _copy_run(reference_run, run_dir)
+    flip_bit(_largest(ck / "8" / "params"))  # one flipped bit in the latest weights
+    truncate(_largest(ck / "6" / "opt_state"))  # the one before it cut short
+    code, out = _finish(_train(run_dir))
+    assert code == 0, out
+    assert f"{ck}/8 is corrupt" in out and f"{ck}/6 is truncated" in out, out
+    assert f"resumed from {ck}/4" in out
+    assert len(list((run_dir / "checkpoints_rejected").iterdir())) == 2  # kept for inspection
+    # Steps 5..8 were trained again: each appears once, with the uninterrupted run's losses.
+    assert [r["step"] for r in _strict_rows(run_dir) if "loss" in r] == list(range(1, 9))
+    assert _losses(run_dir) == _losses(reference_run)
+
+
+def test_no_intact_checkpoint_stops_with_one_line(reference_run, tmp_path):
+    run_dir = tmp_path / "all_bad"
+    ck = _copy_run(reference_run, run_dir)
+    for step in (4, 6, 8):
+        (ck / str(step) / MANIFEST).unlink()  # as if every save was interrupted
+    code, out = _finish(_train(run_dir))
+    assert code != 0 and "Traceback" not in out, out
+    assert len([line for line in out.splitlines() if "no intact checkpoint" in line]) == 1, out
+    assert "no intact checkpoint" in out and "[4, 6, 8]" in out
+
+
+def test_file_url_run_dir_and_the_schedule_horizon(tmp_path):
+    """A file:// run dir trains, checkpoints, logs and exports end to end; resuming it under a
+    longer schedule is refused, then continued and announced when explicitly allowed."""
+    run_dir = tmp_path / "url"
+    url = f"file://{run_dir}"
+    code, out = _finish(_train(url, "--set", "train.max_steps=2"))
+    assert code == 0, out
+    assert (run_dir / "checkpoints" / "2" / MANIFEST).exists()
+    assert (run_dir / "config.json").exists() and (run_dir / "hf" / "config.json").exists()
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents*"))
+    assert not (REPO / "file:").exists()
+
+    code, out = _finish(_train(url, "--set", "train.max_steps=3"))
+    assert code != 0 and "Traceback" not in out
+    assert "2-step learning-rate schedule" in out and "has 3 steps" in out, out
+    assert "train.allow_schedule_change=true" in out
+
+    code, out = _finish(
+        _train(url, "--set", "train.max_steps=3", "--set", "train.allow_schedule_change=true")
+    )
+    assert code == 0, out
+    assert "schedule horizon changed from 2 to 3 steps" in out
+    assert [r["step"] for r in _strict_rows(run_dir) if "loss" in r] == [1, 2, 3]
+
+
+def test_failed_save_stops_the_run_at_the_next_step(tmp_path):
+    run_dir = tmp_path / "blocked"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    # A file where Orbax creates step 2's temporary directory: that save fails in the background.
+    (run_dir / "checkpoints" / "2.orbax-checkpoint-tmp").write_text("in the way")
+    code, out = _finish(_train(run_dir), timeout=300)
+    assert code == 1, out
+    assert "saving checkpoint step 2" in out and "No checkpoint has been written yet" in out, out
+    assert max(_losses(run_dir)) == 3  # stopped at the step after the failed save

@@ -49,7 +49,7 @@ def cmd_from_hf(args: argparse.Namespace) -> int:
     import pathlib
 
     from agentrefine_jax.checkpoint import checkpoint_steps, save_model
-    from agentrefine_jax.hf.io import load_hf_model, read_hf_config
+    from agentrefine_jax.hf.io import hf_storage_dtype, load_hf_model, read_hf_config
 
     out_steps = checkpoint_steps(args.out)
     if out_steps:
@@ -75,24 +75,40 @@ def cmd_from_hf(args: argparse.Namespace) -> int:
     _log(
         f"loaded {param_count(model):,} parameters in {time.time() - t0:.1f}s; writing checkpoint {args.out}"
     )
-    step_dir = save_model(args.out, model, cfg, step=0, tokenizer=tokenizer, template=args.template)
+    source_dtype = hf_storage_dtype(args.hf)
+    step_dir = save_model(
+        args.out,
+        model,
+        cfg,
+        step=0,
+        tokenizer=tokenizer,
+        template=args.template,
+        extra={"source_dtype": source_dtype},
+    )
     _log(f"done: {step_dir}")
     return 0
 
 
 def cmd_to_hf(args: argparse.Namespace) -> int:
-    from agentrefine_jax.checkpoint import load_model, resolve_checkpoint
-    from agentrefine_jax.hf.io import check_output_dir, parse_size, save_hf
+    from agentrefine_jax.checkpoint import is_url, load_model, resolve_checkpoint
+    from agentrefine_jax.hf.io import check_output_dir, parse_size, resolve_export_dtype, write_hf
 
-    check_output_dir(args.out)
+    if not is_url(args.out):
+        check_output_dir(args.out)
     mesh = parse_mesh(args.mesh)
     max_shard = parse_size(args.max_shard_size)
     root, step = resolve_checkpoint(args.checkpoint)
     _log(f"loading checkpoint {root} step {step} on {_describe_mesh(mesh)}")
     cfg, model, meta = load_model(args.checkpoint, mesh=mesh)
     tokenizer = args.tokenizer or meta.get("tokenizer")
-    _log(f"writing {param_count(model):,} parameters as {args.dtype} to {args.out}")
-    save_hf(model, cfg, args.out, dtype=args.dtype, max_shard_bytes=max_shard, tokenizer=tokenizer, log=_log)
+    dtype = resolve_export_dtype(
+        args.dtype, source_dtype=meta.get("source_dtype"), param_dtype=cfg.param_dtype
+    )
+    if args.dtype == "auto":
+        why = "the dtype it was imported from" if meta.get("source_dtype") else "the parameter dtype"
+        _log(f"--dtype auto: {dtype}, {why}")
+    _log(f"writing {param_count(model):,} parameters as {dtype} to {args.out}")
+    write_hf(model, cfg, args.out, dtype=dtype, max_shard_bytes=max_shard, tokenizer=tokenizer, log=_log)
     _log(f"done: {args.out}")
     return 0
 
@@ -182,7 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("to-hf", help="project checkpoint -> HF safetensors directory")
     b.add_argument("--checkpoint", required=True, help="run dir, checkpoint root (latest step) or step dir")
     b.add_argument("--out", required=True, help="output directory (must not already hold a model)")
-    b.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    b.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32", "float16"],
+        help="storage dtype; auto (default): the dtype imported from, else the param dtype",
+    )
     b.add_argument(
         "--max-shard-size", default="5GB", help="split safetensors past this size (e.g. 5GB, 500MB)"
     )

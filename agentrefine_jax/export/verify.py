@@ -25,10 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from safetensors import safe_open
 
 from agentrefine_jax.checkpoint import load_model
-from agentrefine_jax.hf.io import NP_DTYPES, hf_weight_files, read_hf_config
+from agentrefine_jax.hf.io import _PRECISION, NP_DTYPES, hf_storage_dtype, read_hf_config
 from agentrefine_jax.models.config import ModelConfig
 
 Log = Callable[[str], None]
@@ -37,23 +36,6 @@ DEFAULT_SEQ_LENS = (16, 128, 512)
 # same function up to accumulation order (tiny models agree to ~1e-5). bfloat16: each
 # stack rounds activations differently at every op, so logits drift by O(0.1).
 DEFAULT_TOLERANCES = {"float32": (5e-3, 1e-5), "bfloat16": (1.0, 2e-2)}
-ARCH_FIELDS = (
-    "family",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "rope_theta",
-    "rope_scaling",
-    "rms_norm_eps",
-    "tie_embeddings",
-    "sliding_window",
-)
-_SAFE_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-_PRECISION = {"float32": 3, "float16": 2, "bfloat16": 1}
 
 
 @dataclasses.dataclass
@@ -99,20 +81,8 @@ class VerifyResult:
 
 def config_mismatches(ours: ModelConfig, hf: ModelConfig) -> list[str]:
     return [
-        f"{f}: checkpoint {getattr(ours, f)!r} vs HF {getattr(hf, f)!r}"
-        for f in ARCH_FIELDS
-        if getattr(ours, f) != getattr(hf, f)
+        f"{f}: checkpoint {getattr(ours, f)!r} vs HF {getattr(hf, f)!r}" for f in ours.architecture_diff(hf)
     ]
-
-
-def hf_storage_dtype(hf_dir: str | pathlib.Path) -> str | None:
-    """The lowest-precision float dtype among the HF tensors (None if unknown)."""
-    found: set[str] = set()
-    for path, names in hf_weight_files(hf_dir).items():
-        with safe_open(path, framework="numpy") as f:
-            found.update(_SAFE_DTYPES.get(f.get_slice(n).get_dtype(), "?") for n in names)
-    known = [d for d in found if d in _PRECISION]
-    return min(known, key=_PRECISION.__getitem__) if known else None
 
 
 def _round_params(model: nnx.Module, dtype: str) -> None:

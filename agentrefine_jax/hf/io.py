@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from agentrefine_jax.checkpoint import abstract_params, param_shardings
+from agentrefine_jax.checkpoint import abstract_params, as_path, is_url, param_shardings
 from agentrefine_jax.models import llama, params
 from agentrefine_jax.models.config import ModelConfig, RopeScaling
 
@@ -270,6 +270,31 @@ def hf_weight_files(hf_dir: str | pathlib.Path) -> dict[pathlib.Path, list[str]]
             "Convert them to safetensors in a trusted environment first."
         )
     raise FileNotFoundError(f"{d} has neither {SAFE_SINGLE} nor {SAFE_INDEX}")
+
+
+_SAFE_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+_PRECISION = {"float32": 3, "float16": 2, "bfloat16": 1}
+EXPORT_DTYPES = ("auto", *NP_DTYPES)
+
+
+def hf_storage_dtype(hf_dir: str | pathlib.Path) -> str | None:
+    """The lowest-precision float dtype among the HF tensors (None if unknown)."""
+    found: set[str] = set()
+    for path, names in hf_weight_files(hf_dir).items():
+        with safe_open(path, framework="numpy") as f:
+            found.update(_SAFE_DTYPES.get(f.get_slice(n).get_dtype(), "?") for n in names)
+    known = [d for d in found if d in _PRECISION]
+    return min(known, key=_PRECISION.__getitem__) if known else None
+
+
+def resolve_export_dtype(requested: str, *, source_dtype: str | None, param_dtype: str) -> str:
+    """`auto`: the dtype the weights were imported from (so HF -> project -> HF is exact), else the
+    parameter dtype (never lose precision silently); anything else is taken as given."""
+    if requested == "auto":
+        return source_dtype or param_dtype
+    if requested not in NP_DTYPES:
+        raise ValueError(f"export dtype must be one of {EXPORT_DTYPES}, got {requested!r}")
+    return requested
 
 
 def iter_hf_tensors(hf_dir: str | pathlib.Path) -> Iterator[tuple[str, np.ndarray]]:
@@ -531,3 +556,61 @@ def _save_tokenizer(name: str, out: pathlib.Path, log: Log) -> None:
         return
     load_tokenizer(name).save_pretrained(str(out))
     log(f"wrote tokenizer files for {name!r}")
+
+
+def write_hf(
+    model: llama.Transformer,
+    model_cfg: ModelConfig,
+    out: str | pathlib.Path,
+    *,
+    replace: bool = False,
+    **save_kwargs: Any,
+) -> str:
+    """`save_hf` to a local directory or a URL (gs://..., file://...); returns where it went.
+
+    Written beside the target first (a local staging directory for URLs), so a crash never leaves
+    a half-written model where one is expected; `replace` swaps out an earlier export.
+    """
+    import shutil
+    import tempfile
+
+    target = as_path(out)
+    main = jax.process_index() == 0
+    if not is_url(target):
+        final = pathlib.Path(str(target))
+        if not replace:
+            check_output_dir(final)
+        tmp = final.with_name(final.name + ".partial")
+        if main and tmp.exists():
+            shutil.rmtree(tmp)
+        save_hf(model, model_cfg, tmp, **save_kwargs)
+        if main:
+            old = final.with_name(final.name + ".old")
+            if final.exists():
+                final.rename(old)
+            tmp.rename(final)
+            if old.exists():
+                shutil.rmtree(old)
+        return str(final)
+    with tempfile.TemporaryDirectory(prefix="agentrefine-export-") as staging:
+        local = pathlib.Path(staging) / "hf"
+        save_hf(model, model_cfg, local, **save_kwargs)
+        if main:
+            if target.exists():
+                if not replace and (target / "config.json").exists():
+                    raise FileExistsError(f"{target} already holds a model; choose an empty directory")
+                if replace:
+                    target.rmtree()
+            target.mkdir(parents=True, exist_ok=True)
+            for f in sorted(local.iterdir()):  # config.json last: it marks a complete export
+                if f.name != "config.json":
+                    _copy_out(f, target / f.name)
+            _copy_out(local / "config.json", target / "config.json")
+    return str(target)
+
+
+def _copy_out(src: pathlib.Path, dst: Any) -> None:
+    import shutil
+
+    with src.open("rb") as fin, dst.open("wb") as fout:
+        shutil.copyfileobj(fin, fout, length=1 << 24)

@@ -67,6 +67,38 @@ class ModelConfig:
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    def architecture_diff(self, other: ModelConfig) -> list[str]:
+        """Names of the fields that differ and change the function the model computes.
+
+        Everything counts except `NOT_ARCHITECTURE` (how and in what precision it runs, token
+        ids, init), so a field added later is compared unless it is listed there on purpose.
+        Used by `train.init_from_hf` and `export verify`.
+        """
+        return [
+            f.name
+            for f in dataclasses.fields(self)
+            if f.name not in NOT_ARCHITECTURE and getattr(self, f.name) != getattr(other, f.name)
+        ]
+
+
+# Fields that do not change the function: storage/compute precision, memory-saving execution
+# choices, initialisation, token ids and the advertised context length (RoPE depends on
+# rope_theta / rope_scaling, never on max_position_embeddings).
+NOT_ARCHITECTURE = frozenset(
+    {
+        "param_dtype",
+        "dtype",
+        "remat_policy",
+        "scan_layers",
+        "attention_block_size",
+        "initializer_range",
+        "bos_token_id",
+        "eos_token_ids",
+        "pad_token_id",
+        "max_position_embeddings",
+    }
+)
+
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_attn_out")
 

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from agentrefine_jax.train.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code:
+        # After a failed asynchronous checkpoint save Orbax leaves non-daemon threads waiting out
+        # their timeout (minutes); the error is already reported, so do not wait for them.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -35,6 +35,11 @@ def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule
     )
 
 
+def horizon_matters(cfg: OptimConfig) -> bool:
+    """Whether the learning rate at a step depends on the run's total number of steps."""
+    return cfg.schedule == "cosine"
+
+
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     schedule = learning_rate_schedule(cfg, total_steps)
     chain = []
