@@ -48,6 +48,13 @@ class ModelConfig:
     # Queries are processed in blocks of this many tokens so the [heads, S, S] score
     # matrix never exists whole (0 = one block). Exact: no approximation involved.
     attention_block_size: int = 0
+    # "auto" | "xla" | "splash" | "cudnn" (see models/attention.py); auto = splash on TPU,
+    # cudnn on GPU (16-bit compute), blocked XLA elsewhere.
+    attention: str = "auto"
+    # Splash kernel tiles (tokens); clipped to the sequence, multiples of 128.
+    splash_block_q: int = 512
+    splash_block_kv: int = 512
+    splash_block_kv_compute: int = 512
     bos_token_id: int = 128000
     eos_token_ids: tuple[int, ...] = (128001, 128009)
     pad_token_id: int | None = None
@@ -62,6 +69,15 @@ class ModelConfig:
                 raise ValueError(f"{name} must be float32, bfloat16 or float16, got {getattr(self, name)!r}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
+        if self.attention == "cudnn" and self.dtype == "float32":
+            raise ValueError("attention='cudnn' needs dtype bfloat16 or float16 (cuDNN has no float32 path)")
+        for name in ("splash_block_q", "splash_block_kv", "splash_block_kv_compute"):
+            if getattr(self, name) <= 0 or getattr(self, name) % 128:
+                raise ValueError(f"{name} must be a positive multiple of 128, got {getattr(self, name)}")
+        if self.splash_block_kv % self.splash_block_kv_compute:
+            raise ValueError("splash_block_kv must be a multiple of splash_block_kv_compute")
 
     @property
     def q_per_kv(self) -> int:
@@ -101,6 +117,7 @@ NOT_ARCHITECTURE = frozenset(
 
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_attn_out")
+ATTENTION_IMPLS = ("auto", "xla", "splash", "cudnn")
 
 _LLAMA3_8B = ModelConfig()
 _LLAMA3_70B = dataclasses.replace(

@@ -19,11 +19,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from agentrefine_jax.models import params, rope
+from agentrefine_jax.models.attention import attend
 from agentrefine_jax.models.config import ModelConfig
 from agentrefine_jax.sharding import constrain
 
 Cache = dict[str, jax.Array]
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -47,37 +47,6 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return scale.astype(x.dtype) * normed.astype(x.dtype)
-
-
-def attention_mask(
-    q_seg: jax.Array, q_pos: jax.Array, k_seg: jax.Array, k_pos: jax.Array, window: int | None
-) -> jax.Array:
-    """[B, Sq, Sk] boolean: same document, causal by position, inside the sliding window."""
-    mask = (q_seg[:, :, None] == k_seg[:, None, :]) & (k_pos[:, None, :] <= q_pos[:, :, None])
-    if window is not None:
-        mask &= (q_pos[:, :, None] - k_pos[:, None, :]) < window
-    return mask
-
-
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """q: [B, S, KVH, G, D]; k, v: [B, T, KVH, D]; mask: [B, S, T] -> [B, S, KVH, G, D]."""
-    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (q.shape[-1] ** -0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgst,btkd->bskgd", probs, v)
-
-
-def _attend_blocked(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, block: int) -> jax.Array:
-    """Exact attention over query blocks; each block is rematerialised in the backward pass."""
-    b, s = q.shape[:2]
-    if block <= 0 or s <= block or s % block:
-        return _attend(q, k, v, mask)
-    n = s // block
-    qb = jnp.moveaxis(q.reshape(b, n, block, *q.shape[2:]), 1, 0)
-    mb = jnp.moveaxis(mask.reshape(b, n, block, mask.shape[-1]), 1, 0)
-    out = jax.lax.map(jax.checkpoint(lambda args: _attend(args[0], k, v, args[1])), (qb, mb))
-    return jnp.moveaxis(out, 0, 1).reshape(q.shape)
 
 
 class DecoderLayers(nnx.Module):
@@ -104,7 +73,6 @@ def layer_forward(
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """One decoder layer on per-layer weights `p` (a slice of DecoderLayers)."""
     dt = jnp.dtype(cfg.dtype)
-    b, s, _ = x.shape
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     q = jnp.einsum("bsd,dhk->bshk", h, p["wq"].astype(dt))
     k = jnp.einsum("bsd,dhk->bshk", h, p["wk"].astype(dt))
@@ -118,11 +86,7 @@ def layer_forward(
         v_cache = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), index, axis=1)
         new_kv = (k_cache, v_cache)
         k, v = k_cache.astype(dt), v_cache.astype(dt)
-    mask = attention_mask(q_seg, q_pos, k_seg, k_pos, cfg.sliding_window)
-    qg = q.reshape(b, s, cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim)
-    attn = _attend_blocked(qg, k, v, mask, cfg.attention_block_size).reshape(
-        b, s, cfg.num_heads, cfg.head_dim
-    )
+    attn = attend(cfg, q, k, v, q_seg, q_pos, k_seg, k_pos, cached=kv is not None)
     attn = checkpoint_name(attn, "attn_out")
     x = x + jnp.einsum("bshk,hkd->bsd", attn, p["wo"].astype(dt))
     x = constrain(x, ("batch", "activation_seq", "activation_embed"))
