@@ -44,7 +44,7 @@ def test_slice_table_matches_libtpu() -> None:
         assert T.chip_of_device_kind(devices[0].device_kind) is sl.chip, (name, devices[0].device_kind)
         assert devices[0].num_cores == sl.chip.cores_per_chip, name
     # Cloud TPU names count cores on v4/v5p, chips on v5e/v6e.
-    assert (T.get_slice("v5p-64").chips, T.get_slice("v5p-256").chips, T.get_slice("v4-32").chips) == (32, 128, 16)
+    assert [T.get_slice(n).chips for n in ("v5p-64", "v5p-256", "v4-32", "v6e-64")] == [32, 128, 16, 64]
     assert T.get_slice("v5litepod-256") is T.get_slice("v5e-256")
     assert T.get_slice("v5p-64").hosts == 8
     # The planner and MFU read the same table.
