@@ -69,6 +69,21 @@ def compile_row(config: str, slice_name: str, overrides: tuple[str, ...], attent
     return row
 
 
+def replan(row: dict) -> dict:
+    """Refresh a reused row's planner figures (the compiler's do not depend on the planner)."""
+    from agentrefine_jax import plan as planner
+    from agentrefine_jax.config import load_config
+    from agentrefine_jax.train.topology import get_slice
+
+    sets = [
+        *row["overrides"],
+        *([f"model.attention={row['attention']}"] if row["attention"] != "default" else []),
+    ]
+    planned = planner.plan(load_config(row["config"], sets), row["mesh"], get_slice(row["slice"]).chip.name)
+    total = planned["bytes_per_device"]["total"]
+    return {**row, "planned_total": total, "planned_to_compiled": total / row["compiled_total"]}
+
+
 def _g(n: float | None) -> str:
     return "n/a" if n is None else f"{n / GiB:.2f}"
 
@@ -109,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", default="xla,splash", help="attention implementations to compile")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     ap.add_argument("--out", help="append each row as a JSON line to this file as it finishes")
+    ap.add_argument(
+        "--reuse",
+        help="JSON lines from an earlier --out: take the compiler's figures from there (same config, "
+        "slice, overrides, attention) and recompute only the planner's",
+    )
     args = ap.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     wanted = [a.strip() for a in args.attention.split(",") if a.strip()]
@@ -121,12 +141,20 @@ def main(argv: list[str] | None = None) -> int:
         wanted = [None]
     only = set(args.only.split(",")) if args.only else None
     slices = set(args.slices.split(",")) if args.slices else None
+    reused = []
+    if args.reuse:
+        with open(args.reuse) as f:
+            reused = [json.loads(line) for line in f if line.strip()]
     rows = []
     for config, sl, overrides in ROWS:
         if (only and config not in only) or (slices and sl not in slices):
             continue
         for attention in wanted:
-            row = compile_row(config, sl, overrides, attention)
+            key = (config, sl, list(overrides), attention or "default")
+            row = next(
+                (r for r in reused if (r["config"], r["slice"], r["overrides"], r["attention"]) == key), None
+            )
+            row = replan(row) if row and "error" not in row else compile_row(config, sl, overrides, attention)
             rows.append(row)
             print(f"# {config} {sl} {row['attention']}: {row.get('compiled_total', 0) / GiB:.2f} GiB "
                   f"({row['wall_seconds']} s)", file=sys.stderr, flush=True)  # fmt: skip
