@@ -25,11 +25,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentrefine_jax.cli_errors import OneLineParser, fail
+from agentrefine_jax.train.topology import HBM_BYTES, GiB
 
-GiB = 1024**3
-
-# HBM per chip (one JAX device per chip: v4 and v5p run their two TensorCores as a megacore).
-HBM_BYTES = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB}
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
@@ -239,9 +236,27 @@ def saved_residuals(model_cfg: Any, batch: int, seq_len: int, loss_chunk: int) -
     return out
 
 
+# Transient working sets that are never live together, so the peak holds only the larger:
+# the loss chunks run, and free their logits, before the layers' backward pass starts.
+# (Calibrated against the XLA TPU compiler: summing them over-estimated the 8B step by 3 GiB,
+# while Llama-3-8B and Mistral-7B, whose loss working sets differ 4x, need the same temp.)
+PHASES = {
+    "layer_backward": (
+        "layer_recompute",
+        "attention_blocks",
+        "fsdp_gathered_layer_weights",
+        "fsdp_gathered_layer_grads",
+    ),
+    "loss": ("logits_chunk", "fsdp_gathered_lm_head"),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class ActivationModel:
-    """Per-device activation bytes = fixed + per_sample * micro_batch_per_device."""
+    """Per-device activation bytes of each component = fixed + per_sample * micro_batch_per_device.
+
+    The peak is every held component plus the larger of the `PHASES` working sets.
+    """
 
     fixed: dict[str, int]
     per_sample: dict[str, int]
@@ -250,8 +265,30 @@ class ActivationModel:
         keys = list(dict.fromkeys([*self.fixed, *self.per_sample]))
         return {k: self.fixed.get(k, 0) + self.per_sample.get(k, 0) * batch for k in keys}
 
+    def phases(self, batch: int) -> dict[str, int]:
+        b = self.breakdown(batch)
+        return {name: sum(b.get(k, 0) for k in keys) for name, keys in PHASES.items()}
+
+    def peak_phase(self, batch: int) -> str:
+        phases = self.phases(batch)
+        return max(phases, key=lambda k: phases[k])
+
     def total(self, batch: int) -> int:
-        return sum(self.breakdown(batch).values())
+        phased = {k for keys in PHASES.values() for k in keys}
+        held = sum(v for k, v in self.breakdown(batch).items() if k not in phased)
+        return held + max(self.phases(batch).values())
+
+    def max_batch(self, room: int) -> int:
+        """Largest micro batch per device whose activations fit `room` bytes (0 if none)."""
+        if self.total(1) > room:
+            return 0
+        lo, hi = 1, 2
+        while self.total(hi) <= room and hi < 1 << 24:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:  # total() is non-decreasing in the batch
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.total(mid) <= room else (lo, mid)
+        return lo
 
 
 def activation_model(
@@ -381,16 +418,14 @@ def plan(
     act_model, act_notes = activation_model(model_cfg, mesh, rules, seq, cfg.train.loss_chunk_size)
     notes += act_notes
     act = act_model.breakdown(per_device_batch)
-    act_bytes = sum(act.values())
+    act_bytes = act_model.total(per_device_batch)
     static = param_bytes + grad_bytes + opt_bytes
     total = static + act_bytes
     hbm = HBM_BYTES[chip]
     usable = int(hbm * (1 - headroom))
 
     # Largest micro batch per device that fits without accumulation (gradients counted once).
-    room = usable - (param_bytes + param_bytes + opt_bytes) - act_model.total(0)
-    per_sample = act_model.total(1) - act_model.total(0)
-    max_pdb = max(0, room // per_sample) if per_sample > 0 else 0
+    max_pdb = act_model.max_batch(usable - (param_bytes + param_bytes + opt_bytes))
     max_global = max_pdb * max_batch_shards
     if splits and total > usable:
         # Largest micro batch (a multiple of the batch shards dividing the global batch) that
@@ -444,6 +479,7 @@ def plan(
             "total": total,
         },
         "activation_breakdown": act,
+        "activation_peak_phase": act_model.peak_phase(per_device_batch),
         "hbm_bytes": hbm,
         "headroom": headroom,
         "usable_hbm_bytes": usable,
@@ -493,9 +529,11 @@ def format_plan(p: dict[str, Any], name: str = "") -> str:
         f"    optimizer (AdamW) {_gib(b['optimizer'])}",
         f"    activations       {_gib(b['activations'])}",
     ]
+    peak = p["activation_peak_phase"]
+    off_peak = {k for name, keys in PHASES.items() if name != peak for k in keys}
     for k, v in p["activation_breakdown"].items():
         if v:
-            lines.append(f"      {k:<28}{_gib(v)}")
+            lines.append(f"      {k:<28}{_gib(v)}" + ("  (not live at the peak)" if k in off_peak else ""))
     usable = p["usable_hbm_bytes"]
     verdict = "FITS" if p["fits"] else "DOES NOT FIT" if p["trainer_accepts"] else "REFUSED (see note)"
     lines += [
@@ -538,6 +576,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="fraction of HBM kept free for the runtime and unmodelled temporaries (default 0.1)",
     )
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument(
+        "--topology",
+        help="Cloud TPU slice (v5p-64, v5e-256, v6e-64, v4-32, ...): sets --chip and --devices",
+    )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="with --topology: compile the real train step with the XLA TPU compiler (libtpu; no TPU "
+        "needed) and print its per-device memory beside the plan",
+    )
+    ap.add_argument("--num-slices", type=int, default=1, help="with --compile: slices joined over DCN")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     ap.add_argument("--leaves", action="store_true", help="with --json: include every parameter's shard")
     return ap
@@ -547,19 +596,33 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import os
 
+    from agentrefine_jax.train import aot
+    from agentrefine_jax.train.topology import UnknownTopology, get_slice
+
+    if args.compile:
+        return aot.run(args.config, args.overrides, args.topology, args.num_slices, args.json)
+    chip, devices = args.chip, args.devices
+    if args.topology:
+        try:
+            sl = get_slice(args.topology)
+        except UnknownTopology as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        chip, devices = sl.chip.name, sl.chips
     # Planning only traces shapes; keep it off accelerators and quiet.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    aot.prepare_tpu_env()
     from agentrefine_jax.config import load_config
 
     try:
         cfg = load_config(args.config, args.overrides)
         default = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
-        mesh = parse_mesh(args.mesh, default, args.devices)
+        mesh = parse_mesh(args.mesh, default, devices)
         result = plan(
             cfg,
             mesh,
-            args.chip,
+            chip,
             global_batch=args.global_batch,
             micro_batch=args.micro_batch,
             seq_len=args.seq_len,

@@ -437,6 +437,33 @@ def _format_eta(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
+def check_batch_split(cfg: Config, mesh: jax.sharding.Mesh) -> None:
+    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = cfg.train.micro_batch_size or cfg.train.global_batch_size
+    if micro % batch_shards:
+        raise TrainingError(
+            f"the (micro) batch of {micro} rows cannot be split over data x fsdp = {batch_shards} devices; "
+            "use a batch that is a multiple of it, or a mesh with fewer batch shards (e.g. more tensor)"
+        )
+
+
+def build_train_step(cfg: Config, mesh: jax.sharding.Mesh, total_steps: int) -> tuple[StepFns, Any]:
+    """The trainer's jitted steps on `mesh` and its LR schedule; `train.aot` compiles this same
+    step ahead of time for a TPU slice."""
+    check_batch_split(cfg, mesh)
+    optimizer, schedule = make_optimizer(cfg.optim, total_steps)
+    fns = build_steps(
+        cfg.model,
+        optimizer,
+        mesh,
+        cfg.mesh.rules,
+        global_batch=cfg.train.global_batch_size,
+        micro_batch=cfg.train.micro_batch_size,
+        loss_chunk=cfg.train.loss_chunk_size,
+    )
+    return fns, schedule
+
+
 def train(cfg: Config) -> dict[str, Any]:
     """Run (or resume) training; returns a summary with the final step and losses."""
     from agentrefine_jax.data.pipeline import make_pipeline, process_batch_rows
@@ -444,22 +471,15 @@ def train(cfg: Config) -> dict[str, Any]:
     tc = cfg.train
     paths = RunPaths(tc.run_dir)
     mesh = shd.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    rules = cfg.mesh.rules
     pc = jax.process_count()
     if tc.global_batch_size % pc:
         raise TrainingError(f"train.global_batch_size={tc.global_batch_size} not divisible by {pc} processes")
-    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    micro = tc.micro_batch_size or tc.global_batch_size
-    if micro % batch_shards:
-        raise TrainingError(
-            f"the (micro) batch of {micro} rows cannot be split over data x fsdp = {batch_shards} devices; "
-            "use a batch that is a multiple of it, or a mesh with fewer batch shards (e.g. more tensor)"
-        )
+    check_batch_split(cfg, mesh)
     log(f"mesh {dict(mesh.shape)} over {jax.device_count()} devices ({pc} processes)")
 
     check_resume_config(paths, cfg)
     # Each process materialises exactly the rows of the global batch its devices hold.
-    batch_rows = process_batch_rows(shd.batch_sharding(mesh, rules), tc.global_batch_size)
+    batch_rows = process_batch_rows(shd.batch_sharding(mesh, cfg.mesh.rules), tc.global_batch_size)
     pipeline = make_pipeline(
         cfg.data,
         split="train",
@@ -475,7 +495,7 @@ def train(cfg: Config) -> dict[str, Any]:
     total_steps = pipeline.steps_per_epoch * tc.num_epochs
     if tc.max_steps is not None:
         total_steps = min(total_steps, tc.max_steps)
-    optimizer, schedule = make_optimizer(cfg.optim, total_steps)
+    fns, schedule = build_train_step(cfg, mesh, total_steps)
     resume_step = choose_resume_step(paths)
     facts: dict[str, Any] = {"schedule_steps": total_steps, "steps_per_epoch": pipeline.steps_per_epoch}
     if resume_step is not None:
@@ -484,15 +504,6 @@ def train(cfg: Config) -> dict[str, Any]:
         facts["source_dtype"] = meta.get("source_dtype")
 
     model_cfg = cfg.model
-    fns = build_steps(
-        model_cfg,
-        optimizer,
-        mesh,
-        rules,
-        global_batch=tc.global_batch_size,
-        micro_batch=tc.micro_batch_size,
-        loss_chunk=tc.loss_chunk_size,
-    )
 
     ckpts = RunCheckpoints(paths, cfg, pipeline.steps_per_epoch)
     mngr = ckpts.mngr
