@@ -284,6 +284,7 @@ def train(cfg: Config) -> dict[str, Any]:
         global_batch=tc.global_batch_size,
         micro_batch=tc.micro_batch_size,
         loss_chunk=tc.loss_chunk_size,
+        loss_impl=tc.loss_impl,
     )
 
     mngr = make_checkpoint_manager(paths, cfg)
