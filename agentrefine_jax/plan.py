@@ -24,10 +24,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-GiB = 1024**3
+from agentrefine_jax.train.topology import HBM_BYTES, GiB
 
-# HBM per chip (one JAX device per chip: v4 and v5p run their two TensorCores as a megacore).
-HBM_BYTES = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB}
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
@@ -536,6 +534,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="fraction of HBM kept free for the runtime and unmodelled temporaries (default 0.1)",
     )
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument(
+        "--topology",
+        help="Cloud TPU slice (v5p-64, v5e-256, v6e-64, v4-32, ...): sets --chip and --devices",
+    )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="with --topology: compile the real train step with the XLA TPU compiler (libtpu; no TPU "
+        "needed) and print its per-device memory beside the plan",
+    )
+    ap.add_argument("--num-slices", type=int, default=1, help="with --compile: slices joined over DCN")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     ap.add_argument("--leaves", action="store_true", help="with --json: include every parameter's shard")
     return ap
@@ -545,19 +554,33 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import os
 
+    from agentrefine_jax.train import aot
+    from agentrefine_jax.train.topology import UnknownTopology, get_slice
+
+    if args.compile:
+        return aot.run(args.config, args.overrides, args.topology, args.num_slices, args.json)
+    chip, devices = args.chip, args.devices
+    if args.topology:
+        try:
+            sl = get_slice(args.topology)
+        except UnknownTopology as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        chip, devices = sl.chip.name, sl.chips
     # Planning only traces shapes; keep it off accelerators and quiet.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    aot.prepare_tpu_env()
     from agentrefine_jax.config import load_config
 
     try:
         cfg = load_config(args.config, args.overrides)
         default = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
-        mesh = parse_mesh(args.mesh, default, args.devices)
+        mesh = parse_mesh(args.mesh, default, devices)
         result = plan(
             cfg,
             mesh,
-            args.chip,
+            chip,
             global_batch=args.global_batch,
             micro_batch=args.micro_batch,
             seq_len=args.seq_len,

@@ -30,6 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="call jax.distributed.initialize() with auto-detection (TPU pods)",
     )
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    aot = p.add_argument_group("compile only (XLA TPU compiler via libtpu; no TPU needed)")
+    aot.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="compile this config's train step for --topology, print per-device memory, train nothing",
+    )
+    aot.add_argument("--topology", help="Cloud TPU slice for --compile-only, e.g. v5p-64")
+    aot.add_argument("--num-slices", type=int, default=1, help="slices joined over DCN (data axis)")
+    aot.add_argument("--json", action="store_true", help="--compile-only report as JSON")
     return p
 
 
@@ -52,6 +61,12 @@ def init_distributed(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from agentrefine_jax.train import aot
+
+    if args.compile_only:
+        return aot.run(args.config, args.overrides, args.topology, args.num_slices, args.json)
+    # With libtpu installed but no TPU here, keep its start-up quiet.
+    aot.prepare_tpu_env()
     from agentrefine_jax.config import load_config, to_dict
 
     cfg = load_config(args.config, args.overrides)

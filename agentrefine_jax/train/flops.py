@@ -12,14 +12,9 @@ from __future__ import annotations
 import jax
 
 from agentrefine_jax.models.config import ModelConfig
+from agentrefine_jax.train.topology import PEAK_FLOPS, chip_of_device_kind
 
-# Peak dense bf16 FLOP/s per chip, from the vendors' published specs.
-PEAK_FLOPS = {
-    "v4": 275e12,
-    "v5e": 197e12,
-    "v5p": 459e12,
-    "v6e": 918e12,
-}
+__all__ = ["PEAK_FLOPS", "device_peak_flops", "flops_per_token", "matmul_params"]
 
 
 def matmul_params(cfg: ModelConfig) -> int:
@@ -33,21 +28,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6.0 * matmul_params(cfg) + attention
 
 
-# jax `device_kind` strings -> chip name (v5p reports plain "TPU v5").
-DEVICE_KINDS = {
-    "tpu v4": "v4",
-    "tpu v5 lite": "v5e",
-    "tpu v5e": "v5e",
-    "tpu v5": "v5p",
-    "tpu v5p": "v5p",
-    "tpu v6 lite": "v6e",
-    "tpu v6e": "v6e",
-}
-
-
 def device_peak_flops(override: float = 0.0) -> float | None:
     """Peak FLOP/s of one local device, or None when unknown (e.g. CPU)."""
     if override > 0:
         return override
-    chip = DEVICE_KINDS.get(jax.devices()[0].device_kind.lower().strip())
-    return PEAK_FLOPS.get(chip) if chip else None
+    chip = chip_of_device_kind(jax.devices()[0].device_kind)
+    return chip.peak_flops if chip else None

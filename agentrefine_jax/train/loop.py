@@ -236,6 +236,34 @@ def _format_eta(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
+def check_batch_split(cfg: Config, mesh: jax.sharding.Mesh) -> None:
+    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = cfg.train.micro_batch_size or cfg.train.global_batch_size
+    if micro % batch_shards:
+        raise TrainingError(
+            f"the (micro) batch of {micro} rows cannot be split over data x fsdp = {batch_shards} devices; "
+            "use a batch that is a multiple of it, or a mesh with fewer batch shards (e.g. more tensor)"
+        )
+
+
+def build_train_step(cfg: Config, mesh: jax.sharding.Mesh, total_steps: int) -> tuple[StepFns, Any]:
+    """The trainer's jitted steps on `mesh` and its LR schedule; `train.aot` compiles this same
+    step ahead of time for a TPU slice."""
+    check_batch_split(cfg, mesh)
+    optimizer, schedule = make_optimizer(cfg.optim, total_steps)
+    fns = build_steps(
+        cfg.model,
+        optimizer,
+        mesh,
+        cfg.mesh.rules,
+        global_batch=cfg.train.global_batch_size,
+        micro_batch=cfg.train.micro_batch_size,
+        loss_chunk=cfg.train.loss_chunk_size,
+        loss_impl=cfg.train.loss_impl,
+    )
+    return fns, schedule
+
+
 def train(cfg: Config) -> dict[str, Any]:
     """Run (or resume) training; returns a summary with the final step and losses."""
     from agentrefine_jax.data.pipeline import make_pipeline
@@ -243,17 +271,10 @@ def train(cfg: Config) -> dict[str, Any]:
     tc = cfg.train
     paths = RunPaths(pathlib.Path(tc.run_dir))
     mesh = shd.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    rules = cfg.mesh.rules
     pc, pi = jax.process_count(), jax.process_index()
     if tc.global_batch_size % pc:
         raise TrainingError(f"train.global_batch_size={tc.global_batch_size} not divisible by {pc} processes")
-    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    micro = tc.micro_batch_size or tc.global_batch_size
-    if micro % batch_shards:
-        raise TrainingError(
-            f"the (micro) batch of {micro} rows cannot be split over data x fsdp = {batch_shards} devices; "
-            "use a batch that is a multiple of it, or a mesh with fewer batch shards (e.g. more tensor)"
-        )
+    check_batch_split(cfg, mesh)
     log(f"mesh {dict(mesh.shape)} over {jax.device_count()} devices ({pc} processes)")
 
     check_resume_config(paths, cfg)
@@ -273,19 +294,8 @@ def train(cfg: Config) -> dict[str, Any]:
     total_steps = pipeline.steps_per_epoch * tc.num_epochs
     if tc.max_steps is not None:
         total_steps = min(total_steps, tc.max_steps)
-    optimizer, schedule = make_optimizer(cfg.optim, total_steps)
-
+    fns, schedule = build_train_step(cfg, mesh, total_steps)
     model_cfg = cfg.model
-    fns = build_steps(
-        model_cfg,
-        optimizer,
-        mesh,
-        rules,
-        global_batch=tc.global_batch_size,
-        micro_batch=tc.micro_batch_size,
-        loss_chunk=tc.loss_chunk_size,
-        loss_impl=tc.loss_impl,
-    )
 
     mngr = make_checkpoint_manager(paths, cfg)
     data_iter = iter(pipeline)

@@ -145,6 +145,11 @@ def build_steps(
             with shd.use_sharding(mesh, rules):
                 return fn(*args)
 
+        def lower(*args: Any) -> Any:  # ahead-of-time compilation (train.aot) traces the same way
+            with shd.use_sharding(mesh, rules):
+                return fn.lower(*args)
+
+        wrapped.lower = lower  # type: ignore[attr-defined]
         return wrapped
 
     return StepFns(

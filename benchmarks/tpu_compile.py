@@ -1,0 +1,169 @@
+"""Compile every paper config for its TPU slice with the real XLA TPU compiler (libtpu; no TPU
+needed) and put the planner's estimate beside the compiler's per-device memory.
+
+    python benchmarks/tpu_compile.py [--only llama3_8b] [--attention xla,splash] [--json] [--out F]
+
+Each row is `python -m agentrefine_jax.plan --config C --topology S --compile --json` in its
+own process, one at a time (a 70B compile holds several GiB of host memory). Rows: the three
+paper models on their documented slices, and Llama-3-8B also on v5e-256 and v6e-64. The
+Table 2 ablations run the Llama-3-8B step unchanged (they differ only in which turns carry
+loss), so they are not repeated. Splash rows need the `model.attention` config field and are
+reported as skipped without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+GiB = 1024**3
+
+# (config, slice, overrides that map the config's mesh onto the slice)
+ROWS: list[tuple[str, str, tuple[str, ...]]] = [
+    ("llama3_8b", "v5p-64", ()),
+    # 64 sequences cannot split over 256 (or 64 x tensor) batch shards otherwise.
+    ("llama3_8b", "v5e-256", ("mesh.fsdp=64", "mesh.tensor=4")),
+    ("llama3_8b", "v6e-64", ()),
+    ("mistral_7b", "v5p-64", ()),
+    ("llama3_70b", "v5p-256", ()),
+]
+
+
+def has_attention_field() -> bool:
+    from agentrefine_jax.models.config import ModelConfig
+
+    return any(f.name == "attention" for f in dataclasses.fields(ModelConfig))
+
+
+def compile_row(config: str, slice_name: str, overrides: tuple[str, ...], attention: str | None) -> dict:
+    sets = [*overrides, *([f"model.attention={attention}"] if attention else [])]
+    cmd = [sys.executable, "-m", "agentrefine_jax.plan", "--config", config, "--topology", slice_name]
+    cmd += ["--compile", "--json", *[a for s in sets for a in ("--set", s)]]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    row: dict[str, Any] = {"config": config, "slice": slice_name, "attention": attention or "default"}
+    row["overrides"] = list(overrides)
+    row["wall_seconds"] = round(time.perf_counter() - t0, 1)
+    if r.returncode not in (0, 1):
+        row["error"] = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        return row
+    out = json.loads(r.stdout)
+    b = out["compiled"]["bytes_per_device"]
+    row.update(
+        mesh=out["mesh"],
+        compiled_total=b["total"],
+        compiled_temp=b["temp"],
+        compiled_arguments=b["arguments"],
+        fits=out["compiled"]["fits"],
+        hbm_bytes=out["compiled"]["hbm_bytes"],
+        compile_seconds=out["compiled"]["compile_seconds"],
+        planned_total=out["planned"]["bytes_per_device"]["total"],
+        planned_to_compiled=out["planned_to_compiled"],
+    )
+    return row
+
+
+def replan(row: dict) -> dict:
+    """Refresh a reused row's planner figures (the compiler's do not depend on the planner)."""
+    from agentrefine_jax import plan as planner
+    from agentrefine_jax.config import load_config
+    from agentrefine_jax.train.topology import get_slice
+
+    sets = [
+        *row["overrides"],
+        *([f"model.attention={row['attention']}"] if row["attention"] != "default" else []),
+    ]
+    planned = planner.plan(load_config(row["config"], sets), row["mesh"], get_slice(row["slice"]).chip.name)
+    total = planned["bytes_per_device"]["total"]
+    return {**row, "planned_total": total, "planned_to_compiled": total / row["compiled_total"]}
+
+
+def _g(n: float | None) -> str:
+    return "n/a" if n is None else f"{n / GiB:.2f}"
+
+
+def table(rows: list[dict], skipped: str | None) -> str:
+    lines = [
+        "| config | slice | mesh | attention | compiler GiB/device (temp) | fits HBM | planner GiB | "
+        "planner / compiler | splash / xla | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    xla = {(r["config"], r["slice"]): r for r in rows if r["attention"] in ("xla", "default")}
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['config']} | {r['slice']} | | {r['attention']} | error: {r['error']} |||||")
+            continue
+        mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1)
+        base = xla.get((r["config"], r["slice"]))
+        vs = (
+            f"{r['compiled_total'] / base['compiled_total']:.2f}"
+            if r["attention"] == "splash" and base and base.get("compiled_total")
+            else ""
+        )
+        ratio = "" if r["planned_to_compiled"] is None else f"{r['planned_to_compiled']:.2f}"
+        lines.append(
+            f"| {r['config']} | {r['slice']} | {mesh} | {r['attention']} | {_g(r['compiled_total'])} "
+            f"({_g(r['compiled_temp'])}) | {'yes' if r['fits'] else 'NO'} of {r['hbm_bytes'] // GiB} | "
+            f"{_g(r['planned_total'])} | {ratio} | {vs} | {r['compile_seconds']:.0f} |"
+        )
+    if skipped:
+        lines.append(f"\n{skipped}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="comma-separated config names (default: all)")
+    ap.add_argument("--slices", help="comma-separated slice names (default: all)")
+    ap.add_argument("--attention", default="xla,splash", help="attention implementations to compile")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    ap.add_argument("--out", help="append each row as a JSON line to this file as it finishes")
+    ap.add_argument(
+        "--reuse",
+        help="JSON lines from an earlier --out: take the compiler's figures from there (same config, "
+        "slice, overrides, attention) and recompute only the planner's",
+    )
+    args = ap.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    wanted = [a.strip() for a in args.attention.split(",") if a.strip()]
+    skipped = None
+    if not has_attention_field():
+        skipped = (
+            f"note: model.attention is not a config field in this tree; compiled the default attention only "
+            f"(skipped: {', '.join(a for a in wanted if a != 'xla') or 'none'})"
+        )
+        wanted = [None]
+    only = set(args.only.split(",")) if args.only else None
+    slices = set(args.slices.split(",")) if args.slices else None
+    reused = []
+    if args.reuse:
+        with open(args.reuse) as f:
+            reused = [json.loads(line) for line in f if line.strip()]
+    rows = []
+    for config, sl, overrides in ROWS:
+        if (only and config not in only) or (slices and sl not in slices):
+            continue
+        for attention in wanted:
+            key = (config, sl, list(overrides), attention or "default")
+            row = next(
+                (r for r in reused if (r["config"], r["slice"], r["overrides"], r["attention"]) == key), None
+            )
+            row = replan(row) if row and "error" not in row else compile_row(config, sl, overrides, attention)
+            rows.append(row)
+            print(f"# {config} {sl} {row['attention']}: {row.get('compiled_total', 0) / GiB:.2f} GiB "
+                  f"({row['wall_seconds']} s)", file=sys.stderr, flush=True)  # fmt: skip
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    print(json.dumps({"rows": rows, "note": skipped}, indent=2) if args.json else table(rows, skipped))
+    return 0 if rows and all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""The compile-only check against the real XLA TPU compiler (libtpu, no TPU needed): the
+trainer's own step compiled for small v5p slices, the CLI's report and errors, the slice table
+against the devices libtpu itself describes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("libtpu", reason="the TPU compile check needs the tpu extra (libtpu)")
+
+from agentrefine_jax.train import aot, flops  # noqa: E402
+from agentrefine_jax.train import topology as T  # noqa: E402
+
+# A tiny Llama (the demo's preset, one layer, short sequences): compiles in seconds.
+TINY = ["--set", "model.num_layers=1", "--set", "data.max_length=128", "--set", "train.loss_chunk_size=64"]
+
+
+def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def test_slice_table_matches_libtpu() -> None:
+    """Chips per slice, chip kind and cores per chip as libtpu's own topology reports them."""
+    from jax.experimental import topologies
+
+    aot.prepare_tpu_env()
+    names = ["v5p-8", "v5p-64", "v5e-8", "v5e-256", "v6e-64", "v4-32"]
+    for name in names:
+        sl = T.get_slice(name)
+        devices = topologies.get_topology_desc(
+            platform="tpu",
+            topology_name=sl.topology,
+            chip_config_name=sl.chip.chip_config_name,
+            chips_per_host_bounds=sl.chips_per_host_bounds,
+            num_slices=1,
+        ).devices
+        assert len(devices) == sl.chips, name
+        assert T.chip_of_device_kind(devices[0].device_kind) is sl.chip, (name, devices[0].device_kind)
+        assert devices[0].num_cores == sl.chip.cores_per_chip, name
+    # Cloud TPU names count cores on v4/v5p, chips on v5e/v6e.
+    assert [T.get_slice(n).chips for n in ("v5p-64", "v5p-256", "v4-32", "v6e-64")] == [32, 128, 16, 64]
+    assert T.get_slice("v5litepod-256") is T.get_slice("v5e-256")
+    assert T.get_slice("v5p-64").hosts == 8
+    # The planner and MFU read the same table.
+    assert flops.PEAK_FLOPS["v5p"] == T.CHIPS["v5p"].peak_flops == 459e12
+    with pytest.raises(T.UnknownTopology, match="known: v4-8"):
+        T.get_slice("v5p-63")
+
+
+def test_plan_compile_json_tiny_on_v5p8() -> None:
+    r = run("agentrefine_jax.plan", "--config", "demo", "--topology", "v5p-8", "--compile", "--json", *TINY)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    b = out["compiled"]["bytes_per_device"]
+    assert b["total"] == b["arguments"] + b["outputs"] - b["aliased"] + b["temp"]
+    assert out["topology"] == {**out["topology"], "name": "v5p-8", "chips": 4}
+    assert out["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert out["compiled"]["fits"] is True and out["compiled"]["hbm_bytes"] == 95 * T.GiB
+    assert out["compiled"]["compile_seconds"] > 0
+    planned = out["planned"]["bytes_per_device"]
+    # The step's inputs are the fsdp-sharded params + AdamW state + this device's batch rows;
+    # the planner derives params/optimizer from the same sharding rules.
+    state = planned["params"] + planned["optimizer"]
+    assert state <= b["arguments"] <= state + 64 * 1024
+    # Params and optimizer state are donated: the update is written in place.
+    assert b["aliased"] >= state
+    assert planned["total"] > 0 and out["planned_to_compiled"] == pytest.approx(planned["total"] / b["total"])
+
+
+def test_train_compile_only_two_slices() -> None:
+    r = run(
+        "agentrefine_jax.train", "--config", "demo", "--compile-only", "--topology", "v5p-8",
+        "--num-slices", "2", *TINY,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "demo train step on v5p-8 x 2 slices (8 chips" in r.stdout
+    assert "mesh data=2,fsdp=4,tensor=1" in r.stdout
+    assert "-> FITS" in r.stdout and "planner estimate" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--topology", "v9z-8"], "unknown TPU slice 'v9z-8'; known: v4-8"),
+        (["--topology", "v5p-8", "--set", "mesh.fsdp=3"], "does not fit 4 chips"),
+        ([], "--topology is required"),
+    ],
+)
+def test_compile_errors_are_one_line(args: list[str], message: str) -> None:
+    r = run("agentrefine_jax.plan", "--config", "demo", "--compile", *args)
+    assert r.returncode == 2
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
