@@ -124,6 +124,9 @@ class TrainConfig:
     allow_schedule_change: bool = False
     # Loss is computed over the vocabulary in sequence chunks of this many tokens.
     loss_chunk_size: int = 1024
+    # Loss gradient: "fused" (custom VJP, no recompute), "remat" (recompute per chunk), or "auto"
+    # (per platform; see agentrefine_jax/train/loss.py). All are exact.
+    loss_impl: typing.Literal["auto", "fused", "remat"] = "auto"
     seed: int = 0
     init_from_hf: str | None = None
     # Export a Hugging Face directory when training ends (a relative path is inside run_dir).

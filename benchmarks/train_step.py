@@ -1,14 +1,19 @@
-"""Train-step throughput and peak memory: our trainer vs transformers + torch, on CPU.
+"""Train-step throughput and peak memory: our trainer vs transformers + torch, on CPU, in pairs.
 
-Each contender runs in its own subprocess (so peak RSS is its own) on the same model
-shape, batch and sequence length, with an AdamW step included:
-  * ours        — agentrefine_jax jitted step (float32 params, float32 compute)
-  * torch fp32  — transformers LlamaForCausalLM, eager, float32
-  * torch bf16  — the same under torch.autocast(bfloat16)
-Then "effective" (loss-bearing) tokens/s on the demo length distribution: our packed rows
-vs transformers with per-batch padding.
+Every contender lives in its own process (so peak RSS is its own) on the same model shape,
+batch and sequence length, with an AdamW step included. After one warm-up round each
+(compilation excluded), contenders alternate round by round (see `_paired.py`); each round
+times `--steps` steps and the printed ratio is the median of the per-round ratios against
+torch float32, with its min and max, beside the machine load seen.
+  * ours        — agentrefine_jax jitted step, float32, with the trainer's CPU defaults
+  * ours_remat  — the same with train.loss_impl="remat" (the TPU-style chunked loss)
+  * ours_bf16   — ours with bfloat16 compute (float32 params)
+  * torch_fp32  — transformers LlamaForCausalLM, eager, float32 (the baseline)
+  * torch_bf16  — the same under torch.autocast(bfloat16)
+Then "effective" (loss-bearing) tokens/s on the demo length distribution, again in pairs:
+our packed rows vs transformers with per-batch padding.
 
-    python benchmarks/train_step.py [--steps 5] [--batch 4] [--seq 512]
+    python benchmarks/train_step.py [--rounds 5] [--steps 2] [--batch 4] [--seq 512] [--json]
 """
 
 from __future__ import annotations
@@ -16,20 +21,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
 import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _paired  # noqa: E402
 
 MODEL = dict(vocab=32000, hidden=256, inter=768, layers=4, heads=8, kv=4)
+OURS = {  # contender -> overrides of the trainer defaults
+    "ours": {},
+    "ours_remat": {"loss_impl": "remat"},
+    "ours_bf16": {"dtype": "bfloat16"},
+}
+TORCH = {"torch_fp32": False, "torch_bf16": True}
 
 
-def _ours(batch: int, seq: int, steps: int, lengths: list[int] | None) -> dict:
+def _ours(batch: int, seq: int, steps: int, lengths: list[int] | None, overrides: dict[str, str]):
+    import dataclasses
+
     import jax
     import numpy as np
 
     from agentrefine_jax import sharding as shd
-    from agentrefine_jax.config import MeshConfig, OptimConfig
+    from agentrefine_jax.config import MeshConfig, OptimConfig, TrainConfig
     from agentrefine_jax.models import ModelConfig
     from agentrefine_jax.train.optimizer import make_optimizer
     from agentrefine_jax.train.step import build_steps
@@ -42,27 +57,40 @@ def _ours(batch: int, seq: int, steps: int, lengths: list[int] | None) -> dict:
         num_heads=MODEL["heads"],
         num_kv_heads=MODEL["kv"],
         head_dim=MODEL["hidden"] // MODEL["heads"],
-        dtype="float32",
+        dtype=overrides.get("dtype", "float32"),
     )
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if k not in ("dtype", "loss_impl")})
+    tc = TrainConfig()
     opt, _ = make_optimizer(OptimConfig(learning_rate=1e-4), 100)
     mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     fns = build_steps(
-        cfg, opt, mesh, MeshConfig().rules, global_batch=batch, micro_batch=None, loss_chunk=256
+        cfg,
+        opt,
+        mesh,
+        MeshConfig().rules,
+        global_batch=batch,
+        micro_batch=None,
+        loss_chunk=256,
+        loss_impl=overrides.get("loss_impl", tc.loss_impl),
     )
-    params = fns.init_params(0)
-    opt_state = fns.init_opt(params)
+    state = {"params": fns.init_params(0)}
+    state["opt"] = fns.init_opt(state["params"])
     rng = np.random.RandomState(0)
-    batches = [_packed_batch(rng, batch, seq, lengths) for _ in range(steps + 1)]
-    loss_tokens = 0.0
-    for i, b in enumerate(batches):
-        if i == 1:
-            t0 = time.perf_counter()
-        params, opt_state, m = fns.train(params, opt_state, b)
-        if i >= 1:
-            loss_tokens += float(m["loss_tokens"])
-    jax.block_until_ready(params)
-    dt = time.perf_counter() - t0
-    return {"tokens_per_sec": steps * batch * seq / dt, "loss_tokens_per_sec": loss_tokens / dt}
+    batches = [_packed_batch(rng, batch, seq, lengths) for _ in range(steps)]
+
+    def one_round() -> dict[str, Any]:
+        t0 = time.perf_counter()
+        loss_tokens = []
+        for b in batches:
+            state["params"], state["opt"], m = fns.train(state["params"], state["opt"], b)
+            loss_tokens.append(m["loss_tokens"])
+        jax.block_until_ready(state["params"])
+        dt = time.perf_counter() - t0
+        if lengths:
+            return {"value": float(sum(float(x) for x in loss_tokens)) / dt}
+        return {"value": steps * batch * seq / dt, "loss": float(m["loss"])}
+
+    return one_round
 
 
 def _packed_batch(rng, batch: int, seq: int, lengths: list[int] | None) -> dict:
@@ -84,7 +112,7 @@ def _packed_batch(rng, batch: int, seq: int, lengths: list[int] | None) -> dict:
     return {"input_ids": ids, "loss_mask": (seg > 0).astype(np.int32), "segment_ids": seg, "positions": pos}
 
 
-def _torch(batch: int, seq: int, steps: int, bf16: bool, lengths: list[int] | None) -> dict:
+def _torch(batch: int, seq: int, steps: int, bf16: bool, lengths: list[int] | None):
     import numpy as np
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -103,9 +131,8 @@ def _torch(batch: int, seq: int, steps: int, bf16: bool, lengths: list[int] | No
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     rng = np.random.RandomState(0)
-    loss_tokens = 0
-    total_tokens = 0
-    for i in range(steps + 1):
+    batches = []
+    for _ in range(steps):
         if lengths:  # per-batch padding: pad to the longest document of the batch
             docs = [int(lengths[rng.randint(len(lengths))]) for _ in range(batch)]
             width = max(docs)
@@ -116,60 +143,68 @@ def _torch(batch: int, seq: int, steps: int, bf16: bool, lengths: list[int] | No
             width, mask = seq, np.ones((batch, seq), np.int64)
         ids = torch.tensor(rng.randint(0, MODEL["vocab"], (batch, width)))
         labels = ids.masked_fill(torch.tensor(mask) == 0, -100)
-        if i == 1:
-            t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            out = model(input_ids=ids, attention_mask=torch.tensor(mask), labels=labels)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if i >= 1:
+        batches.append((ids, torch.tensor(mask), labels))
+
+    def one_round() -> dict[str, Any]:
+        t0 = time.perf_counter()
+        tokens = loss_tokens = 0
+        for ids, mask, labels in batches:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                out = model(input_ids=ids, attention_mask=mask, labels=labels)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad()
+            tokens += ids.numel()
             loss_tokens += int(mask.sum())
-            total_tokens += batch * width
-    dt = time.perf_counter() - t0
-    return {"tokens_per_sec": total_tokens / dt, "loss_tokens_per_sec": loss_tokens / dt}
+        dt = time.perf_counter() - t0
+        return {"value": (loss_tokens if lengths else tokens) / dt, "loss": float(out.loss.detach())}
 
-
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return one_round
 
 
 def _child(args: argparse.Namespace) -> None:
     # Framework imports alone cost hundreds of MB; report the peak above that baseline too.
-    if args.child == "ours":
+    if args.child in OURS:
         import jax  # noqa: F401
     else:
         import torch  # noqa: F401
         import transformers  # noqa: F401
-    base = _rss_mb()
+    base = _paired.rss_mb()
     lengths = json.loads(args.lengths) if args.lengths else None
-    if args.child == "ours":
-        res = _ours(args.batch, args.seq, args.steps, lengths)
+    if args.child in OURS:
+        setup = lambda: _ours(args.batch, args.seq, args.steps, lengths, OURS[args.child])  # noqa: E731
     else:
-        res = _torch(args.batch, args.seq, args.steps, args.child == "torch_bf16", lengths)
-    res["peak_rss_mb"] = _rss_mb()
-    res["train_mem_mb"] = res["peak_rss_mb"] - base
-    print(json.dumps(res))
+        setup = lambda: _torch(args.batch, args.seq, args.steps, TORCH[args.child], lengths)  # noqa: E731
+    _paired.serve(setup, imports_rss_mb=base)
 
 
-def _run(kind: str, args: argparse.Namespace, lengths: list[int] | None = None) -> dict:
-    cmd = [
-        sys.executable,
-        __file__,
-        "--child",
-        kind,
-        "--batch",
-        str(args.batch),
-        "--seq",
-        str(args.seq),
-        "--steps",
-        str(args.steps),
-    ]
+def _worker(kind: str, args: argparse.Namespace, lengths: list[int] | None = None) -> _paired.Worker:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind]
+    cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
     if lengths:
         cmd += ["--lengths", json.dumps(lengths)]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return _paired.Worker(cmd, env)
+
+
+def _pairs(kinds: list[str], baseline: str, args: argparse.Namespace, lengths=None) -> dict[str, Any]:
+    workers: dict[str, _paired.Worker] = {}
+    try:
+        for k in kinds:  # started one at a time: setups do not overlap
+            workers[k] = _worker(k, args, lengths)
+        res = _paired.measure(
+            {k: w.round for k, w in workers.items()}, baseline, rounds=args.rounds, log=_log
+        )
+        res["losses"] = {k: w.last.get("loss") for k, w in workers.items()}
+        res["memory"] = {k: w.close() for k, w in workers.items()}
+        return res
+    finally:
+        for w in workers.values():
+            w.kill()
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def _demo_lengths() -> list[int]:
@@ -188,39 +223,88 @@ def _demo_lengths() -> list[int]:
     return lengths
 
 
+def _fmt(s: dict[str, float]) -> str:
+    return f"{s['median']:.2f}x [{s['min']:.2f}-{s['max']:.2f}]"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds (>= 5 for a reported figure)")
+    p.add_argument("--steps", type=int, default=2, help="train steps timed per contender per round")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=512)
+    p.add_argument(
+        "--contenders",
+        default="ours,torch_fp32,torch_bf16",
+        help=f"comma list from {sorted([*OURS, *TORCH])}; torch_fp32 is always included",
+    )
+    p.add_argument("--no-effective", action="store_true", help="skip the packed-vs-padded pair")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--lengths", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         _child(args)
         return
-    print(f"model {MODEL}, batch {args.batch} x seq {args.seq}, {args.steps} timed steps (after 1 warm-up)")
-    res = {k: _run(k, args) for k in ("ours", "torch_fp32", "torch_bf16")}
-    base = res["torch_fp32"]
-    print(
-        f"\n{'contender':<12}{'tokens/s':>10}{'ratio':>8}{'peak RSS MB':>13}{'ratio':>8}"
-        f"{'above imports MB':>18}{'ratio':>8}"
+    kinds = [k.strip() for k in args.contenders.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in OURS and k not in TORCH]
+    if bad or args.rounds < 1 or args.steps < 1:
+        p.error(f"unknown contender(s) {bad}" if bad else "--rounds and --steps must be >= 1")
+    if "torch_fp32" not in kinds:
+        kinds.append("torch_fp32")
+    _log(
+        f"model {MODEL}, batch {args.batch} x seq {args.seq}, {args.rounds} alternating rounds of "
+        f"{args.steps} steps (after 1 warm-up round), load {_paired.load_now():.2f}"
     )
-    for k, r in res.items():
+    res = _pairs(kinds, "torch_fp32", args)
+    out: dict[str, Any] = {
+        "ratio_vs_torch_fp32": res["ratio"].get("ours"),
+        "rounds": res["rounds"],
+        "load": res["load"],
+        "model": MODEL,
+        "batch": args.batch,
+        "seq": args.seq,
+        "steps_per_round": args.steps,
+        "ratios": res["ratio"],
+        "tokens_per_sec": res["throughput"],
+        "last_loss": res["losses"],
+        "memory_mb": res["memory"],
+    }
+    if not args.no_effective:
+        lengths = [n for n in _demo_lengths() if n <= args.seq]
+        eff = _pairs(["ours", "torch_fp32"], "torch_fp32", args, lengths)
+        out["effective"] = {
+            "ratio_packed_vs_padded": eff["ratio"]["ours"],
+            "loss_tokens_per_sec": eff["throughput"],
+            "load": eff["load"],
+            "documents": len(lengths),
+        }
+    if args.json:
+        print(json.dumps(out))
+        return
+    base_mem = res["memory"]["torch_fp32"]
+    print(
+        f"\n{'contender':<12}{'tokens/s':>10}{'ratio (median [min-max])':>28}"
+        f"{'peak MB':>10}{'above imports':>15}"
+    )
+    for k in kinds:
+        ratio = _fmt(res["ratio"][k]) if k in res["ratio"] else "1.00x (baseline)"
+        mem = res["memory"][k]
         print(
-            f"{k:<12}{r['tokens_per_sec']:>10,.0f}{r['tokens_per_sec'] / base['tokens_per_sec']:>7.2f}x"
-            f"{r['peak_rss_mb']:>13,.0f}{r['peak_rss_mb'] / base['peak_rss_mb']:>7.2f}x"
-            f"{r['train_mem_mb']:>18,.0f}{r['train_mem_mb'] / base['train_mem_mb']:>7.2f}x"
+            f"{k:<12}{res['throughput'][k]['median']:>10,.0f}{ratio:>28}{mem['peak_rss_mb']:>10,.0f}"
+            f"{mem['train_mem_mb']:>9,.0f} ({mem['train_mem_mb'] / base_mem['train_mem_mb']:.2f}x)"
         )
-    print("(ratios against torch fp32, measured in this run)")
-    lengths = [n for n in _demo_lengths() if n <= args.seq]
-    packed = _run("ours", args, lengths)
-    padded = _run("torch_fp32", args, lengths)
-    ratio = packed["loss_tokens_per_sec"] / padded["loss_tokens_per_sec"]
-    print(f"\neffective (non-padding) tokens/s on the demo length distribution (n={len(lengths)}):")
-    print(f"  ours, packed rows        {packed['loss_tokens_per_sec']:>10,.0f}")
-    print(f"  torch fp32, batch-padded {padded['loss_tokens_per_sec']:>10,.0f}")
-    print(f"  ratio                    {ratio:>10.2f}x")
+    ld = res["load"]
+    print(
+        f"ratios against torch fp32 per round over {res['rounds']} rounds; "
+        f"load {ld['min']:.2f}-{ld['max']:.2f}"
+    )
+    if "effective" in out:
+        e = out["effective"]
+        print(f"\neffective (loss-bearing) tokens/s on the demo length distribution (n={e['documents']}):")
+        print(f"  ours, packed rows        {e['loss_tokens_per_sec']['ours']['median']:>10,.0f}")
+        print(f"  torch fp32, batch-padded {e['loss_tokens_per_sec']['torch_fp32']['median']:>10,.0f}")
+        print(f"  ratio                    {_fmt(e['ratio_packed_vs_padded']):>10}")
 
 
 if __name__ == "__main__":

@@ -460,6 +460,7 @@ def build_train_step(cfg: Config, mesh: jax.sharding.Mesh, total_steps: int) -> 
         global_batch=cfg.train.global_batch_size,
         micro_batch=cfg.train.micro_batch_size,
         loss_chunk=cfg.train.loss_chunk_size,
+        loss_impl=cfg.train.loss_impl,
     )
     return fns, schedule
 

@@ -21,7 +21,7 @@ from agentrefine_jax import sharding as shd
 from agentrefine_jax.checkpoint import abstract_params
 from agentrefine_jax.models import Transformer
 from agentrefine_jax.models.config import ModelConfig
-from agentrefine_jax.train.loss import chunked_cross_entropy, target_weights
+from agentrefine_jax.train.loss import chunked_cross_entropy, resolve_loss_impl, target_weights
 
 Params = dict[str, Any]
 Batch = dict[str, jax.Array]
@@ -48,11 +48,13 @@ def param_shardings(model_cfg: ModelConfig, mesh: Mesh, rules: shd.Rules) -> tup
     return graphdef, nnx.to_pure_dict(shd.state_shardings(state, mesh, rules))
 
 
-def loss_sums(graphdef: Any, params: Params, batch: Batch, chunk: int) -> tuple[jax.Array, jax.Array]:
+def loss_sums(
+    graphdef: Any, params: Params, batch: Batch, chunk: int, impl: str = "remat"
+) -> tuple[jax.Array, jax.Array]:
     model: Transformer = nnx.merge(graphdef, params)
     hidden, _ = model.forward(batch["input_ids"], batch["positions"], batch["segment_ids"])
     targets, weights = target_weights(batch)
-    return chunked_cross_entropy(hidden[:, :-1], model.lm_head_weight(), targets, weights, chunk)
+    return chunked_cross_entropy(hidden[:, :-1], model.lm_head_weight(), targets, weights, chunk, impl)
 
 
 def build_steps(
@@ -64,12 +66,16 @@ def build_steps(
     global_batch: int,
     micro_batch: int | None,
     loss_chunk: int,
+    loss_impl: str = "auto",
 ) -> StepFns:
     graphdef, p_shard = param_shardings(model_cfg, mesh, rules)
     micro = micro_batch or global_batch
     if global_batch % micro:
         raise ValueError(f"train.global_batch_size={global_batch} not divisible by micro_batch_size={micro}")
     n_micro = global_batch // micro
+    # Resolved against the mesh's devices (not the default backend): a TPU topology compiled from a
+    # CPU host gets the TPU choice.
+    loss_impl = resolve_loss_impl(loss_impl, mesh.devices.flat[0].platform)
     b_shard = shd.batch_sharding(mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
 
@@ -88,7 +94,9 @@ def build_steps(
 
     def train_step(params: Params, opt_state: Any, batch: Batch) -> tuple[Params, Any, dict[str, jax.Array]]:
         micro_batches = {k: v.reshape(n_micro, micro, *v.shape[1:]) for k, v in batch.items()}
-        grad_fn = jax.value_and_grad(lambda p, mb: loss_sums(graphdef, p, mb, loss_chunk), has_aux=True)
+        grad_fn = jax.value_and_grad(
+            lambda p, mb: loss_sums(graphdef, p, mb, loss_chunk, loss_impl), has_aux=True
+        )
 
         def accumulate(carry: tuple[Any, jax.Array, jax.Array], mb: Batch) -> tuple[Any, None]:
             grads, loss_sum, n_tok = carry
@@ -121,7 +129,7 @@ def build_steps(
         return new_params, new_opt, metrics
 
     def eval_step(params: Params, batch: Batch) -> tuple[jax.Array, jax.Array]:
-        return loss_sums(graphdef, params, batch, loss_chunk)
+        return loss_sums(graphdef, params, batch, loss_chunk, loss_impl)
 
     batch_tree = {k: b_shard for k in BATCH_KEYS}
     train_jit = jax.jit(
