@@ -17,7 +17,7 @@ CONFIG_FILE = "eval_configs/main_results_all_tasks.yaml"
 # What provides which part of a checkout (AgentBoard's README): the git clone holds code, prompts, configs and
 # the bundled pddlgym PDDL files; `data/` comes from its data.tar.gz (HF dataset hkust-nlp/agentboard).
 CLONE = "the AgentBoard repository (git clone https://github.com/hkust-nlp/AgentBoard)"
-DATA = "AgentBoard's data download (data.tar.gz from the HF dataset hkust-nlp/agentboard, unpacked into data/)"
+DATA = "AgentBoard's data download (data.tar.gz of the HF dataset hkust-nlp/agentboard, unpacked as data/)"
 
 
 class CheckoutError(ValueError):
