@@ -389,11 +389,14 @@ def run_episodes(
                 if agent.model is not None:
                     ep.prompt_set = load_prompt_set(checkout, task.prompt_file, task.examples_key(spec))
                 ep.start()
-                if agent.policy_for is not None:
-                    policy = agent.policy_for(task, env, spec)
             except CheckoutError:
                 env.close()
                 raise
+            if agent.policy_for is not None and not ep.finished:
+                try:
+                    policy = agent.policy_for(task, env, spec)
+                except (RuntimeError, OSError, ValueError) as e:  # e.g. the planner found no plan: reported
+                    ep.fail(f"policy_error: {e}")
             if ep.finished:
                 finish(i, ep)
             else:
