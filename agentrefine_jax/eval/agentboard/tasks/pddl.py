@@ -333,6 +333,45 @@ _PLAN_LINE = re.compile(r"^\((.+)\)$")
 SEARCH = "lazy_greedy([ff()], preferred=[ff()])"
 
 
+_CONSTANTS = re.compile(r"\(:constants([^()]*)\)\s*", re.IGNORECASE)
+_OBJECTS = re.compile(r"\(:objects([^()]*)\)", re.IGNORECASE)
+
+
+def _names(typed_list: str) -> list[str]:
+    tokens = typed_list.split()
+    return [t for i, t in enumerate(tokens) if t != "-" and (i == 0 or tokens[i - 1] != "-")]
+
+
+def fd_compatible(domain_text: str, problem_text: str) -> tuple[str, str]:
+    """Rewrite what pddlgym accepts but Fast Downward's stricter parser does not (tyreworld): a
+    `:constants` block after `:predicates` moves before it; problem objects repeating a constant go."""
+    m = _CONSTANTS.search(domain_text)
+    if m is None:
+        return domain_text, problem_text
+    constants = set(_names(m.group(1)))
+    domain_text = domain_text[: m.start()] + domain_text[m.end() :]
+    at = domain_text.lower().find("(:predicates")
+    domain_text = domain_text[:at] + m.group(0).strip() + "\n" + domain_text[at:]
+
+    def drop_constants(obj: re.Match) -> str:
+        tokens, kept, names = obj.group(1).split(), [], []
+        i = 0
+        while i < len(tokens):
+            if tokens[i] == "-" and i + 1 < len(tokens):
+                if names:
+                    kept.append(" ".join(names) + " - " + tokens[i + 1])
+                names, i = [], i + 2
+                continue
+            if tokens[i] not in constants:
+                names.append(tokens[i])
+            i += 1
+        if names:
+            kept.append(" ".join(names))
+        return "(:objects " + "\n".join(kept) + ")"
+
+    return domain_text, _OBJECTS.sub(drop_constants, problem_text, count=1)
+
+
 def plan(domain: str, problem: str, timeout_s: float = PLANNER_TIMEOUT_S) -> list[str]:
     """A satisficing plan by Fast Downward as `op arg1 arg2` lines.
 
@@ -347,6 +386,10 @@ def plan(domain: str, problem: str, timeout_s: float = PLANNER_TIMEOUT_S) -> lis
         pathlib.Path(pkg, "__init__.py").write_text("")
         os.symlink(bin_dir / "fast_downward" / "translate", os.path.join(pkg, "translate"))
         sas, plan_file = os.path.join(tmp, "output.sas"), os.path.join(tmp, "plan")
+        texts = fd_compatible(pathlib.Path(domain).read_text(), pathlib.Path(problem).read_text())
+        domain, problem = os.path.join(tmp, "domain.pddl"), os.path.join(tmp, "problem.pddl")
+        pathlib.Path(domain).write_text(texts[0])
+        pathlib.Path(problem).write_text(texts[1])
         env = dict(os.environ, PYTHONPATH=tmp)
         translate = [sys.executable, "-m", "fast_downward.translate", domain, problem, "--sas-file", sas]
         search = [str(bin_dir / "downward"), "--search", SEARCH, "--internal-plan-file", plan_file]
