@@ -210,13 +210,16 @@ class OraclePolicy(Protocol):
 
 
 class RandomPolicy:
-    """Uniform choice among the actions valid now (help commands excluded); seeded per episode."""
+    """Uniform choice among the actions valid now (help commands excluded); seeded per episode.
+
+    A task whose help lists templates rather than actions (ScienceWorld) offers `candidate_actions()`."""
 
     def __init__(self, seed: int):
         self.rng = random.Random(seed)
 
     def act(self, env: AgentBoardEnv, history: list[tuple[str, str]]) -> str:
-        choices = [a for a in env.valid_actions() if "check" not in a.lower()] or env.valid_actions()
+        listing = getattr(env, "candidate_actions", env.valid_actions)()
+        choices = [a for a in listing if "check" not in a.lower()] or listing
         return self.rng.choice(choices) if choices else "check valid actions"
 
 
