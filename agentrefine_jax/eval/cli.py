@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="import MODULE first; it may call agentrefine_jax.eval.register_task (e.g. ALFWorld, Jericho)",
     )
+    p.add_argument(
+        "--prompt-style",
+        choices=("chat", "agentboard"),
+        default="chat",
+        help="our harness's prompt layout (agentrefine_jax.layout): chat = multi-turn, as `synth convert "
+        "--prompt-style chat` writes; agentboard = AgentBoard's single user message with the history",
+    )
     p.add_argument("--out", help="write the results JSON (metrics + per-episode transcripts) here")
     p.add_argument("--quiet", action="store_true", help="no per-episode progress lines")
     return p
@@ -177,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=batch_size,
         workdir=workdir,
         task_options={"sciworld": {"simplification": args.sciworld_simplification}},
+        prompt_style=args.prompt_style,
     )
     config.validate()
     if args.policy is None and args.best_of > 1:

@@ -22,10 +22,9 @@ from typing import Any, Protocol
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, Checkout, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import AgentBoardEnv, EpisodeSpec, StepResult
+from agentrefine_jax.layout import agentboard_head, history_lines
+from agentrefine_jax.layout import agentboard_user as user_prompt
 
-GOAL_PREFIX = "You should perform actions to accomplish the goal: "
-HELP_PREFIX = "You should use the following commands for help when your action cannot be understood: "
-EXAMPLES_HEADER = "\nHere are examples:\n"
 MEMORY_SIZE = 100  # CFG agent.memory_size
 MAX_NEW_TOKENS = 100  # CFG llm.<open model>.max_tokens
 DEFAULT_MAX_STEPS = 30  # CFG run.max_num_steps
@@ -101,24 +100,8 @@ def prompt_head(
     prompt: PromptSet, goal: str, check_actions: str | None, check_inventory: bool, need_goal: bool = True
 ) -> str:
     """Everything before the history: instruction, examples, goal and help lines (never truncated)."""
-    head = prompt.instruction
-    if prompt.examples:
-        head += EXAMPLES_HEADER + "".join(e + "\n" for e in prompt.examples)
-    if need_goal:
-        head += GOAL_PREFIX + goal + "\n"
-    if check_actions is not None:
-        head += HELP_PREFIX + check_actions + "\n"
-    if check_inventory:
-        head += HELP_PREFIX + "inventory\n"  # the word is fixed whatever CFG's value
-    return head
-
-
-def history_lines(memory: Sequence[tuple[str, str]]) -> list[str]:
-    return [f"{kind}: {text}" for kind, text in memory]
-
-
-def user_prompt(head: str, lines: Sequence[str]) -> str:
-    return head + "\n".join(lines) + "\nAction: "
+    p = prompt
+    return agentboard_head(p.instruction, p.examples, goal, check_actions, check_inventory, need_goal)
 
 
 class PromptTooLong(ValueError):
