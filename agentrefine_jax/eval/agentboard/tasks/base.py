@@ -1,0 +1,54 @@
+"""The contract between the AgentBoard protocol loop and one task's environment."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeSpec:
+    """One AgentBoard episode: its task, position in AgentBoard's order, and what the task needs to build it."""
+
+    task: str  # "alfworld" | "babyai" | "sciworld" | "pddl" | "jericho"
+    index: int  # 0-based position in AgentBoard's episode order (= line of data/<task>/test.jsonl)
+    id: str  # human-readable id, e.g. "BabyAI-GoToRedBall-v0/1234", "gripper/prob01.pddl"
+    difficulty: str  # "easy" | "hard" (from test.jsonl)
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)  # task-specific (subgoals, paths, seed...)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    observation: str
+    done: bool  # episode over (AgentBoard's done: success or the game ended)
+    progress: float  # best-so-far progress rate in [0, 1] (monotone)
+    valid: bool  # grounding: was the action valid (AgentBoard's per-task rule)
+
+
+class AgentBoardEnv(Protocol):
+    """One running episode. `reset` returns the initial observation; `goal` is set after reset."""
+
+    goal: str
+
+    def reset(self) -> str: ...
+
+    def step(self, action: str) -> StepResult: ...
+
+    def valid_actions(self) -> list[str]: ...  # what "check valid actions" would list now
+
+    def close(self) -> None: ...
+
+
+class Task(Protocol):
+    name: str  # as in AgentBoard: "alfworld", "babyai", "scienceworld"->"sciworld" here, "pddl", "jericho"
+    prompt_file: str  # path relative to the checkout, e.g. "agentboard/prompts/VanillaAgent/babyai_vanilla_prompt.json"
+    check_actions: str | None  # CFG env.<task>.check_actions
+    check_inventory: bool
+
+    def episodes(self, checkout: Any) -> list[EpisodeSpec]: ...
+
+    def make_env(self, checkout: Any, episode: EpisodeSpec) -> AgentBoardEnv: ...
+
+    def examples_key(self, episode: EpisodeSpec) -> str | None: ...  # which prompt example set (alfworld/pddl)
+
+    def oracle(self, env: AgentBoardEnv) -> Any | None: ...  # a policy object with act(prompt_state)->str, or None
