@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 @dataclasses.dataclass(frozen=True)
 class EpisodeSpec:
-    """One AgentBoard episode: its task, position in AgentBoard's order, and what the task needs to build it."""
+    """One AgentBoard episode: its task, place in AgentBoard's order, and what the task needs to build it."""
 
     task: str  # "alfworld" | "babyai" | "sciworld" | "pddl" | "jericho"
     index: int  # 0-based position in AgentBoard's episode order (= line of data/<task>/test.jsonl)
@@ -41,7 +41,8 @@ class AgentBoardEnv(Protocol):
 
 class Task(Protocol):
     name: str  # as in AgentBoard: "alfworld", "babyai", "scienceworld"->"sciworld" here, "pddl", "jericho"
-    prompt_file: str  # path relative to the checkout, e.g. "agentboard/prompts/VanillaAgent/babyai_vanilla_prompt.json"
+    # path relative to the checkout, e.g. "agentboard/prompts/VanillaAgent/babyai_vanilla_prompt.json"
+    prompt_file: str
     check_actions: str | None  # CFG env.<task>.check_actions
     check_inventory: bool
 
@@ -49,6 +50,8 @@ class Task(Protocol):
 
     def make_env(self, checkout: Any, episode: EpisodeSpec) -> AgentBoardEnv: ...
 
-    def examples_key(self, episode: EpisodeSpec) -> str | None: ...  # which prompt example set (alfworld/pddl)
+    # which prompt example set (alfworld/pddl), None for a task with one
+    def examples_key(self, episode: EpisodeSpec) -> str | None: ...
 
-    def oracle(self, env: AgentBoardEnv) -> Any | None: ...  # a policy object with act(prompt_state)->str, or None
+    # a policy object with act(env, history: list[tuple[str, str]]) -> str, or None
+    def oracle(self, env: AgentBoardEnv) -> Any | None: ...

@@ -1,0 +1,449 @@
+"""AgentBoard's VanillaAgent protocol: prompt assembly, history truncation, action parsing, the episode loop.
+
+Written from the fact sheet (docs/eval.md, "AgentBoard protocol"), not from AgentBoard's code:
+- One user message: instruction; `\\nHere are examples:\\n` + each example + `\\n`; the goal line; the "check
+  valid actions" help line (and the inventory one); the `Observation: ...` / `Action: ...` history joined by
+  newlines; then `\\nAction: `. The system message is the prompt file's `system_msg` (plus, for open models,
+  the sentence AgentBoard's vLLM wrapper appends).
+- Memory keeps the last `memory_size` (100) history items; while the templated prompt exceeds
+  `context_length - max_tokens`, the oldest history item is dropped. Instruction, examples and goal are never
+  cut.
+- Greedy decoding, 100 new tokens. The action parser runs on every reply (AgentBoard's `use_parser` default).
+- A step is one model call whatever the action; the loop ends at `max_steps`, when the task reports done, or
+  when the model fails. Progress is best-so-far.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from agentrefine_jax.eval.agentboard.checkout import CLONE, Checkout, CheckoutError
+from agentrefine_jax.eval.agentboard.tasks.base import AgentBoardEnv, EpisodeSpec, StepResult
+
+GOAL_PREFIX = "You should perform actions to accomplish the goal: "
+HELP_PREFIX = "You should use the following commands for help when your action cannot be understood: "
+EXAMPLES_HEADER = "\nHere are examples:\n"
+MEMORY_SIZE = 100  # CFG agent.memory_size
+MAX_NEW_TOKENS = 100  # CFG llm.<open model>.max_tokens
+DEFAULT_MAX_STEPS = 30  # CFG run.max_num_steps
+VLLM_FILE = "agentboard/llm/vllm.py"
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptSet:
+    """What one episode's prompt is built from (AgentBoard's prompt JSON, resolved for that episode)."""
+
+    instruction: str
+    examples: tuple[str, ...]
+    system_msg: str
+
+
+def load_prompt_set(checkout: Checkout, prompt_file: str, examples_key: str | None) -> PromptSet:
+    """Resolve a VanillaAgent prompt JSON for one episode.
+
+    PDDL's file holds one {instruction, examples, system_msg} per game (keyed by `examples_key`); ALFWorld's
+    holds one `examples` dict keyed by task type whose lists are joined with "" into a single example.
+    """
+    doc = checkout.read_json(prompt_file, CLONE)
+    where = checkout.root / prompt_file
+    if not isinstance(doc, dict):
+        raise CheckoutError(f"{where}: expected a JSON object")
+    if (
+        examples_key is not None
+        and isinstance(doc.get(examples_key), dict)
+        and "instruction" in doc[examples_key]
+    ):
+        doc = doc[examples_key]
+    for key in ("instruction", "examples", "system_msg"):
+        if key not in doc:
+            raise CheckoutError(f"{where}: no `{key}` (for {examples_key or 'this task'})")
+    examples: Any = doc["examples"]
+    if isinstance(examples, dict):
+        if examples_key not in examples:
+            raise CheckoutError(f"{where}: no example set `{examples_key}` in `examples`")
+        chosen = examples[examples_key]
+        examples = ["".join(chosen) if isinstance(chosen, list) else chosen]
+    elif isinstance(examples, str):
+        examples = [examples]
+    if not all(isinstance(e, str) for e in examples) or not isinstance(doc["instruction"], str):
+        raise CheckoutError(f"{where}: `instruction`/`examples` must be strings")
+    return PromptSet(doc["instruction"], tuple(examples), str(doc["system_msg"]))
+
+
+def vllm_system_suffix(checkout: Checkout) -> str:
+    """The sentence AgentBoard's vLLM wrapper appends to the system message of every open model.
+
+    It lives inside a method (`system_message += "..."`), so it is read from the checkout with `ast`.
+    """
+    import ast
+
+    path = checkout.path(VLLM_FILE, CLONE)
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError) as e:
+        raise CheckoutError(f"cannot parse {path}: {e}") from None
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.AugAssign)
+            and isinstance(node.target, ast.Name)
+            and node.target.id == "system_message"
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            return node.value.value
+    raise CheckoutError(f'{path}: no `system_message += "..."` sentence found')
+
+
+def prompt_head(
+    prompt: PromptSet, goal: str, check_actions: str | None, check_inventory: bool, need_goal: bool = True
+) -> str:
+    """Everything before the history: instruction, examples, goal and help lines (never truncated)."""
+    head = prompt.instruction
+    if prompt.examples:
+        head += EXAMPLES_HEADER + "".join(e + "\n" for e in prompt.examples)
+    if need_goal:
+        head += GOAL_PREFIX + goal + "\n"
+    if check_actions is not None:
+        head += HELP_PREFIX + check_actions + "\n"
+    if check_inventory:
+        head += HELP_PREFIX + "inventory\n"  # the word is fixed whatever CFG's value
+    return head
+
+
+def history_lines(memory: Sequence[tuple[str, str]]) -> list[str]:
+    return [f"{kind}: {text}" for kind, text in memory]
+
+
+def user_prompt(head: str, lines: Sequence[str]) -> str:
+    return head + "\n".join(lines) + "\nAction: "
+
+
+class PromptTooLong(ValueError):
+    """Even with no history the prompt does not fit (AgentBoard would loop forever here)."""
+
+
+def fit_history(
+    head: str, memory: Sequence[tuple[str, str]], fits: Callable[[str], bool], memory_size: int = MEMORY_SIZE
+) -> tuple[str, int]:
+    """The user prompt with the oldest history items dropped until `fits(prompt)`; returns (prompt, dropped).
+
+    Dropping is monotone (fewer items never make the prompt longer), so the least number of dropped items is
+    found by bisection instead of AgentBoard's one-at-a-time loop; the result is the same.
+    """
+    lines = history_lines(memory[-memory_size:] if memory_size > 0 else [])
+    clipped = len(memory) - len(lines)
+    full = user_prompt(head, lines)
+    if fits(full):
+        return full, clipped
+    if not fits(user_prompt(head, [])):
+        raise PromptTooLong("the prompt does not fit the context even with the whole history dropped")
+    lo, hi = 0, len(lines)  # fits with hi dropped, not with lo dropped
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(user_prompt(head, lines[mid:])):
+            hi = mid
+        else:
+            lo = mid
+    return user_prompt(head, lines[hi:]), clipped + hi
+
+
+def parse_action(reply: str) -> str:
+    """AgentBoard's action parser for open models (fact sheet section 1), reimplemented.
+
+    If "action" occurs (any case), lines are scanned: a line with "next action" and ":" selects the next
+    non-empty line (after the first line equal to it) and scanning goes on; a line whose text before the first
+    ":" ends with "with action input" is taken whole; a line with "action" and ":" yields its text after the
+    first ":" when non-empty; a line with "action" and "is to" yields its text after "is to" when non-empty.
+    A blank result falls back to the first raw line. Then spaces and the characters ' and / are stripped from
+    the ends and only the first line is kept.
+    """
+    action = reply
+    if "action" in reply.lower():
+        lines = reply.split("\n")
+        for line in lines:
+            if "next action" in line and ":" in line:
+                for nxt in lines[lines.index(line) + 1 :]:
+                    if nxt:
+                        action = nxt
+                        break
+            if line.split(":")[0].lower().endswith("with action input"):
+                action = line
+                break
+            if "action" in line.lower() and ":" in line:
+                after = ":".join(line.split(":")[1:])
+                if after:
+                    action = after
+                    break
+            if "action" in line.lower() and "is to" in line:
+                after = line.split("is to")[1]
+                if after:
+                    action = after
+                    break
+    if action.strip() == "":
+        action = reply.split("\n")[0]
+    action = action.strip().strip("'/")
+    return action.split("\n")[0]
+
+
+# ----------------------------------------------------------------------------------------- agents
+
+
+class ModelBackend(Protocol):
+    """A language model answering AgentBoard prompts: (system, user) in, raw reply text out."""
+
+    name: str
+    context_length: int
+    max_tokens: int
+
+    def num_tokens(self, system: str, user: str) -> int: ...
+
+    def generate(self, prompts: Sequence[tuple[str, str]]) -> list[str | Exception]: ...
+
+    def close(self) -> None: ...
+
+
+class OraclePolicy(Protocol):
+    def act(self, env: AgentBoardEnv, history: list[tuple[str, str]]) -> str: ...
+
+
+class RandomPolicy:
+    """Uniform choice among the actions valid now (help commands excluded); seeded per episode."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+
+    def act(self, env: AgentBoardEnv, history: list[tuple[str, str]]) -> str:
+        choices = [a for a in env.valid_actions() if "check" not in a.lower()] or env.valid_actions()
+        return self.rng.choice(choices) if choices else "check valid actions"
+
+
+# ----------------------------------------------------------------------------------------- episodes
+
+
+@dataclasses.dataclass
+class EpisodeLog:
+    """One episode's outcome and record, in AgentBoard's per-episode log vocabulary."""
+
+    spec: EpisodeSpec
+    goal: str = ""
+    success: bool = False
+    progress: float = 0.0
+    steps: int = 0
+    valid_steps: int = 0
+    score_change_record: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    turns: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # per step: action, obs, progress
+    initial_observation: str = ""
+    last_prompt: str | None = None
+    dropped_history: int = 0  # most history items dropped for one prompt (truncation)
+    end: str = ""  # "done" | "max_steps" | "model_error: ..." | "env_error: ..."
+
+    @property
+    def grounding(self) -> float:
+        return self.valid_steps / self.steps if self.steps else 0.0
+
+
+@dataclasses.dataclass
+class AgentBoardTaskSetup:
+    """A task's prompt-side settings as used by the loop (prompt file resolved per episode)."""
+
+    check_actions: str | None
+    check_inventory: bool
+    need_goal: bool = True
+
+
+class Episode:
+    """One running AgentBoard episode: env, memory and log. Drives the loop one step at a time so a model
+    backend can answer many episodes in one batched call."""
+
+    def __init__(self, spec: EpisodeSpec, env: AgentBoardEnv, setup: AgentBoardTaskSetup, max_steps: int):
+        self.spec, self.env, self.setup, self.max_steps = spec, env, setup, max_steps
+        self.log = EpisodeLog(spec)
+        self.memory: list[tuple[str, str]] = []
+        self.finished = False
+        self.prompt_set: PromptSet | None = None
+
+    def start(self) -> None:
+        obs = self.env.reset()
+        self.log.goal = self.env.goal
+        self.log.initial_observation = obs
+        self.memory = [("Observation", obs)]
+        if self.max_steps <= 0:
+            self._finish("max_steps")
+
+    def head(self) -> str:
+        assert self.prompt_set is not None
+        return prompt_head(
+            self.prompt_set,
+            self.log.goal,
+            self.setup.check_actions,
+            self.setup.check_inventory,
+            self.setup.need_goal,
+        )
+
+    def history(self) -> list[tuple[str, str]]:
+        return list(self.memory)
+
+    def apply(self, action: str) -> StepResult:
+        """Take one (parsed) action; update memory, metrics and the log."""
+        step = self.log.steps
+        result = self.env.step(action)
+        self.log.steps += 1
+        self.log.valid_steps += bool(result.valid)
+        if result.progress > self.log.progress:
+            self.log.score_change_record.append((step, result.progress))
+        self.log.progress = max(self.log.progress, result.progress)
+        self.log.turns.append(
+            {
+                "action": action,
+                "observation": result.observation,
+                "progress": result.progress,
+                "valid": result.valid,
+            }
+        )
+        self.memory += [("Action", action), ("Observation", result.observation)]
+        if result.done:
+            self.log.success = self.log.success or self.env_success(result)
+            self._finish("done")
+        elif self.log.steps >= self.max_steps:
+            self._finish("max_steps")
+        return result
+
+    def env_success(self, result: StepResult) -> bool:
+        # A task may define success apart from done (BabyAI: done with progress <= 0.5 is cleared by the env).
+        success = getattr(self.env, "success", None)
+        return bool(success) if success is not None else True
+
+    def fail(self, why: str) -> None:
+        self._finish(why)
+
+    def _finish(self, why: str) -> None:
+        self.finished = True
+        self.log.end = why
+        try:
+            self.env.close()
+        except Exception:  # noqa: BLE001 - closing must not mask the episode's result
+            pass
+
+
+# ----------------------------------------------------------------------------------------- the loop
+
+
+@dataclasses.dataclass
+class Agent:
+    """Who answers: a model backend (`model`), or a privileged policy made per episode (`policy_for`)."""
+
+    model: ModelBackend | None = None
+    policy_for: Callable[[Any, AgentBoardEnv, EpisodeSpec], OraclePolicy] | None = None
+    system_suffix: str = ""  # appended to every system message (AgentBoard's vLLM sentence for open models)
+
+    def __post_init__(self) -> None:
+        if (self.model is None) == (self.policy_for is None):
+            raise ValueError("an Agent needs exactly one of a model backend or a policy")
+
+
+def _prompt_for(ep: Episode, model: ModelBackend, system: str) -> tuple[str, int]:
+    budget = model.context_length - model.max_tokens
+
+    def fits(user: str) -> bool:
+        return model.num_tokens(system, user) <= budget
+
+    return fit_history(ep.head(), ep.memory, fits)
+
+
+def run_episodes(
+    task: Any,
+    checkout: Checkout,
+    specs: Sequence[EpisodeSpec],
+    agent: Agent,
+    *,
+    max_steps: int = DEFAULT_MAX_STEPS,
+    batch_size: int = 1,
+    on_done: Callable[[EpisodeLog], None] | None = None,
+) -> list[EpisodeLog]:
+    """Run every episode of `specs` under AgentBoard's loop; results in `specs` order.
+
+    With a model backend, up to `batch_size` episodes are in flight and each step is one batched call. Prompts
+    (and therefore the prompt file) are only built for a model; a privileged policy sees the env and history.
+    """
+    setup = AgentBoardTaskSetup(task.check_actions, bool(task.check_inventory))
+    results: dict[int, EpisodeLog] = {}
+    pending = list(enumerate(specs))
+    active: list[tuple[int, Episode, Any]] = []
+    width = max(1, batch_size if agent.model is not None else 1)
+
+    def finish(i: int, ep: Episode) -> None:
+        results[i] = ep.log
+        if on_done is not None:
+            on_done(ep.log)
+
+    while pending or active:
+        while pending and len(active) < width:
+            i, spec = pending.pop(0)
+            env = task.make_env(checkout, spec)
+            ep = Episode(spec, env, setup, max_steps)
+            policy = None
+            try:
+                if agent.model is not None:
+                    ep.prompt_set = load_prompt_set(checkout, task.prompt_file, task.examples_key(spec))
+                ep.start()
+                if agent.policy_for is not None:
+                    policy = agent.policy_for(task, env, spec)
+            except CheckoutError:
+                env.close()
+                raise
+            if ep.finished:
+                finish(i, ep)
+            else:
+                active.append((i, ep, policy))
+        if not active:
+            continue
+        if agent.model is not None:
+            batch: list[tuple[str, str]] = []
+            for _, ep, _ in active:
+                assert ep.prompt_set is not None
+                system = ep.prompt_set.system_msg + agent.system_suffix
+                try:
+                    user, dropped = _prompt_for(ep, agent.model, system)
+                except PromptTooLong as e:
+                    ep.fail(f"prompt_too_long: {e}")
+                    user, dropped = "", 0
+                ep.log.dropped_history = max(ep.log.dropped_history, dropped)
+                ep.log.last_prompt = user
+                batch.append((system, user))
+            live = [k for k, (_, ep, _) in enumerate(active) if not ep.finished]
+            replies = agent.model.generate([batch[k] for k in live]) if live else []
+            for k, reply in zip(live, replies, strict=True):
+                ep = active[k][1]
+                if isinstance(reply, Exception):
+                    ep.fail(f"model_error: {type(reply).__name__}: {reply}")
+                    continue
+                _step(ep, parse_action(reply), reply)
+        else:
+            for _, ep, policy in active:
+                try:
+                    reply = policy.act(ep.env, ep.history())
+                except Exception as e:  # noqa: BLE001 - a policy failure ends this episode, reported
+                    ep.fail(f"policy_error: {type(e).__name__}: {e}")
+                    continue
+                _step(ep, parse_action(reply), reply)
+        still = []
+        for i, ep, policy in active:
+            if ep.finished:
+                finish(i, ep)
+            else:
+                still.append((i, ep, policy))
+        active = still
+    return [results[i] for i in range(len(specs))]
+
+
+def _step(ep: Episode, action: str, reply: str) -> None:
+    try:
+        ep.apply(action)
+    except Exception as e:  # noqa: BLE001 - a simulator crash ends this episode, reported with its step
+        ep.fail(f"env_error: {type(e).__name__}: {e}")
+        return
+    if reply != action:
+        ep.log.turns[-1]["reply"] = reply

@@ -1,0 +1,1 @@
+"""One module per AgentBoard task; `base` is the contract the protocol loop drives."""
