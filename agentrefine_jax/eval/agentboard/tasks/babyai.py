@@ -240,7 +240,8 @@ class View:
             else:
                 # AgentBoard prints its whole door-count dict here (quirk kept).
                 self.errors[f"toggle and go through {label}"] = (
-                    f"You cannot toggle and go through {name} {dict(doors)}, as there is no path leading to it."
+                    f"You cannot toggle and go through {name} {dict(doors)}, "
+                    "as there is no path leading to it."
                 )
             if found == []:
                 acts["toggle"] = [TOGGLE]
@@ -453,7 +454,8 @@ class BabyAITask:
         rows = checkout.read_jsonl(LABELS_FILE)
         if len(rows) != len(levels) * per_level:
             raise CheckoutError(
-                f"{checkout.root / LABELS_FILE}: {len(rows)} lines, expected {len(levels)} levels x {per_level} "
+                f"{checkout.root / LABELS_FILE}: {len(rows)} lines, expected "
+                f"{len(levels)} levels x {per_level} "
                 f"seeds = {len(levels) * per_level} (eval config env.babyai; provided by {DATA})"
             )
         specs = []
