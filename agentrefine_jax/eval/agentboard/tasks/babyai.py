@@ -21,7 +21,9 @@ agentboard/environment/babyai_env.py and agentboard/tasks/babyai.py):
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
+import io
 from typing import Any
 
 import numpy as np
@@ -323,6 +325,7 @@ class BabyAIEnv:
         self.goal = ""
         self.done = False
         self.view: View | None = None
+        self.last_valid = False
         self.progress = SubgoalProgress(subgoals)
 
     @property
@@ -330,10 +333,12 @@ class BabyAIEnv:
         return self.done
 
     def reset(self) -> str:
-        obs, _ = self.env.reset(seed=self.seed)
+        with contextlib.redirect_stdout(io.StringIO()):  # minigrid prints each rejected level sample
+            obs, _ = self.env.reset(seed=self.seed)
         self.goal = self.env.unwrapped.mission.replace("then", "and").replace("after you", "and")
         self.progress = SubgoalProgress(self.subgoals)
         self.done = False
+        self.last_valid = False
         self.image = obs["image"]
         self.view = View(self.env, obs)
         return self.view.description
@@ -347,10 +352,16 @@ class BabyAIEnv:
         action = action.lower().strip()
         if "check" in action:
             text = "You can take the following actions: " + ", ".join(self.view.actions)
+            self.last_valid = True
             return StepResult(text, self.done, self.progress.value, True)
         if action not in self.view.actions:
             text = "No change in state." if action == "" else self.view.errors.get(action, NOT_RECOGNIZED)
+            self.last_valid = False
             return StepResult(text, self.done, self.progress.value, False)
+        if not self.view.actions[action]:
+            # Already there (`go to X k` facing X): no env step, and AgentBoard leaves its validity flag as
+            # the previous step set it (False before any step).
+            return StepResult("No change in state.", self.done, self.progress.value, self.last_valid)
         terminated = False
         for primitive in self.view.actions[action]:
             obs, _, terminated, _, _ = self.env.step(primitive)
@@ -366,6 +377,7 @@ class BabyAIEnv:
             done = True
             text += COMPLETED
         self.done = done
+        self.last_valid = True
         return StepResult(text, done, self.progress.value, True)
 
     def close(self) -> None:
