@@ -24,9 +24,12 @@ agentboard/environment/alfworld/):
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import os
+import random
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA, CheckoutError
@@ -104,13 +107,18 @@ def example_set(name: str) -> str | None:
     return next((key for prefix, key in EXAMPLE_SETS if name.startswith(prefix)), None)
 
 
+_PUT = re.compile(r"put (.+) in/on (.+)")
+_MOVE = re.compile(r"move (.+) to (.+)")
+
+
 def _expert_wrapper(base: Any, kind: str) -> Any:
     """alfworld's expert wrapper, speaking the game's own command grammar.
 
-    alfworld >= 0.4 renamed `put X in/on Y` to `move X to Y` in its grammar and its handcoded expert; the
-    game files of AgentBoard's download carry the older grammar (their own copy), so a `move` suggestion
-    is offered as `put X in/on Y` when that is the admissible form. Otherwise as alfworld's wrapper: the
-    expert observes the intro, then acts on every new state; a suggestion that is not admissible -> `look`.
+    alfworld >= 0.4 renamed `put X in/on Y` to `move X to Y` in its grammar, and its handcoded TextWorld
+    expert tests admissibility in the new wording; the game files of AgentBoard's download carry the older
+    grammar (their own copy). So the expert is shown the state in the new wording and its answer is put back
+    into the game's. Otherwise as alfworld's wrapper: the expert observes the intro, then acts on every new
+    state; a suggestion that is not admissible becomes `look`.
     """
 
     class Expert(base):
@@ -119,14 +127,16 @@ def _expert_wrapper(base: Any, kind: str) -> Any:
             if not self.prev_command:
                 self._handcoded_expert.observe(self.state["feedback"])
                 return
+            admissible = self.state["admissible_commands"]
+            old = {_PUT.sub(r"move \1 to \2", c): c for c in admissible if _PUT.fullmatch(c)}
+            state = copy.copy(self.state)
+            state["admissible_commands"] = [_PUT.sub(r"move \1 to \2", c) for c in admissible]
+            last = _PUT.sub(r"move \1 to \2", self.prev_command) if old else self.prev_command
             try:
-                action = self._handcoded_expert.act(self.state, 0, self.state["won"], self.prev_command)
+                action = self._handcoded_expert.act(state, 0, self.state["won"], last)
             except Exception:  # noqa: BLE001 - the expert times out after 200 steps: it just stops helping
                 return
-            admissible = self.state["admissible_commands"]
-            moved = re.fullmatch(r"move (.+) to (.+)", action or "")
-            if action not in admissible and moved and f"put {moved[1]} in/on {moved[2]}" in admissible:
-                action = f"put {moved[1]} in/on {moved[2]}"
+            action = old.get(action, action)
             if action in admissible:
                 self.state["extra.expert_plan"] = [action]
 
@@ -145,6 +155,7 @@ class ALFWorldEnv:
         self.won = False
         self.flags = [0] * (len(self.subgoals) + 1)
         self.expert_plan: list[str] = []
+        self.steps = 0
 
     @property
     def success(self) -> bool:
@@ -189,6 +200,7 @@ class ALFWorldEnv:
         self.goal = lines[1].split("Your task is to:")[1].strip()
         self.location = lines[0]
         self.won = False
+        self.steps = 0
         self.flags = [0] * (len(self.subgoals) + 1)
         self._infos(info)
         return lines[0]
@@ -197,6 +209,21 @@ class ALFWorldEnv:
         self.admissible = list(info["admissible_commands"][0])
         if self.expert:
             self.expert_plan = list(info.get("extra.expert_plan", [[]])[0] or [])
+
+    @contextlib.contextmanager
+    def _seeded(self) -> Iterator[None]:
+        """alfworld's expert breaks ties and loops with the global `random`: seed it per game and step so
+        oracle runs repeat, and give the caller's random state back afterwards."""
+        if not self.expert:
+            yield
+            return
+        saved = random.getstate()
+        self.steps += 1
+        random.seed(f"{episode_name(self.game_file)}:{self.steps}")
+        try:
+            yield
+        finally:
+            random.setstate(saved)
 
     def valid_actions(self) -> list[str]:
         return self.admissible + [a for a in ("look", HELP) if a not in self.admissible]
@@ -207,7 +234,8 @@ class ALFWorldEnv:
         if action == HELP:
             text = "Choose an action from these valid actions: " + ", ".join(self.valid_actions())
         else:
-            obs, _, dones, info = self.env.step([action])
+            with self._seeded():
+                obs, _, dones, info = self.env.step([action])
             text = self.location if action == "look" else obs[0]
             self.won = bool(dones[0])
             self._infos(info)
@@ -230,7 +258,10 @@ class ExpertOracle:
     """alfworld's handcoded expert: the next command of its plan for the current state."""
 
     def act(self, env: ALFWorldEnv, history: list[tuple[str, str]]) -> str:
-        return env.expert_plan[0] if env.expert_plan else HELP
+        if not env.expert_plan:
+            return HELP
+        rewording = getattr(env, "rw", None)  # a perturbed episode (perturb.RewordedEnv) shows other wording
+        return rewording.surface(env.expert_plan[0]) if rewording else env.expert_plan[0]
 
 
 class ALFWorldTask:
