@@ -8,8 +8,10 @@ subdirectory is one step, holding at least two items:
   meta    JsonSave of {"model": ModelConfig dict, "tokenizer": str|None,
           "template": str|None, "config": full Config dict|None, "step": int}.
 
-The trainer adds `opt_state` and `data_iter` to the same steps; loaders here read only
-`params` and `meta` and ignore everything else.
+The trainer adds `opt_state` (its optimizer state) to the same steps, through the same
+manager (`manager`, `TrainCheckpoints`); loaders read only `params` and `meta` and ignore
+everything else (older runs also hold a `data_iter` item, no longer needed: the data
+position is the global step).
 
 Integrity: once Orbax has finalised a step, `write_manifest` records the size and sha256 of
 every file in it (`MANIFEST`, written last). `verify_step` re-hashes them; a step without a
@@ -27,8 +29,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import pathlib
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -45,36 +49,50 @@ from agentrefine_jax.models.config import ModelConfig, RopeScaling
 
 ITEM_PARAMS = "params"
 ITEM_META = "meta"
-RUN_CHECKPOINTS_SUBDIR = "checkpoints"
-META_KEYS = ("model", "tokenizer", "template", "config", "step")
+ITEM_OPT_STATE = "opt_state"
+RUN_CHECKPOINTS_SUBDIR = "checkpoints"  # a training run dir's checkpoint root
 MANIFEST = "agentrefine_manifest.json"
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointIntegrityError(ValueError):
     """A checkpoint step whose files do not match its manifest (or that has none)."""
 
 
-def handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
-    """Handlers for `params` and `meta`; the trainer adds its own items to the returned registry.
+class CheckpointSaveError(RuntimeError):
+    """An (asynchronous) checkpoint save failed: disk full, no permission, bucket gone..."""
 
-    Example (trainer):
-        reg = handler_registry()
-        reg.add("opt_state", ocp.args.StandardSave); reg.add("opt_state", ocp.args.StandardRestore)
-        mngr = ocp.CheckpointManager(root, handler_registry=reg, options=...)
-    """
+
+def handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+    """Handlers for every item a step may hold: `params`, `meta` and the trainer's `opt_state`."""
     reg = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    for item, args in item_handler_args().items():
+    for item, args in {
+        ITEM_PARAMS: (ocp.args.StandardSave, ocp.args.StandardRestore),
+        ITEM_META: (ocp.args.JsonSave, ocp.args.JsonRestore),
+        ITEM_OPT_STATE: (ocp.args.StandardSave, ocp.args.StandardRestore),
+    }.items():
         for a in args:
             reg.add(item, a)
     return reg
 
 
-def item_handler_args() -> dict[str, tuple[type, ...]]:
-    """The (save, restore) `CheckpointArgs` types of each item we own."""
-    return {
-        ITEM_PARAMS: (ocp.args.StandardSave, ocp.args.StandardRestore),
-        ITEM_META: (ocp.args.JsonSave, ocp.args.JsonRestore),
-    }
+def manager(
+    root: str | os.PathLike[str], *, keep: int | None = None, keep_every: int = 0, async_save: bool = False
+) -> ocp.CheckpointManager:
+    """The one Orbax manager for a checkpoint root: keep the newest `keep` steps (all when None)
+    plus every `keep_every`-th step (e.g. each epoch's last), saving in the background if asked."""
+    from orbax.checkpoint import checkpoint_managers as policies
+
+    options: dict[str, Any] = {"enable_async_checkpointing": async_save, "create": True}
+    if keep is not None:
+        policy: Any = policies.LatestN(n=keep)
+        if keep_every > 0:
+            policy = policies.AnyPreservationPolicy([policy, policies.EveryNSteps(interval_steps=keep_every)])
+        options["preservation_policy"] = policy
+    return ocp.CheckpointManager(
+        as_path(root), handler_registry=handler_registry(), options=ocp.CheckpointManagerOptions(**options)
+    )
 
 
 def make_meta(
@@ -214,7 +232,7 @@ def save_model(
     params = params_pure_dict(model_or_params_state)
     check_params(params, model_cfg, what=f"parameters being saved to {root}")
     meta = make_meta(model_cfg, step=step, tokenizer=tokenizer, template=template, config=config, extra=extra)
-    with ocp.CheckpointManager(root, handler_registry=handler_registry()) as mngr:
+    with manager(root) as mngr:
         if step in mngr.all_steps():
             raise FileExistsError(f"{root} already has a checkpoint for step {step}; choose a new directory")
         mngr.save(
@@ -335,27 +353,26 @@ def newest_intact_step(root: str | os.PathLike[str]) -> tuple[int | None, list[t
 # ------------------------------------------------------------------------------ loading
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            out.update(_flatten(v, key + "/"))
-        else:
-            out[key] = v
-    return out
+def _leaves(tree: Any) -> dict[str, Any]:
+    """Leaves by slash-joined path ("layers/wq", "0/mu/embed"): works for dicts and optax states."""
+    return {
+        jax.tree_util.keystr(path, simple=True, separator="/"): leaf
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    }
 
 
-def compare_trees(expected: Mapping[str, Any], found: Mapping[str, Any]) -> list[str]:
-    """Human-readable differences (missing / extra / shape) between two trees of shaped leaves."""
-    exp, got = _flatten(expected), _flatten(found)
-    problems = [f"missing parameter {k} (expected shape {tuple(exp[k].shape)})" for k in exp if k not in got]
-    problems += [f"unexpected parameter {k} (shape {tuple(got[k].shape)})" for k in got if k not in exp]
-    problems += [
-        f"parameter {k} has shape {tuple(got[k].shape)}, expected {tuple(exp[k].shape)}"
-        for k in exp
-        if k in got and tuple(got[k].shape) != tuple(exp[k].shape)
-    ]
+def compare_trees(expected: Any, found: Any, *, what: str = "parameter", dtypes: bool = False) -> list[str]:
+    """Human-readable differences (missing / extra / shape, and dtype if asked) between two trees of
+    shaped leaves. The one check every restore runs: nothing is ever zero-filled or reshaped."""
+    exp, got = _leaves(expected), _leaves(found)
+    problems = [f"missing {what} {k} (expected shape {tuple(exp[k].shape)})" for k in exp if k not in got]
+    problems += [f"unexpected {what} {k} (shape {tuple(got[k].shape)})" for k in got if k not in exp]
+    for k in exp.keys() & got.keys():
+        e, g = exp[k], got[k]
+        if tuple(g.shape) != tuple(e.shape):
+            problems.append(f"{what} {k} has shape {tuple(g.shape)}, expected {tuple(e.shape)}")
+        elif dtypes and jnp.dtype(g.dtype) != jnp.dtype(e.dtype):
+            problems.append(f"{what} {k} has dtype {jnp.dtype(g.dtype)}, expected {jnp.dtype(e.dtype)}")
     return problems
 
 
@@ -449,3 +466,130 @@ def load_model(
     nnx.replace_by_pure_dict(abs_params, restored)
     model = nnx.merge(graphdef, abs_params)
     return model_cfg, model, meta
+
+
+# ------------------------------------------------------------------------ training state
+
+
+def save_train_state(
+    mngr: ocp.CheckpointManager, step: int, params: Any, opt_state: Any, meta: Mapping[str, Any]
+) -> None:
+    """One training step's checkpoint: params and meta as `save_model` writes them, plus opt_state."""
+    mngr.save(
+        step,
+        args=ocp.args.Composite(
+            **{
+                ITEM_PARAMS: ocp.args.StandardSave(params),
+                ITEM_OPT_STATE: ocp.args.StandardSave(opt_state),
+                ITEM_META: ocp.args.JsonSave(dict(meta)),
+            }
+        ),
+        force=True,
+    )
+
+
+def restore_train_state(
+    mngr: ocp.CheckpointManager, step: int, abstract: Mapping[str, Any], shardings: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Restore `params` and `opt_state` of `step` onto `shardings`, checked leaf by leaf (shape
+    and dtype) against `abstract` ({"params": ..., "opt_state": ...} of ShapeDtypeStructs)."""
+    target = {
+        item: jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract[item], shardings[item]
+        )
+        for item in (ITEM_PARAMS, ITEM_OPT_STATE)
+    }
+    restored = mngr.restore(
+        step, args=ocp.args.Composite(**{k: ocp.args.StandardRestore(v) for k, v in target.items()})
+    )
+    for item in (ITEM_PARAMS, ITEM_OPT_STATE):
+        if jax.tree.structure(restored[item]) != jax.tree.structure(abstract[item]):
+            raise ValueError(f"checkpoint step {step}: the stored {item} tree does not match the model's")
+        problems = compare_trees(abstract[item], restored[item], what=item, dtypes=True)
+        if problems:
+            raise ValueError(f"checkpoint step {step} does not match the model: " + "; ".join(problems))
+    return {item: restored[item] for item in (ITEM_PARAMS, ITEM_OPT_STATE)}
+
+
+class TrainCheckpoints:
+    """A run's checkpoints: the Orbax manager plus what Orbax does not do — a checksum manifest
+    written once a step is finalised, and save failures surfaced at the next step, not at the end."""
+
+    def __init__(self, root: epath.Path, *, keep: int, keep_every: int = 0) -> None:
+        self.root = root
+        self.mngr = manager(root, keep=keep, keep_every=keep_every, async_save=True)
+        self.pending: list[int] = []
+        self.failed = False
+
+    def save(self, step: int, params: Any, opt_state: Any, meta: Mapping[str, Any]) -> None:
+        # Orbax would wait for the previous save here anyway; finishing it first lets its manifest
+        # be written before the keep policy can delete anything.
+        self.poll(wait=True)
+        try:
+            save_train_state(self.mngr, step, params, opt_state, meta)
+        except Exception as e:  # noqa: BLE001 - any storage error ends the run with one line
+            self._fail(step, e)
+        self.pending.append(step)
+
+    def poll(self, wait: bool = False) -> None:
+        """Raise CheckpointSaveError if a save failed; write the manifests of finished saves."""
+        if not self.pending or self.failed:
+            return
+        if not wait and self.mngr.is_saving_in_progress():
+            return
+        try:
+            self.mngr.wait_until_finished()  # returns at once unless `wait`; re-raises a failed save
+        except Exception as e:  # noqa: BLE001
+            self._fail(self.pending[-1], e)
+        if jax.process_index() == 0:
+            kept = set(self.mngr.all_steps())
+            for step in self.pending:
+                if step in kept and (self.root / str(step)).exists():  # not removed since
+                    write_manifest(self.root / str(step))
+        self.pending.clear()
+
+    def _fail(self, step: int, e: BaseException) -> None:
+        self.failed = True
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointSaveError(
+            f"saving checkpoint step {step} to {self.root} failed "
+            f"({type(e).__name__}: {first}); the run stopped. {self.last_good_note()}"
+        ) from None
+
+    def last_good_note(self) -> str:
+        """Names the newest checkpoint that really exists and is complete."""
+        if not self.failed:
+            self.poll(wait=True)
+        done = [s for s in self.mngr.all_steps() if s not in self.pending]
+        if not done:
+            return "No checkpoint has been written yet."
+        return f"Last good checkpoint: step {max(done)} in {self.root}."
+
+    def finish(self) -> None:
+        self.poll(wait=True)
+
+
+def choose_resume_step(root: epath.Path, rejected: epath.Path) -> int | None:
+    """The newest intact step under `root` (None: nothing to resume). Newer broken steps are
+    reported by name and moved to `rejected` so the run continues from the intact one and can
+    save those steps again. Process 0 decides; every process gets the same answer."""
+    code, error = -1, ""
+    if jax.process_index() == 0:
+        try:
+            step, skipped = newest_intact_step(root)
+            for bad, problem in skipped:
+                dest = rejected / f"{bad}-{time.strftime('%Y%m%d-%H%M%S')}"
+                rejected.mkdir(parents=True, exist_ok=True)
+                (root / str(bad)).rename(dest)
+                log.warning(f"WARNING: {problem}; moved it to {dest}, falling back to an earlier checkpoint")
+            code = -1 if step is None else step
+        except CheckpointIntegrityError as e:
+            code, error = -2, str(e)
+    if jax.process_count() > 1:
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        code = int(multihost_utils.broadcast_one_to_all(np.int32(code)))
+    if code == -2:
+        raise CheckpointIntegrityError(error or f"no intact checkpoint in {root} (see process 0's log)")
+    return None if code < 0 else code

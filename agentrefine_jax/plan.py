@@ -214,8 +214,9 @@ def saved_residuals(model_cfg: Any, batch: int, seq_len: int, loss_chunk: int) -
     import jax.numpy as jnp
     from flax import nnx
 
+    from agentrefine_jax.data.packing import BATCH_KEYS
     from agentrefine_jax.models import abstract
-    from agentrefine_jax.train.step import BATCH_KEYS, loss_sums
+    from agentrefine_jax.train.step import loss_sums
 
     graphdef, state = nnx.split(abstract(model_cfg), nnx.Param)
     params = nnx.to_pure_dict(state)

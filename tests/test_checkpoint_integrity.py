@@ -91,7 +91,7 @@ def test_no_intact_step_is_one_error_naming_every_step(tmp_path, model) -> None:
 
 def test_gs_urls_survive_config_and_path_handling_untouched(tmp_path, monkeypatch) -> None:
     from agentrefine_jax.config import load_config
-    from agentrefine_jax.train.loop import RunPaths
+    from agentrefine_jax.train.run_dir import RunPaths
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config("demo", ["train.run_dir=gs://bucket/runs/x", "train.export_hf_at_end=gs://b2/hf"])
@@ -116,7 +116,8 @@ def test_file_urls_are_local_paths() -> None:
 
 
 def test_metrics_rows_are_strict_json_and_replayed_steps_appear_once(tmp_path) -> None:
-    from agentrefine_jax.train.loop import MetricsWriter, RunPaths
+    from agentrefine_jax.train.metrics import MetricsWriter
+    from agentrefine_jax.train.run_dir import RunPaths
 
     paths = RunPaths(str(tmp_path / "run"))
     w = MetricsWriter(paths, 0)
@@ -219,20 +220,21 @@ def test_export_dtype_auto_prefers_the_imported_dtype() -> None:
 
 @pytest.mark.parametrize("keep_epochs", [False, True])
 def test_epoch_checkpoints_survive_the_keep_policy(tmp_path, keep_epochs) -> None:
-    import grain
     import jax.numpy as jnp
 
     from agentrefine_jax.config import Config, TrainConfig
-    from agentrefine_jax.train.loop import RunCheckpoints, RunPaths
+    from agentrefine_jax.train.hooks import Checkpointing, RunState
+    from agentrefine_jax.train.run_dir import RunPaths
 
     cfg = Config(model=CFG, train=TrainConfig(keep_checkpoints=1, keep_epoch_checkpoints=keep_epochs))
     paths = RunPaths(str(tmp_path / "run"))
-    run = RunCheckpoints(paths, cfg, steps_per_epoch=2)
-    data = iter(grain.MapDataset.range(8).to_iter_dataset())
+    ckpts = ckpt.TrainCheckpoints(paths.checkpoints, keep=1, keep_every=2 if keep_epochs else 0)
+    hook = Checkpointing(ckpts, cfg, {"steps_per_epoch": 2}, every=1, steps_per_epoch=2, start_step=0)
+    state = RunState(0, 5, 0, None, None)
     for step in range(1, 6):
-        next(data)
-        run.save(step, {"w": jnp.full(3, step)}, {"mu": jnp.zeros(3)}, data, cfg, {"steps_per_epoch": 2})
-    run.finish()
+        state.step, state.params, state.opt_state = step, {"w": jnp.full(3, step)}, {"mu": jnp.zeros(3)}
+        hook.after_step(state)
+    hook.at_end(state)
     kept = ckpt.checkpoint_steps(paths.checkpoints)
     assert kept == ([2, 4, 5] if keep_epochs else [5])
     for step in kept:

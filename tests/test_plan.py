@@ -116,8 +116,9 @@ def test_memory_matches_xla_buffer_assignment() -> None:
     XLA's per-device memory analysis: arguments exactly, the whole footprint roughly (XLA on
     CPU schedules differently from TPU; on this model the plan lands within 0.78-1.34x of it
     for every remat policy)."""
+    from agentrefine_jax.data.packing import BATCH_KEYS
     from agentrefine_jax.train.optimizer import make_optimizer
-    from agentrefine_jax.train.step import BATCH_KEYS, build_steps
+    from agentrefine_jax.train.step import build_steps
 
     sizes = mesh_of(data=2, fsdp=2, tensor=2)
     cfg = load_config("demo", [*SMALL, "model.remat_policy=full", "model.attention_block_size=128"])

@@ -14,6 +14,9 @@ import numpy as np
 
 from agentrefine_jax.data.examples import TokenStore
 
+# The arrays of every batch row, as the train step receives them (all int32, [rows, seq]).
+BATCH_KEYS = ("input_ids", "loss_mask", "segment_ids", "positions")
+
 
 class _FirstAtLeast:
     """Multiset of bin capacities 0..size with O(log size) "smallest capacity >= x" queries."""

@@ -37,7 +37,6 @@ from agentrefine_jax.data.templates import ChatTemplate, get_template
 from agentrefine_jax.data.tokenizers import load_tokenizer
 
 SPLITS = ("train", "eval")
-BATCH_KEYS = ("input_ids", "loss_mask", "segment_ids", "positions")
 # Seeds of the independent random streams derived from data.seed.
 _HOLDOUT, _SELECT, _GENERAL, _EPOCH = 0xE7A1, 0x5E1EC7, 0x6E7E, 0xE90C
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import safe_open
 from safetensors.numpy import save_file
@@ -358,8 +359,8 @@ def load_hf_model(
     graphdef, abs_params = abstract_params(cfg)
     shardings = param_shardings(abs_params, mesh, rules)
     pdt = NP_DTYPES[cfg.param_dtype]
-    flat_abs = _flat(nnx.to_pure_dict(abs_params))
-    flat_sh = _flat(shardings)
+    flat_abs = flatten_dict(nnx.to_pure_dict(abs_params))
+    flat_sh = flatten_dict(shardings)
 
     expected = params.expected_hf_names(cfg)
     total = len(expected)
@@ -400,28 +401,8 @@ def load_hf_model(
         raise ValueError(f"{hf_dir} lacks {len(missing)} tensors: {missing[:10]}{more}")
     if skipped:
         log(f"skipped {len(skipped)} tensor(s) that are recomputed or tied")
-    nnx.replace_by_pure_dict(abs_params, _unflat(arrays))
+    nnx.replace_by_pure_dict(abs_params, unflatten_dict(arrays))
     return cfg, nnx.merge(graphdef, abs_params)
-
-
-def _flat(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
-    out: dict[tuple[str, ...], Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, Mapping):
-            out.update(_flat(v, prefix + (k,)))
-        else:
-            out[prefix + (k,)] = v
-    return out
-
-
-def _unflat(flat: Mapping[tuple[str, ...], Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for path, v in flat.items():
-        node = out
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = v
-    return out
 
 
 # ------------------------------------------------------------------------------ writing
@@ -491,7 +472,7 @@ def save_hf(
     out = check_output_dir(out_dir)
     config_json = hf_config_dict(model_cfg, dtype)  # validates before anything is written
     np_dtype = NP_DTYPES[dtype]
-    flat = _flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    flat = flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     plan = _hf_plan(model_cfg, flat)
 
     def nbytes(path: tuple[str, ...]) -> int:

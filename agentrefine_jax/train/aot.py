@@ -125,7 +125,7 @@ def compile_train_step(cfg: Any, sl: Slice, num_slices: int = 1) -> dict[str, An
     def abstract(tree: Any, shardings: Any) -> Any:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
-    from agentrefine_jax.train.step import BATCH_KEYS
+    from agentrefine_jax.data.packing import BATCH_KEYS
 
     batch_shape = (cfg.train.global_batch_size, cfg.data.max_length)
     batch = {k: jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=fns.batch_sharding) for k in BATCH_KEYS}

@@ -7,8 +7,10 @@ a bad command line or config, exit 1 when training itself stops on an error.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
+from agentrefine_jax import logs
 from agentrefine_jax.cli_errors import OneLineParser, fail
 
 TOOL = "train"
@@ -49,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     aot.add_argument("--topology", help="Cloud TPU slice for --compile-only, e.g. v5p-64")
     aot.add_argument("--num-slices", type=int, default=1, help="slices joined over DCN (data axis)")
     aot.add_argument("--json", action="store_true", help="--compile-only report as JSON")
+    logs.add_flags(p)
     return p
 
 
@@ -74,6 +77,7 @@ def _check_distributed(args: argparse.Namespace) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logs.setup(TOOL, args)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from agentrefine_jax.train import aot
 
@@ -95,11 +99,16 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
     init_distributed(args)
+    import jax
+
+    from agentrefine_jax.checkpoint import CheckpointSaveError
     from agentrefine_jax.train.loop import TrainingError, train
 
+    if jax.process_index() != 0:  # one voice per run: the other hosts report only problems
+        logging.getLogger(logs.ROOT).setLevel(logging.WARNING)
     try:
         train(cfg)
-    except TrainingError as e:
+    except (TrainingError, CheckpointSaveError) as e:
         fail(TOOL, e)
         return 1
     return 0

@@ -18,14 +18,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from agentrefine_jax import sharding as shd
-from agentrefine_jax.checkpoint import abstract_params
+from agentrefine_jax.checkpoint import abstract_params, param_shardings
+from agentrefine_jax.data.packing import BATCH_KEYS
 from agentrefine_jax.models import Transformer
 from agentrefine_jax.models.config import ModelConfig
 from agentrefine_jax.train.loss import chunked_cross_entropy, resolve_loss_impl, target_weights
 
 Params = dict[str, Any]
 Batch = dict[str, jax.Array]
-BATCH_KEYS = ("input_ids", "loss_mask", "segment_ids", "positions")
 
 
 @dataclasses.dataclass
@@ -41,11 +41,6 @@ class StepFns:
     init_opt: Callable[[Params], Any]
     train: Callable[[Params, Any, Batch], tuple[Params, Any, dict[str, jax.Array]]]
     evaluate: Callable[[Params, Batch], tuple[jax.Array, jax.Array]]
-
-
-def param_shardings(model_cfg: ModelConfig, mesh: Mesh, rules: shd.Rules) -> tuple[Any, Params]:
-    graphdef, state = abstract_params(model_cfg)
-    return graphdef, nnx.to_pure_dict(shd.state_shardings(state, mesh, rules))
 
 
 def loss_sums(
@@ -68,7 +63,8 @@ def build_steps(
     loss_chunk: int,
     loss_impl: str = "auto",
 ) -> StepFns:
-    graphdef, p_shard = param_shardings(model_cfg, mesh, rules)
+    graphdef, abs_state = abstract_params(model_cfg)
+    p_shard = param_shardings(abs_state, mesh, rules)
     micro = micro_batch or global_batch
     if global_batch % micro:
         raise ValueError(f"train.global_batch_size={global_batch} not divisible by micro_batch_size={micro}")

@@ -1,0 +1,201 @@
+"""Everything a training run does besides stepping, one small hook each.
+
+The loop (`train/loop.py`) calls, per step:
+  `on_metrics(step, m)` with step k's metrics as host floats, one step late (nanodo's trick:
+      the host reads step k while the device runs step k+1, so it never stalls the device);
+  `after_step(state)` with the newest params (checkpointing, evaluation). A hook that needs
+      step k's metrics to be checked first says so with `wants(k)`, and the loop reads them
+      before calling it: no checkpoint is written for a step whose loss was never looked at;
+  `at_end(state)` once, after the last step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+
+from agentrefine_jax.checkpoint import TrainCheckpoints, make_meta
+from agentrefine_jax.config import Config
+from agentrefine_jax.train.metrics import MetricsWriter, format_eta
+from agentrefine_jax.train.run_dir import TrainingError
+
+log = logging.getLogger("agentrefine_jax.train")
+
+
+@dataclasses.dataclass
+class RunState:
+    step: int
+    total_steps: int
+    start_step: int
+    params: Any
+    opt_state: Any
+
+
+class Hook:
+    def wants(self, step: int) -> bool:
+        return False
+
+    def on_metrics(self, step: int, m: Mapping[str, float]) -> None:
+        pass
+
+    def after_step(self, state: RunState) -> None:
+        pass
+
+    def at_end(self, state: RunState) -> None:
+        pass
+
+
+def check_step(m: Mapping[str, float], step: int) -> None:
+    """Both faults were already kept out of the params inside the jitted step; here they stop the run."""
+    if m["loss_tokens"] <= 0:
+        raise TrainingError(
+            f"step {step}: the global batch carries no loss tokens (every assistant turn masked?). "
+            f"Check data.loss_on and `python -m agentrefine_jax.data stats`. The update was not applied."
+        )
+    if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
+        raise TrainingError(
+            f"step {step}: non-finite loss {m['loss']} / grad norm {m['grad_norm']}; the update was not "
+            f"applied and the run stopped."
+        )
+
+
+class MetricsLog(Hook):
+    """Checks every step's metrics, writes a row every `log_every` steps (and the last), with
+    throughput, MFU and ETA; keeps the logged losses for the run's summary."""
+
+    def __init__(
+        self,
+        writer: MetricsWriter,
+        schedule: Callable[[int], Any],
+        *,
+        log_every: int,
+        total_steps: int,
+        start_step: int,
+        flops_per_step: float,
+        peak_flops: float | None,
+        last_good: Callable[[], str],
+    ) -> None:
+        self.writer, self.schedule, self.last_good = writer, schedule, last_good
+        self.log_every, self.total_steps, self.start_step = log_every, total_steps, start_step
+        self.flops_per_step, self.peak = flops_per_step, peak_flops
+        self.losses: list[float] = []
+        self.t_start = self.t_last = time.perf_counter()
+        self.tokens_since, self.steps_since = 0.0, 0
+
+    def on_metrics(self, step: int, m: Mapping[str, float]) -> None:
+        self.steps_since += 1
+        try:
+            check_step(m, step)
+        except TrainingError as e:
+            e = TrainingError(f"{e} {self.last_good()}")
+            self.writer.write({"step": step, **m, "error": str(e)})
+            raise e from None
+        self.tokens_since += m["tokens"]
+        if step % self.log_every and step != self.total_steps:
+            return
+        now = time.perf_counter()
+        dt = max(now - self.t_last, 1e-9)
+        tps = self.tokens_since / dt
+        mfu = (
+            (self.flops_per_step * self.steps_since / dt / (self.peak * jax.device_count()))
+            if self.peak
+            else None
+        )
+        row = {
+            "step": step,
+            "loss": m["loss"],
+            "lr": float(self.schedule(step - 1)),
+            "grad_norm": m["grad_norm"],
+            "tokens": int(m["tokens"]),
+            "loss_tokens": int(m["loss_tokens"]),
+            "tokens_per_sec": tps,
+            "mfu": mfu,
+        }
+        self.losses.append(m["loss"])
+        self.writer.write(row)
+        eta = (now - self.t_start) / max(step - self.start_step, 1) * (self.total_steps - step)
+        log.info(
+            f"step {step}/{self.total_steps}  loss {m['loss']:.4f}  lr {row['lr']:.3g}  "
+            f"gnorm {m['grad_norm']:.3f}  loss_tok {row['loss_tokens']}  {tps:,.0f} tok/s  "
+            f"mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}  eta {format_eta(eta)}"
+        )
+        self.t_last, self.tokens_since, self.steps_since = now, 0.0, 0
+
+
+class Evaluate(Hook):
+    """Held-out loss every `every` steps."""
+
+    def __init__(self, every: int, run_eval: Callable[[Any], float], writer: MetricsWriter) -> None:
+        self.every, self.run_eval, self.writer = every, run_eval, writer
+
+    def wants(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def after_step(self, state: RunState) -> None:
+        if self.wants(state.step):
+            eval_loss = self.run_eval(state.params)
+            self.writer.write({"step": state.step, "eval_loss": eval_loss})
+            log.info(f"step {state.step}  eval_loss {eval_loss:.4f}")
+
+
+class Checkpointing(Hook):
+    """Saves every `every` steps, at each epoch's end when asked, on request (preemption) and
+    after the last step; the meta item carries the run facts readers need (`facts`)."""
+
+    def __init__(
+        self,
+        ckpts: TrainCheckpoints,
+        cfg: Config,
+        facts: dict[str, Any],
+        *,
+        every: int,
+        steps_per_epoch: int,
+        start_step: int,
+    ) -> None:
+        self.ckpts, self.cfg, self.facts = ckpts, cfg, facts
+        self.every, self.steps_per_epoch = every, steps_per_epoch
+        self.last_saved = start_step
+
+    def wants(self, step: int) -> bool:
+        epoch_end = self.cfg.train.keep_epoch_checkpoints and step % self.steps_per_epoch == 0
+        return bool(self.every and step % self.every == 0) or epoch_end
+
+    def after_step(self, state: RunState) -> None:
+        if self.wants(state.step):
+            self.save(state)
+
+    def save(self, state: RunState) -> None:
+        if self.last_saved == state.step:
+            return
+        spe = self.steps_per_epoch
+        extra = {**self.facts, "epoch": state.step // spe if spe and state.step % spe == 0 else None}
+        meta = make_meta(
+            self.cfg.model,
+            step=state.step,
+            tokenizer=self.cfg.data.tokenizer,
+            template=self.cfg.data.template,
+            config=self.cfg,
+            extra=extra,
+        )
+        self.ckpts.save(state.step, state.params, state.opt_state, meta)
+        self.last_saved = state.step
+
+    def at_end(self, state: RunState) -> None:
+        self.save(state)
+        self.ckpts.finish()
+
+
+class ExportAtEnd(Hook):
+    """`train.export_hf_at_end`: a Hugging Face directory of the final weights."""
+
+    def __init__(self, export: Callable[[Any, int], None]) -> None:
+        self.export = export
+
+    def at_end(self, state: RunState) -> None:
+        self.export(state.params, state.step)

@@ -1,0 +1,94 @@
+"""A training run directory: its layout, and the checks that make resuming it honest.
+
+`root` may be a URL (gs://...): it is never turned into a local path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any
+
+from etils import epath
+
+from agentrefine_jax.checkpoint import RUN_CHECKPOINTS_SUBDIR, as_path
+from agentrefine_jax.config import Config, to_dict
+from agentrefine_jax.train.optimizer import horizon_matters
+
+log = logging.getLogger(__name__)
+
+# Sections of the config that must not change when a run resumes.
+_FROZEN_ON_RESUME = ("model", "data", "optim")
+_FROZEN_TRAIN_KEYS = ("global_batch_size", "micro_batch_size", "seed", "init_from_hf", "loss_chunk_size")
+
+
+class TrainingError(RuntimeError):
+    """A run stopped for a reason the user must act on (NaN, no loss tokens, bad config)."""
+
+
+@dataclasses.dataclass
+class RunPaths:
+    root: epath.Path
+
+    def __post_init__(self) -> None:
+        self.root = as_path(self.root)
+
+    @property
+    def checkpoints(self) -> epath.Path:
+        return self.root / RUN_CHECKPOINTS_SUBDIR
+
+    @property
+    def rejected(self) -> epath.Path:
+        """Where checkpoints that fail verification are moved (kept for inspection, out of Orbax's way)."""
+        return self.root / "checkpoints_rejected"
+
+    @property
+    def metrics(self) -> epath.Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def config(self) -> epath.Path:
+        return self.root / "config.json"
+
+    @property
+    def tensorboard(self) -> epath.Path:
+        return self.root / "tensorboard"
+
+    def write_config(self, cfg: Config) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.config.write_text(json.dumps(to_dict(cfg), indent=2))
+
+
+def check_resume_config(paths: RunPaths, cfg: Config) -> None:
+    """Refuse to resume a run under a different model/data/optimizer configuration."""
+    if not paths.config.exists():
+        return
+    old = json.loads(paths.config.read_text())
+    new = json.loads(json.dumps(to_dict(cfg)))
+    diffs = [k for k in _FROZEN_ON_RESUME if old.get(k) != new.get(k)]
+    diffs += [f"train.{k}" for k in _FROZEN_TRAIN_KEYS if old.get("train", {}).get(k) != new["train"].get(k)]
+    if diffs:
+        raise TrainingError(
+            f"{paths.root} holds a run with a different configuration ({', '.join(diffs)} changed); "
+            "resuming would silently mix two runs. Use a new train.run_dir or restore the original settings."
+        )
+
+
+def check_schedule(paths: RunPaths, meta: dict[str, Any], total_steps: int, cfg: Config) -> None:
+    """The LR schedule is part of the optimizer state's meaning: a new horizon must be asked for
+    (only where it changes the learning rate: cosine, not constant)."""
+    old = meta.get("schedule_steps")
+    if old is None or int(old) == total_steps or not horizon_matters(cfg.optim):
+        return
+    if not cfg.train.allow_schedule_change:
+        raise TrainingError(
+            f"{paths.root} was trained on a {old}-step learning-rate schedule, this run's schedule has "
+            f"{total_steps} steps (train.max_steps / train.num_epochs changed); resuming would change "
+            f"the learning rate mid-run. Restore the original settings, or set "
+            f"train.allow_schedule_change=true to continue on the {total_steps}-step schedule."
+        )
+    log.info(
+        f"NOTE: schedule horizon changed from {old} to {total_steps} steps "
+        f"(train.allow_schedule_change=true); the learning rate follows the new schedule from here"
+    )
