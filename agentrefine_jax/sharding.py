@@ -34,6 +34,30 @@ _CONTEXT: contextvars.ContextVar[ShardingContext | None] = contextvars.ContextVa
 )
 
 
+def parse_mesh_sizes(text: str) -> dict[str, int]:
+    """`fsdp=64,tensor=4` -> {"fsdp": 64, "tensor": 4}; the one parser behind every `--mesh` flag.
+
+    Sizes must be positive or -1 ("the remaining devices"); ValueError names the bad part.
+    """
+    sizes: dict[str, int] = {}
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "=" not in part:
+            raise ValueError(f"--mesh expects axis=size pairs like fsdp=64,tensor=4; got {part!r}")
+        name, value = (x.strip() for x in part.split("=", 1))
+        if name not in MESH_AXES:
+            raise ValueError(f"--mesh: unknown axis {name!r}; choose from {MESH_AXES}")
+        try:
+            sizes[name] = int(value)
+        except ValueError:
+            raise ValueError(f"--mesh: {name}={value!r} is not an integer") from None
+        if sizes[name] == 0 or sizes[name] < -1:
+            raise ValueError(f"--mesh: {name}={sizes[name]}: sizes must be positive (or -1 for 'the rest')")
+    return sizes
+
+
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
     """A (data, fsdp, tensor) mesh; one axis may be -1 to take the remaining devices."""
     devices = list(jax.devices() if devices is None else devices)

@@ -71,8 +71,8 @@ def compile_row(config: str, slice_name: str, overrides: tuple[str, ...], attent
 
 def replan(row: dict) -> dict:
     """Refresh a reused row's planner figures (the compiler's do not depend on the planner)."""
-    from agentrefine_jax import plan as planner
     from agentrefine_jax.config import load_config
+    from agentrefine_jax.train import planner
     from agentrefine_jax.train.topology import get_slice
 
     sets = [

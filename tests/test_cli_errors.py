@@ -101,7 +101,7 @@ def test_print_config_validates():
     ],
 )
 def test_every_cli_answers_a_bad_argument_with_one_line(tool, args, needle, capsys):
-    main = importlib.import_module(f"agentrefine_jax.{tool if tool == 'plan' else tool + '.cli'}").main
+    main = importlib.import_module(f"agentrefine_jax.{tool}.cli").main
     try:
         code = main(args)
     except SystemExit as e:  # argparse's usage errors

@@ -57,7 +57,7 @@ def test_llama_round_trip_sharded_float32(hf_dirs, llama_ckpt, tmp_path, capsys)
         ]
     )
     assert rc == 0
-    log = capsys.readouterr().out
+    log = capsys.readouterr().err  # progress goes to stderr
     assert "wrote model-00001-of-" in log
 
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -95,7 +95,7 @@ def test_mistral_round_trip_bfloat16_with_tokenizer(hf_dirs, tmp_path, capsys) -
     ck = tmp_path / "ck"
     args = ["from-hf", "--hf", str(src), "--out", str(ck), "--tokenizer", "mistral", "--template", "mistral"]
     assert main(args) == 0
-    progress = capsys.readouterr().out
+    progress = capsys.readouterr().err
     assert "[30/30] model.norm.weight -> final_norm" in progress
     _, _, meta = ckpt.load_model(ck)
     assert meta["tokenizer"] == "mistral" and meta["template"] == "mistral"
@@ -122,7 +122,7 @@ def test_mistral_round_trip_bfloat16_with_tokenizer(hf_dirs, tmp_path, capsys) -
 
     capsys.readouterr()
     assert main(["verify", "--checkpoint", str(ck), "--hf", str(out), "--seq-lens", VERIFY_LENS]) == 0
-    assert "rounding checkpoint weights to bfloat16" in capsys.readouterr().out
+    assert "rounding checkpoint weights to bfloat16" in capsys.readouterr().err
 
 
 def test_default_flags_round_trip_is_exact(hf_dirs, llama_ckpt, tmp_path, capsys) -> None:
@@ -133,7 +133,7 @@ def test_default_flags_round_trip_is_exact(hf_dirs, llama_ckpt, tmp_path, capsys
     out = tmp_path / "hf"
     capsys.readouterr()
     assert main(["to-hf", "--checkpoint", str(llama_ckpt), "--out", str(out)]) == 0
-    assert "--dtype auto: float32, the dtype it was imported from" in capsys.readouterr().out
+    assert "--dtype auto: float32, the dtype it was imported from" in capsys.readouterr().err
 
     def tensors(d: pathlib.Path) -> dict[str, np.ndarray]:
         return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
@@ -166,7 +166,8 @@ def test_verify_rejects_a_corrupted_layer(hf_dirs, llama_ckpt, tmp_path, capsys)
 
     # Architecturally different HF model: refused before any comparison.
     rc = main(["verify", "--checkpoint", str(llama_ckpt), "--hf", str(hf_dirs["mistral"])])
-    assert rc == 1 and "family: checkpoint 'llama' vs HF 'mistral'" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert rc == 1 and "family: checkpoint 'llama' vs HF 'mistral'" in captured.out + captured.err
 
 
 def test_cli_process_refuses_pickle_weights(tmp_path) -> None:

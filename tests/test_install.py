@@ -55,8 +55,8 @@ def test_wheel_install_resolves_shipped_configs(tmp_path: pathlib.Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     elsewhere = tmp_path / "elsewhere"  # not the checkout: nothing resolves through the cwd
     elsewhere.mkdir()
-    res = subprocess.run(
-        [str(python), "-m", "agentrefine_jax.train", "--config", "llama3_8b", "--print-config"],
+    res = subprocess.run(  # the console script the wheel installs, as a TPU worker image would run it
+        [str(python.parent / "agentrefine-train"), "--config", "llama3_8b", "--print-config"],
         cwd=elsewhere,
         env=env,
         capture_output=True,

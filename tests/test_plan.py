@@ -14,10 +14,11 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from agentrefine_jax import plan as P
 from agentrefine_jax import sharding as shd
 from agentrefine_jax.config import load_config
+from agentrefine_jax.plan import cli as plan_cli
 from agentrefine_jax.train import flops
+from agentrefine_jax.train import planner as P
 
 # Hugging Face model cards / safetensors index totals.
 PUBLISHED = {"llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496, "mistral_7b": 7_248_023_552}
@@ -208,10 +209,10 @@ def test_cli_json_and_errors() -> None:
 
 
 def test_cli_errors_are_clear(capsys: pytest.CaptureFixture[str]) -> None:
-    assert P.main(["--config", "llama3_70b", "--chip", "v5p"]) == 2
+    assert plan_cli.main(["--config", "llama3_70b", "--chip", "v5p"]) == 2
     assert "mesh axis 'fsdp' is -1" in capsys.readouterr().err
-    assert P.main(["--config", "no_such_config", "--mesh", "fsdp=8"]) == 2
+    assert plan_cli.main(["--config", "no_such_config", "--mesh", "fsdp=8"]) == 2
     assert "no config 'no_such_config'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        P.main(["--config", "llama3_8b", "--mesh", "fsdp=8", "--chip", "h100"])
+        plan_cli.main(["--config", "llama3_8b", "--mesh", "fsdp=8", "--chip", "h100"])
     assert "invalid choice: 'h100'" in capsys.readouterr().err

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from agentrefine_jax import logs
 from agentrefine_jax.cli_errors import OneLineParser, fail
 from agentrefine_jax.config import Config, DataConfig, validate
 from agentrefine_jax.data.examples import prepare_messages
@@ -89,8 +91,7 @@ def _config(args: argparse.Namespace, pack: bool) -> DataConfig:
     return cfg
 
 
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+log = logging.getLogger("agentrefine_jax.data")
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
@@ -118,8 +119,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
                 rec.update({k: v.tolist() for k, v in arrays.items()})
                 f.write(json.dumps(rec) + "\n")
                 n += 1
-    _log(local.report.summary())
-    _log(f"wrote {n} {'examples' if args.no_pack else 'packed rows'} to {args.out}")
+    log.info(local.report.summary())
+    log.info(f"wrote {n} {'examples' if args.no_pack else 'packed rows'} to {args.out}")
     return 0
 
 
@@ -242,11 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--row", type=int, default=0, help="record index (0-based, over all inputs)")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     p.set_defaults(fn=cmd_show)
+    for command in sub.choices.values():
+        logs.add_flags(command)
     return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logs.setup("data", args)
     try:
         return int(args.fn(args))
     except (ValueError, FileNotFoundError, TypeError) as e:

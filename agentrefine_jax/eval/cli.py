@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import os
 import shutil
-import sys
 import tempfile
 
-from agentrefine_jax.cli_errors import OneLineParser
+from agentrefine_jax import logs
+from agentrefine_jax.cli_errors import OneLineParser, fail
 from agentrefine_jax.eval.policies import (
     DEFAULT_STOP,
     CheckpointPolicy,
@@ -123,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-style chat` writes; agentboard = AgentBoard's single user message with the history",
     )
     p.add_argument("--out", help="write the results JSON (metrics + per-episode transcripts) here")
-    p.add_argument("--quiet", action="store_true", help="no per-episode progress lines")
+    logs.add_flags(p)  # -q: no per-episode progress lines
     return p
 
 
@@ -190,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     config.validate()
     if args.policy is None and args.best_of > 1:
         _sampling(args)  # fail before loading a model
-    log = (lambda _msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    log = logging.getLogger("agentrefine_jax.eval").info
     policy = make_policy(args)
     if own_workdir:
         config.workdir = workdir = tempfile.mkdtemp(prefix="agentrefine-eval-")
@@ -207,18 +208,14 @@ def run(args: argparse.Namespace) -> int:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(doc, f, ensure_ascii=False, indent=1)
         os.replace(tmp, args.out)
-        print(
-            f"[eval] wrote {args.out} ({len(doc['episodes'])} episode transcripts)",
-            file=sys.stderr,
-            flush=True,
-        )
+        log(f"wrote {args.out} ({len(doc['episodes'])} episode transcripts)")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logs.setup("eval", args)
     try:
         return run(args)
     except (ValueError, FileNotFoundError, ImportError) as e:
-        print(f"[eval] error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return fail("eval", e)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import logging
 import random
-import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -29,6 +29,8 @@ from agentrefine_jax.layout import (
     first_user_turn,
     observation_turn,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -118,7 +120,7 @@ def _finish(run: _Running, termination: str, error: str | None = None) -> Episod
     try:
         env.close()
     except Exception as e:  # noqa: BLE001 - a failing close must not lose the episode's result
-        print(f"[eval] warning: closing {run.job.name} env failed: {e}", file=sys.stderr)
+        log.warning(f"warning: closing {run.job.name} env failed: {e}")
     return EpisodeResult(
         task=run.job.name,
         variant=variant_name(run.job.perturbation),
@@ -207,10 +209,7 @@ def run_episodes(
                 done(idx, _finish(run, "context_overflow", str(reply)))
                 continue
             if isinstance(reply, PolicyError):
-                print(
-                    f"[eval] {run.job.name} episode {run.job.episode}: policy error: {reply}",
-                    file=sys.stderr,
-                )
+                log.warning(f"{run.job.name} episode {run.job.episode}: policy error: {reply}")
                 done(idx, _finish(run, "error", str(reply)))
                 continue
             termination = _advance(run, reply)
@@ -241,11 +240,8 @@ def _advance(run: _Running, reply: str) -> str | None:
             entry.update(
                 valid=False, executed=False, error=f"environment step failed: {type(e).__name__}: {e}"
             )
-            print(
-                f"[eval] {run.job.name} episode {run.job.episode}: {entry['error']}\n"
-                f"{traceback.format_exc(limit=3)}",
-                file=sys.stderr,
-            )
+            log.warning(f"{run.job.name} episode {run.job.episode}: {entry['error']}")
+            log.debug(traceback.format_exc(limit=3))
             run.trace.append(entry)
             return "error"
         observation = result.observation

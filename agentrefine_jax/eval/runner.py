@@ -152,7 +152,7 @@ def _run_task(
     task.prepare(specs)
     n_pert = min(config.num_perturbations, task.num_perturbations) if config.perturb else 0
     if config.perturb and n_pert < config.num_perturbations:
-        log(f"[eval] {name}: only {task.num_perturbations} perturbations defined; running {n_pert}")
+        log(f"{name}: only {task.num_perturbations} perturbations defined; running {n_pert}")
     jobs = [
         EpisodeJob(
             name, task, spec, i, p, k, max_steps, job_seed(config.seed, name, p, i, k), config.prompt_style
@@ -162,20 +162,20 @@ def _run_task(
         for k in range(config.best_of)
     ]
     log(
-        f"[eval] {name}: {len(specs)} episodes x {n_pert + 1} variant(s) x {config.best_of} sample(s), "
+        f"{name}: {len(specs)} episodes x {n_pert + 1} variant(s) x {config.best_of} sample(s), "
         f"max {max_steps} steps, policy {policy.name}"
     )
 
     def report(r: EpisodeResult) -> None:
         extra = f" ({r.error})" if r.error else ""
         log(
-            f"[eval] {r.task} {r.variant} episode {r.episode} sample {r.sample}: "
+            f"{r.task} {r.variant} episode {r.episode} sample {r.sample}: "
             f"success={int(r.success)} progress={r.progress:.2f} steps={r.steps} end={r.termination}{extra}"
         )
 
     t0 = time.perf_counter()
     results = run_episodes(jobs, policy, batch_size=config.batch_size, on_result=report)
-    log(f"[eval] {name}: {len(results)} runs in {time.perf_counter() - t0:.1f}s")
+    log(f"{name}: {len(results)} runs in {time.perf_counter() - t0:.1f}s")
     return results
 
 

@@ -8,36 +8,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 
+from agentrefine_jax import logs
 from agentrefine_jax.cli_errors import OneLineParser, fail
 from agentrefine_jax.models.llama import param_count
 
-
-def _log(msg: str) -> None:
-    print(msg, flush=True)
+log = logging.getLogger("agentrefine_jax.export")
 
 
 def parse_mesh(text: str) -> Any:
     """'auto' (fsdp over all devices when there are several), 'none', or 'data=1,fsdp=-1,tensor=2'."""
-    from agentrefine_jax.sharding import make_mesh
+    from agentrefine_jax.sharding import make_mesh, parse_mesh_sizes
 
     if text == "none":
         return None
     if text == "auto":
         return make_mesh(data=1, fsdp=-1, tensor=1) if jax.device_count() > 1 else None
-    sizes: dict[str, int] = {}
-    for part in text.split(","):
-        key, _, value = part.partition("=")
-        if key.strip() not in ("data", "fsdp", "tensor") or not value.strip().lstrip("-").isdigit():
-            raise ValueError(
-                f"--mesh: expected 'auto', 'none' or e.g. 'data=1,fsdp=-1,tensor=2', got {text!r}"
-            )
-        sizes[key.strip()] = int(value)
+    try:
+        sizes = parse_mesh_sizes(text)
+    except ValueError:
+        raise ValueError(
+            f"--mesh: expected 'auto', 'none' or e.g. 'data=1,fsdp=-1,tensor=2', got {text!r}"
+        ) from None
     return make_mesh(**sizes)
 
 
@@ -56,7 +54,7 @@ def cmd_from_hf(args: argparse.Namespace) -> int:
         raise FileExistsError(f"{args.out} already holds checkpoint steps {out_steps}; choose a new dir")
     mesh = parse_mesh(args.mesh)
     cfg = read_hf_config(args.hf, param_dtype=args.param_dtype)
-    _log(
+    log.info(
         f"reading {args.hf}: {cfg.family}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
         f"heads {cfg.num_heads}/{cfg.num_kv_heads} kv, vocab {cfg.vocab_size}, rope theta {cfg.rope_theta:g}"
         f"{', llama3 scaling' if cfg.rope_scaling else ''}"
@@ -67,12 +65,12 @@ def cmd_from_hf(args: argparse.Namespace) -> int:
     hf = pathlib.Path(args.hf)
     if tokenizer is None and ((hf / "tokenizer.json").exists() or (hf / "tokenizer_config.json").exists()):
         tokenizer = str(hf.resolve())
-        _log(f"note: recording the tokenizer in {tokenizer} (override with --tokenizer NAME)")
+        log.info(f"note: recording the tokenizer in {tokenizer} (override with --tokenizer NAME)")
     t0 = time.time()
     cfg, model = load_hf_model(
-        args.hf, mesh=mesh, param_dtype=args.param_dtype, log=None if args.quiet else _log
+        args.hf, mesh=mesh, param_dtype=args.param_dtype, log=log.info
     )
-    _log(
+    log.info(
         f"loaded {param_count(model):,} parameters in {time.time() - t0:.1f}s; writing checkpoint {args.out}"
     )
     source_dtype = hf_storage_dtype(args.hf)
@@ -85,7 +83,7 @@ def cmd_from_hf(args: argparse.Namespace) -> int:
         template=args.template,
         extra={"source_dtype": source_dtype},
     )
-    _log(f"done: {step_dir}")
+    log.info(f"done: {step_dir}")
     return 0
 
 
@@ -98,7 +96,7 @@ def cmd_to_hf(args: argparse.Namespace) -> int:
     mesh = parse_mesh(args.mesh)
     max_shard = parse_size(args.max_shard_size)
     root, step = resolve_checkpoint(args.checkpoint)
-    _log(f"loading checkpoint {root} step {step} on {_describe_mesh(mesh)}")
+    log.info(f"loading checkpoint {root} step {step} on {_describe_mesh(mesh)}")
     cfg, model, meta = load_model(args.checkpoint, mesh=mesh)
     tokenizer = args.tokenizer or meta.get("tokenizer")
     dtype = resolve_export_dtype(
@@ -106,10 +104,10 @@ def cmd_to_hf(args: argparse.Namespace) -> int:
     )
     if args.dtype == "auto":
         why = "the dtype it was imported from" if meta.get("source_dtype") else "the parameter dtype"
-        _log(f"--dtype auto: {dtype}, {why}")
-    _log(f"writing {param_count(model):,} parameters as {dtype} to {args.out}")
-    write_hf(model, cfg, args.out, dtype=dtype, max_shard_bytes=max_shard, tokenizer=tokenizer, log=_log)
-    _log(f"done: {args.out}")
+        log.info(f"--dtype auto: {dtype}, {why}")
+    log.info(f"writing {param_count(model):,} parameters as {dtype} to {args.out}")
+    write_hf(model, cfg, args.out, dtype=dtype, max_shard_bytes=max_shard, tokenizer=tokenizer, log=log.info)
+    log.info(f"done: {args.out}")
     return 0
 
 
@@ -118,7 +116,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     seq_lens = [int(x) for x in args.seq_lens.split(",") if x.strip()]
     mesh = parse_mesh(args.mesh)
-    _log(f"verifying {args.checkpoint} against {args.hf} ({args.dtype} compute, lengths {seq_lens})")
+    log.info(f"verifying {args.checkpoint} against {args.hf} ({args.dtype} compute, lengths {seq_lens})")
     result = verify(
         args.checkpoint,
         args.hf,
@@ -128,9 +126,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         seq_lens=seq_lens,
         seed=args.seed,
         mesh=mesh,
-        log=_log,
+        log=log.info,
     )
-    _log(summary(result))
+    print(summary(result), flush=True)
     if args.json:
         print(json.dumps(result_dict(result)))
     return 0 if result.passed else 1
@@ -152,20 +150,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     ck_dir, hf_dir = out / "checkpoint", out / "hf"
     check_output_dir(hf_dir)
     cfg = preset(args.preset)
-    _log(
+    log.info(
         f"[1/4] creating the {args.preset!r} model "
         f"({cfg.num_layers} layers, hidden {cfg.hidden_size}), seed {args.seed}"
     )
     model = nnx.jit(lambda: llama.create(cfg, args.seed))()
     tokenizer = "mistral" if cfg.family == "mistral" else "llama3"
-    _log(f"      {param_count(model):,} parameters; saving project checkpoint {ck_dir}")
+    log.info(f"      {param_count(model):,} parameters; saving project checkpoint {ck_dir}")
     save_model(ck_dir, model, cfg, step=0, tokenizer=tokenizer, template=tokenizer)
-    _log(f"[2/4] exporting to Hugging Face format (float32) in {hf_dir}")
-    save_hf(model, cfg, hf_dir, dtype="float32", tokenizer=tokenizer, log=_log)
-    _log("[3/4] verifying our forward pass against transformers on the export")
-    result = verify(ck_dir, hf_dir, seq_lens=(16, 128), log=_log)
-    _log(summary(result))
-    _log("[4/4] importing the export back and comparing every parameter bit for bit")
+    log.info(f"[2/4] exporting to Hugging Face format (float32) in {hf_dir}")
+    save_hf(model, cfg, hf_dir, dtype="float32", tokenizer=tokenizer, log=log.info)
+    log.info("[3/4] verifying our forward pass against transformers on the export")
+    result = verify(ck_dir, hf_dir, seq_lens=(16, 128), log=log.info)
+    print(summary(result), flush=True)
+    log.info("[4/4] importing the export back and comparing every parameter bit for bit")
     _, back = load_hf_model(hf_dir)
     mine = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     theirs = nnx.to_pure_dict(nnx.state(back, nnx.Param))
@@ -173,7 +171,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         np.array_equal(np.asarray(a), np.asarray(b))
         for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs), strict=True)
     )
-    _log("round trip: parameters identical" if same else "round trip: PARAMETERS DIFFER")
+    print("round trip: parameters identical" if same else "round trip: PARAMETERS DIFFER", flush=True)
     return 0 if result.passed and same else 1
 
 
@@ -183,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Convert Hugging Face Llama/Mistral checkpoints to and from project checkpoints; verify.",
     )
     sub = p.add_subparsers(dest="command", required=True)
+    # Every subcommand takes -q/--quiet and -v/--verbose (added below, once all exist).
     mesh_help = "device mesh: auto (fsdp over all devices if several), none, or data=1,fsdp=-1,tensor=2"
 
     a = sub.add_parser("from-hf", help="HF safetensors checkpoint -> project checkpoint (Orbax)")
@@ -192,7 +191,6 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--template", help="chat template name to record (e.g. llama3, mistral)")
     a.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     a.add_argument("--mesh", default="auto", help=mesh_help)
-    a.add_argument("--quiet", action="store_true", help="no per-tensor progress lines")
     a.set_defaults(func=cmd_from_hf)
 
     b = sub.add_parser("to-hf", help="project checkpoint -> HF safetensors directory")
@@ -230,11 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--preset", default="tiny", help="model preset (default: tiny, CPU-sized)")
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_demo)
+    for command in sub.choices.values():
+        logs.add_flags(command)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logs.setup("export", args)
     try:
         return args.func(args)
     except (FileNotFoundError, FileExistsError, ValueError, KeyError) as e:

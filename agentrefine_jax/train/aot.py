@@ -186,7 +186,7 @@ def _result(
 
 def check(cfg: Any, slice_name: str, num_slices: int = 1, name: str = "") -> dict[str, Any]:
     """Compile for the slice and put the planner's estimate for the same mesh beside it."""
-    from agentrefine_jax import plan as planner
+    from agentrefine_jax.train import planner
     from agentrefine_jax.train.topology import get_slice
 
     sl = get_slice(slice_name)

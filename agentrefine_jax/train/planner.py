@@ -1,6 +1,7 @@
 """Memory / FLOP planner for a training config on a TPU mesh that need not exist here.
 
     python -m agentrefine_jax.plan --config llama3_8b --mesh fsdp=32 --chip v5p [--json]
+    (the CLI is agentrefine_jax/plan/cli.py; this module is the model behind it)
 
 Nothing here is a closed-form formula that could drift from the model:
 - parameters, their dtypes and logical axes come from `jax.eval_shape` of the real model;
@@ -16,18 +17,13 @@ term is listed in `activation_breakdown` and documented in docs/scale.md.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import sys
 from collections.abc import Sequence
 from typing import Any
 
-from agentrefine_jax.cli_errors import OneLineParser, fail
+from agentrefine_jax.sharding import MESH_AXES, parse_mesh_sizes
 from agentrefine_jax.train.topology import HBM_BYTES, GiB
-
-MESH_AXES = ("data", "fsdp", "tensor")
 
 
 class PlanError(ValueError):
@@ -45,19 +41,10 @@ def parse_mesh(text: str | None, default: dict[str, int], devices: int | None = 
     """
     sizes = dict(default)
     if text:
-        for part in text.split(","):
-            part = part.strip()
-            if not part:
-                continue
-            if "=" not in part:
-                raise PlanError(f"--mesh expects axis=size pairs like fsdp=64,tensor=4; got {part!r}")
-            name, value = (s.strip() for s in part.split("=", 1))
-            if name not in MESH_AXES:
-                raise PlanError(f"--mesh: unknown axis {name!r}; choose from {MESH_AXES}")
-            try:
-                sizes[name] = int(value)
-            except ValueError:
-                raise PlanError(f"--mesh: {name}={value!r} is not an integer") from None
+        try:
+            sizes.update(parse_mesh_sizes(text))
+        except ValueError as e:
+            raise PlanError(str(e)) from None
     bad = {k: v for k, v in sizes.items() if v == 0 or v < -1}
     if bad:
         raise PlanError(f"--mesh: sizes must be positive (or -1 for 'the rest'), got {bad}")
@@ -549,98 +536,3 @@ def format_plan(p: dict[str, Any], name: str = "") -> str:
     ]
     lines += [f"  note: {n}" for n in p["notes"]]
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------- CLI
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = OneLineParser(
-        prog="python -m agentrefine_jax.plan",
-        description="Per-device memory, FLOPs and step time of a training config on a TPU mesh.",
-    )
-    ap.add_argument("--config", required=True, help="config file or name in configs/ (e.g. llama3_8b)")
-    ap.add_argument(
-        "--mesh",
-        help="mesh axis sizes, e.g. fsdp=64 or fsdp=32,tensor=4,data=2 (unnamed axes keep the config's)",
-    )
-    ap.add_argument("--devices", type=int, help="total devices (chips); resolves a -1 mesh axis")
-    ap.add_argument("--chip", default="v5p", choices=sorted(HBM_BYTES))
-    ap.add_argument("--global-batch", type=int, help="default: train.global_batch_size")
-    ap.add_argument("--micro-batch", type=int, help="default: train.micro_batch_size (or the global batch)")
-    ap.add_argument("--seq-len", type=int, help="default: data.max_length")
-    ap.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the step time")
-    ap.add_argument(
-        "--headroom",
-        type=float,
-        default=0.1,
-        help="fraction of HBM kept free for the runtime and unmodelled temporaries (default 0.1)",
-    )
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument(
-        "--topology",
-        help="Cloud TPU slice (v5p-64, v5e-256, v6e-64, v4-32, ...): sets --chip and --devices",
-    )
-    ap.add_argument(
-        "--compile",
-        action="store_true",
-        help="with --topology: compile the real train step with the XLA TPU compiler (libtpu; no TPU "
-        "needed) and print its per-device memory beside the plan",
-    )
-    ap.add_argument("--num-slices", type=int, default=1, help="with --compile: slices joined over DCN")
-    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
-    ap.add_argument("--leaves", action="store_true", help="with --json: include every parameter's shard")
-    return ap
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    import os
-
-    from agentrefine_jax.train import aot
-    from agentrefine_jax.train.topology import UnknownTopology, get_slice
-
-    if args.compile:
-        return aot.run(args.config, args.overrides, args.topology, args.num_slices, args.json)
-    chip, devices = args.chip, args.devices
-    if args.topology:
-        try:
-            sl = get_slice(args.topology)
-        except UnknownTopology as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        chip, devices = sl.chip.name, sl.chips
-    # Planning only traces shapes; keep it off accelerators and quiet.
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    aot.prepare_tpu_env()
-    from agentrefine_jax.config import load_config
-
-    try:
-        cfg = load_config(args.config, args.overrides)
-        default = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
-        mesh = parse_mesh(args.mesh, default, devices)
-        result = plan(
-            cfg,
-            mesh,
-            chip,
-            global_batch=args.global_batch,
-            micro_batch=args.micro_batch,
-            seq_len=args.seq_len,
-            mfu=args.mfu,
-            headroom=args.headroom,
-            name=args.config,
-        )
-    except (PlanError, FileNotFoundError, KeyError, ValueError, TypeError) as e:
-        return fail("plan", e)
-    if args.json:
-        if not args.leaves:
-            result.pop("param_leaves")
-        print(json.dumps(result, indent=2))
-    else:
-        print(format_plan(result, args.config))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
-import sys
 
 from agentrefine_jax.eval.agentboard.checkout import Checkout
 from agentrefine_jax.eval.agentboard.protocol import DEFAULT_MAX_STEPS
@@ -33,7 +33,7 @@ def run_agentboard(args: argparse.Namespace) -> int:
     )
     config.validate()
     checkout = Checkout(args.agentboard_dir)
-    log = (lambda _msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    log = logging.getLogger("agentrefine_jax.eval").info
     model = None
     if args.checkpoint:
         from agentrefine_jax.eval.agentboard.runner import checkpoint_model
@@ -69,5 +69,5 @@ def run_agentboard(args: argparse.Namespace) -> int:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(doc, f, ensure_ascii=False, indent=1)
         os.replace(tmp, args.out)
-        print(f"[eval] wrote {args.out} ({len(doc['episodes'])} episodes)", file=sys.stderr, flush=True)
+        logging.getLogger("agentrefine_jax.eval").info(f"wrote {args.out} ({len(doc['episodes'])} episodes)")
     return 0

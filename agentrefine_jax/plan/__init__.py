@@ -1,0 +1,1 @@
+"""The training planner's CLI; the planner itself is `agentrefine_jax.train.planner`."""
