@@ -179,3 +179,18 @@ def test_cli_and_training_share_the_max_skip_fraction_default(tmp_path, capsys):
     assert cli.main(["stats", "-i", path, "--template", "mistral"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "max_skip_fraction=0.5" in err[0]
+
+
+def test_training_on_unusable_data_stops_with_one_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    path = _write_jsonl(tmp_path / "bad.jsonl", ["{not json", DEEP])
+    cmd = [sys.executable, "-m", "agentrefine_jax.train", "--config", "demo"]
+    cmd += ["--set", f"data.train_files={path}", "--set", f"train.run_dir={tmp_path / 'run'}"]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode != 0 and "Traceback" not in out.stdout + out.stderr
+    errors = [line for line in out.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no usable train examples: 2 of 2 records skipped" in errors[0]

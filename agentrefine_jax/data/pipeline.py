@@ -119,13 +119,15 @@ def _examples(
     return concat_stores(stores)
 
 
+_HINT = "check data.format / data.field_map (all skips: python -m agentrefine_jax.data stats)"
+
+
 def _check_skips(cfg: DataConfig, report: DataReport, what: str) -> None:
     if report.records_in_shard and report.examples == 0:
-        raise DataError(f"no usable {what} examples: {report.one_line()}; check data.format / data.field_map")
+        raise DataError(f"no usable {what} examples: {report.one_line()}; {_HINT}")
     if report.records_in_shard and report.skipped_total > cfg.max_skip_fraction * report.records_in_shard:
         raise DataError(
-            f"{what}: {report.one_line()}: more than data.max_skip_fraction={cfg.max_skip_fraction}; "
-            "check data.format / data.field_map"
+            f"{what}: {report.one_line()}: more than data.max_skip_fraction={cfg.max_skip_fraction}; {_HINT}"
         )
 
 

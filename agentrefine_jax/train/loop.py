@@ -149,7 +149,7 @@ def run_steps(
 
 def train(cfg: Config) -> dict[str, Any]:
     """Run (or resume) training; returns a summary with the final step and losses."""
-    from agentrefine_jax.data.pipeline import make_pipeline, process_batch_rows
+    from agentrefine_jax.data.pipeline import DataError, make_pipeline, process_batch_rows
 
     tc = cfg.train
     paths = RunPaths(tc.run_dir)
@@ -163,13 +163,16 @@ def train(cfg: Config) -> dict[str, Any]:
     check_resume_config(paths, cfg)
     # Each process materialises exactly the rows of the global batch its devices hold.
     batch_rows = process_batch_rows(shd.batch_sharding(mesh, cfg.mesh.rules), tc.global_batch_size)
-    pipeline = make_pipeline(
-        cfg.data,
-        split="train",
-        global_batch_size=tc.global_batch_size,
-        num_epochs=tc.num_epochs,
-        batch_rows=batch_rows,
-    )
+    try:
+        pipeline = make_pipeline(
+            cfg.data,
+            split="train",
+            global_batch_size=tc.global_batch_size,
+            num_epochs=tc.num_epochs,
+            batch_rows=batch_rows,
+        )
+    except DataError as e:  # unusable data: the one-line reason, not a traceback
+        raise TrainingError(str(e)) from None
     log.info(pipeline.report.summary())
     if pipeline.steps_per_epoch < 1:
         raise TrainingError(
