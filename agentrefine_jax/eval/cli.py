@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--agentboard-dir", help="an AgentBoard checkout with its data in DIR/data")
     p.add_argument(
+        "--all-checkpoints",
+        action="store_true",
+        help="AgentBoard protocol, with --checkpoint RUN_DIR: evaluate every kept checkpoint, report each "
+        "table and the best (held-out unweighted mean success, then progress)",
+    )
+    p.add_argument(
         "--context-length",
         type=int,
         help="AgentBoard protocol: the model's context in tokens (history is truncated to fit it; default: "
@@ -164,8 +170,10 @@ def run(args: argparse.Namespace) -> int:
         from agentrefine_jax.eval.agentboard.cli import run_agentboard
 
         return run_agentboard(args)
-    if args.agentboard_dir or args.context_length or args.log_dir:
-        raise ValueError("--agentboard-dir/--context-length/--log-dir need --protocol agentboard")
+    if args.agentboard_dir or args.context_length or args.log_dir or args.all_checkpoints:
+        raise ValueError(
+            "--agentboard-dir/--context-length/--log-dir/--all-checkpoints need --protocol agentboard"
+        )
     for module in args.plugin:
         importlib.import_module(module)
     tasks = tuple(t.strip() for t in (args.tasks or ",".join(TASK_NAMES)).split(",") if t.strip())

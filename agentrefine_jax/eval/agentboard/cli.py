@@ -34,6 +34,27 @@ def run_agentboard(args: argparse.Namespace) -> int:
     config.validate()
     checkout = Checkout(args.agentboard_dir)
     log = (lambda _msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if args.all_checkpoints and not args.checkpoint:
+        raise ValueError("--all-checkpoints needs --checkpoint RUN_DIR")
+    if args.checkpoint and args.all_checkpoints:
+        from agentrefine_jax.eval.agentboard.runner import (
+            checkpoint_model,
+            format_run_table,
+            kept_checkpoints,
+            run_checkpoints,
+        )
+
+        steps = kept_checkpoints(args.checkpoint)
+        doc = run_checkpoints(
+            checkout,
+            config,
+            steps,
+            lambda path: checkpoint_model(path, args.template, args.context_length),
+            log=log,
+        )
+        print(format_run_table(doc), flush=True)
+        _write(args.out, doc, sum(len(r["result"]["episodes"]) for r in doc["checkpoints"]))
+        return 0
     model = None
     if args.checkpoint:
         from agentrefine_jax.eval.agentboard.runner import checkpoint_model
@@ -63,11 +84,16 @@ def run_agentboard(args: argparse.Namespace) -> int:
         if model is not None:
             model.close()
     print(format_table(doc), flush=True)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        tmp = args.out + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(doc, f, ensure_ascii=False, indent=1)
-        os.replace(tmp, args.out)
-        print(f"[eval] wrote {args.out} ({len(doc['episodes'])} episodes)", file=sys.stderr, flush=True)
+    _write(args.out, doc, len(doc["episodes"]))
     return 0
+
+
+def _write(out: str | None, doc: dict, episodes: int) -> None:
+    if not out:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    tmp = out + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, ensure_ascii=False, indent=1)
+    os.replace(tmp, out)
+    print(f"[eval] wrote {out} ({episodes} episodes)", file=sys.stderr, flush=True)

@@ -399,3 +399,74 @@ def format_table(doc: dict[str, Any]) -> str:
     for note in doc.get("checkout_notes", []):
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------- run directories
+
+
+def kept_checkpoints(path: str) -> list[tuple[int, str]]:
+    """(step, step dir) of every finished checkpoint of a training run dir or checkpoint root, ascending."""
+    from agentrefine_jax.checkpoint import RUN_CHECKPOINTS_SUBDIR, as_path, checkpoint_steps
+
+    p = as_path(path)
+    root = p / RUN_CHECKPOINTS_SUBDIR if (p / RUN_CHECKPOINTS_SUBDIR).is_dir() else p
+    steps = checkpoint_steps(root)
+    if not steps:
+        raise ValueError(f"{path}: no finished checkpoint (expected a run dir with checkpoints/ or a root)")
+    return [(s, str(root / str(s))) for s in steps]
+
+
+def selection_score(doc: dict[str, Any]) -> tuple[float, float]:
+    """What "best checkpoint" maximises: the held-out unweighted mean success (then progress) when all four
+    held-out tasks ran, else the unweighted mean over the tasks that ran."""
+    held = doc.get("held_out", {})
+    if "unweighted_mean" in held:
+        u = held["unweighted_mean"]
+        return (u["success_rate"], u["progress_rate"])
+    tasks = list(doc["tasks"].values())
+    return (
+        sum(t["success_rate"] for t in tasks) / len(tasks),
+        sum(t["progress_rate"] for t in tasks) / len(tasks),
+    )
+
+
+def run_checkpoints(
+    checkout: Checkout,
+    config: RunConfig,
+    checkpoints: Sequence[tuple[int, str]],
+    make_model: Callable[[str], ModelBackend],
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Evaluate each kept checkpoint (the paper reports the epoch with the best average) and pick the best."""
+    results = []
+    for step, path in checkpoints:
+        log(f"[agentboard] checkpoint step {step}: {path}")
+        model = make_model(path)
+        try:
+            step_cfg = dataclasses.replace(
+                config, log_dir=os.path.join(config.log_dir, f"step_{step}") if config.log_dir else None
+            )
+            doc = run(checkout, step_cfg, model=model, log=log)
+        finally:
+            model.close()
+        results.append({"step": step, "checkpoint": path, "score": list(selection_score(doc)), "result": doc})
+    best = max(results, key=lambda r: (tuple(r["score"]), -r["step"]))  # ties: the earlier checkpoint
+    return {
+        "protocol": "agentboard",
+        "selection": "held-out unweighted mean success, then progress (mean of the tasks run if not all 4)",
+        "best_step": best["step"],
+        "best_checkpoint": best["checkpoint"],
+        "checkpoints": results,
+    }
+
+
+def format_run_table(doc: dict[str, Any]) -> str:
+    parts = []
+    for r in doc["checkpoints"]:
+        mark = "  <- best" if r["step"] == doc["best_step"] else ""
+        parts.append(f"== step {r['step']}: score {r['score'][0]:.3f}/{r['score'][1]:.3f}{mark}")
+        parts.append(format_table(r["result"]))
+    parts.append(
+        f"best checkpoint: step {doc['best_step']} ({doc['best_checkpoint']}); by {doc['selection']}"
+    )
+    return "\n".join(parts)
