@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--agentboard-dir", help="an AgentBoard checkout with its data in DIR/data")
     p.add_argument(
+        "--all-checkpoints",
+        action="store_true",
+        help="AgentBoard protocol, with --checkpoint RUN_DIR: evaluate every kept checkpoint, report each "
+        "table and the best (held-out unweighted mean success, then progress)",
+    )
+    p.add_argument(
         "--context-length",
         type=int,
         help="AgentBoard protocol: the model's context in tokens (history is truncated to fit it; default: "
@@ -86,7 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--best-of", type=int, default=1, help="samples per episode; success if any succeeds")
     p.add_argument("--perturb", action="store_true", help="also run reworded-action variants (robustness)")
-    p.add_argument("--num-perturbations", type=int, default=3)
+    p.add_argument(
+        "--num-perturbations",
+        type=int,
+        help="reworded variants with --perturb (default 3; AgentBoard protocol: ALFWorld's 5)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--max-steps",
@@ -166,8 +176,10 @@ def run(args: argparse.Namespace) -> int:
         from agentrefine_jax.eval.agentboard.cli import run_agentboard
 
         return run_agentboard(args)
-    if args.agentboard_dir or args.context_length or args.log_dir:
-        raise ValueError("--agentboard-dir/--context-length/--log-dir need --protocol agentboard")
+    if args.agentboard_dir or args.context_length or args.log_dir or args.all_checkpoints:
+        raise ValueError(
+            "--agentboard-dir/--context-length/--log-dir/--all-checkpoints need --protocol agentboard"
+        )
     for module in args.plugin:
         importlib.import_module(module)
     tasks = tuple(t.strip() for t in (args.tasks or ",".join(TASK_NAMES)).split(",") if t.strip())
@@ -180,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
         episodes=10 if args.episodes is None else args.episodes,
         best_of=args.best_of,
         perturb=args.perturb,
-        num_perturbations=args.num_perturbations,
+        num_perturbations=3 if args.num_perturbations is None else args.num_perturbations,
         seed=args.seed,
         max_steps=args.max_steps,
         batch_size=batch_size,

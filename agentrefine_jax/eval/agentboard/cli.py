@@ -12,7 +12,7 @@ from agentrefine_jax.eval.agentboard.protocol import DEFAULT_MAX_STEPS
 from agentrefine_jax.eval.agentboard.runner import TASKS, RunConfig, format_table, run
 
 # Options of our harness that AgentBoard's protocol fixes (greedy, 100 tokens, one sample, no rewording).
-_NOT_HERE = ("best_of", "perturb", "temperature", "plugin")
+_NOT_HERE = ("best_of", "temperature", "plugin")
 
 
 def run_agentboard(args: argparse.Namespace) -> int:
@@ -30,10 +30,34 @@ def run_agentboard(args: argparse.Namespace) -> int:
         seed=args.seed,
         log_dir=args.log_dir,
         limit=args.episodes,
+        perturbations=(5 if args.num_perturbations is None else args.num_perturbations)
+        if args.perturb
+        else 0,
     )
     config.validate()
     checkout = Checkout(args.agentboard_dir)
     log = logging.getLogger("agentrefine_jax.eval").info
+    if args.all_checkpoints and not args.checkpoint:
+        raise ValueError("--all-checkpoints needs --checkpoint RUN_DIR")
+    if args.checkpoint and args.all_checkpoints:
+        from agentrefine_jax.eval.agentboard.runner import (
+            checkpoint_model,
+            format_run_table,
+            kept_checkpoints,
+            run_checkpoints,
+        )
+
+        steps = kept_checkpoints(args.checkpoint)
+        doc = run_checkpoints(
+            checkout,
+            config,
+            steps,
+            lambda path: checkpoint_model(path, args.template, args.context_length),
+            log=log,
+        )
+        print(format_run_table(doc), flush=True)
+        _write(args.out, doc, sum(len(r["result"]["episodes"]) for r in doc["checkpoints"]))
+        return 0
     model = None
     if args.checkpoint:
         from agentrefine_jax.eval.agentboard.runner import checkpoint_model
@@ -63,11 +87,16 @@ def run_agentboard(args: argparse.Namespace) -> int:
         if model is not None:
             model.close()
     print(format_table(doc), flush=True)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        tmp = args.out + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(doc, f, ensure_ascii=False, indent=1)
-        os.replace(tmp, args.out)
-        logging.getLogger("agentrefine_jax.eval").info(f"wrote {args.out} ({len(doc['episodes'])} episodes)")
+    _write(args.out, doc, len(doc["episodes"]))
     return 0
+
+
+def _write(out: str | None, doc: dict, episodes: int) -> None:
+    if not out:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    tmp = out + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, ensure_ascii=False, indent=1)
+    os.replace(tmp, out)
+    logging.getLogger("agentrefine_jax.eval").info(f"wrote {out} ({episodes} episodes)")

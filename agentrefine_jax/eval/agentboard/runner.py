@@ -278,6 +278,7 @@ class RunConfig:
     seed: int = 0
     log_dir: str | None = None
     limit: int | None = None  # first N episodes per task (smoke runs; a full run leaves it None)
+    perturbations: int = 0  # ALFWorld reworded-action variants to run beside the original (Table 3: 5)
 
     def validate(self) -> None:
         if not self.tasks:
@@ -290,7 +291,13 @@ class RunConfig:
         if self.batch_size < 1:
             raise ValueError("--batch-size must be >= 1")
         if self.limit is not None and self.limit < 1:
-            raise ValueError("--limit must be >= 1")
+            raise ValueError("--episodes must be >= 1")
+        if self.perturbations < 0:
+            raise ValueError("--num-perturbations must be >= 0")
+        if self.perturbations and "alfworld" not in self.tasks:
+            raise ValueError(
+                "AgentBoard perturbations (reworded actions, Table 3) are defined for alfworld only"
+            )
 
 
 def run(
@@ -359,11 +366,54 @@ def run(
         doc["episodes"] += [episode_record(x) for x in logs]
         if writer is not None:
             writer.task(task.name, metrics)
+        if config.perturbations and task.name == "alfworld":
+            doc.setdefault("perturbation", {})[task.name] = _perturbed(
+                task, checkout, specs, agent, config, metrics, log
+            )
     notes = [n for t in tasks for n in getattr(t, "notes", [])]
     if notes:
         doc["checkout_notes"] = notes
     doc["held_out"] = held_out_summary(doc["tasks"])
     return doc
+
+
+def _perturbed(
+    task: Any,
+    checkout: Checkout,
+    specs: Sequence[Any],
+    agent: Agent,
+    config: RunConfig,
+    original: dict[str, Any],
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """The task's episodes again under each reworded-action variant; Table 3's original/mean/std layout."""
+    from agentrefine_jax.eval.agentboard import perturb
+    from agentrefine_jax.eval.agentboard.protocol import PromptSet
+
+    variants = []
+    for k in range(1, config.perturbations + 1):
+        rw = perturb.rewording(k)
+
+        def reword(ps: PromptSet, rw: Any = rw) -> PromptSet:
+            instruction, examples = perturb.reword_prompt(rw, ps.instruction, ps.examples)
+            return PromptSet(instruction, examples, ps.system_msg)
+
+        log(f"[agentboard] {task.name}: perturbation {k} ({rw.name})")
+        logs = run_episodes(
+            task,
+            checkout,
+            specs,
+            agent,
+            max_steps=config.max_steps,
+            batch_size=config.batch_size,
+            wrap_env=lambda env, rw=rw: perturb.RewordedEnv(env, rw),
+            reword_prompt=reword,
+        )
+        variants.append({"index": k, "name": rw.name} | task_metrics(logs))
+    out: dict[str, Any] = {"variants": variants}
+    for m in ("success_rate", "progress_rate"):
+        out[m] = perturb.summary(original[m], [v[m] for v in variants])
+    return out
 
 
 def _oracle_for(task: Any, env: Any, spec: Any) -> Any:
@@ -396,6 +446,84 @@ def format_table(doc: dict[str, Any]) -> str:
             f"held-out episode-weighted mean (112/90/60/20, NOT AgentBoard's): "
             f"success {_pct(w['success_rate'])} progress {_pct(w['progress_rate'])}"
         )
+    for name, p in doc.get("perturbation", {}).items():
+        for m in ("success_rate", "progress_rate"):
+            r = p[m]
+            lines.append(
+                f"{name} {m} under reworded actions: original {_pct(r['original'])}, "
+                f"{len(r['perturbations'])} variants mean {_pct(r['mean'])} ± {100 * r['std']:.1f}"
+            )
     for note in doc.get("checkout_notes", []):
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------- run directories
+
+
+def kept_checkpoints(path: str) -> list[tuple[int, str]]:
+    """(step, step dir) of every finished checkpoint of a training run dir or checkpoint root, ascending."""
+    from agentrefine_jax.checkpoint import RUN_CHECKPOINTS_SUBDIR, as_path, checkpoint_steps
+
+    p = as_path(path)
+    root = p / RUN_CHECKPOINTS_SUBDIR if (p / RUN_CHECKPOINTS_SUBDIR).is_dir() else p
+    steps = checkpoint_steps(root)
+    if not steps:
+        raise ValueError(f"{path}: no finished checkpoint (expected a run dir with checkpoints/ or a root)")
+    return [(s, str(root / str(s))) for s in steps]
+
+
+def selection_score(doc: dict[str, Any]) -> tuple[float, float]:
+    """What "best checkpoint" maximises: the held-out unweighted mean success (then progress) when all four
+    held-out tasks ran, else the unweighted mean over the tasks that ran."""
+    held = doc.get("held_out", {})
+    if "unweighted_mean" in held:
+        u = held["unweighted_mean"]
+        return (u["success_rate"], u["progress_rate"])
+    tasks = list(doc["tasks"].values())
+    return (
+        sum(t["success_rate"] for t in tasks) / len(tasks),
+        sum(t["progress_rate"] for t in tasks) / len(tasks),
+    )
+
+
+def run_checkpoints(
+    checkout: Checkout,
+    config: RunConfig,
+    checkpoints: Sequence[tuple[int, str]],
+    make_model: Callable[[str], ModelBackend],
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Evaluate each kept checkpoint (the paper reports the epoch with the best average) and pick the best."""
+    results = []
+    for step, path in checkpoints:
+        log(f"[agentboard] checkpoint step {step}: {path}")
+        model = make_model(path)
+        try:
+            step_cfg = dataclasses.replace(
+                config, log_dir=os.path.join(config.log_dir, f"step_{step}") if config.log_dir else None
+            )
+            doc = run(checkout, step_cfg, model=model, log=log)
+        finally:
+            model.close()
+        results.append({"step": step, "checkpoint": path, "score": list(selection_score(doc)), "result": doc})
+    best = max(results, key=lambda r: (tuple(r["score"]), -r["step"]))  # ties: the earlier checkpoint
+    return {
+        "protocol": "agentboard",
+        "selection": "held-out unweighted mean success, then progress (mean of the tasks run if not all 4)",
+        "best_step": best["step"],
+        "best_checkpoint": best["checkpoint"],
+        "checkpoints": results,
+    }
+
+
+def format_run_table(doc: dict[str, Any]) -> str:
+    parts = []
+    for r in doc["checkpoints"]:
+        mark = "  <- best" if r["step"] == doc["best_step"] else ""
+        parts.append(f"== step {r['step']}: score {r['score'][0]:.3f}/{r['score'][1]:.3f}{mark}")
+        parts.append(format_table(r["result"]))
+    parts.append(
+        f"best checkpoint: step {doc['best_step']} ({doc['best_checkpoint']}); by {doc['selection']}"
+    )
+    return "\n".join(parts)
