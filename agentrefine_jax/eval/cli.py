@@ -3,6 +3,8 @@
 python -m agentrefine_jax.eval --policy oracle --tasks babyai,pddl --episodes 5 --out oracle.json
 python -m agentrefine_jax.eval --base-url http://127.0.0.1:8000/v1 --model demo --episodes 20 --out r.json
 python -m agentrefine_jax.eval --checkpoint runs/demo --episodes 20 --best-of 4 --perturb --out r.json
+python -m agentrefine_jax.eval --protocol agentboard --agentboard-dir ~/AgentBoard --tasks pddl \
+    --policy oracle --max-steps 200 --out pddl_oracle.json
 """
 
 from __future__ import annotations
@@ -46,16 +48,55 @@ def build_parser() -> argparse.ArgumentParser:
         default="OPENAI_API_KEY",
         help="environment variable holding the API key for --base-url (never logged)",
     )
-    p.add_argument("--template", help="chat template for --checkpoint (default: the checkpoint's)")
     p.add_argument(
-        "--tasks", default=",".join(TASK_NAMES), help=f"comma-separated subset of {','.join(TASK_NAMES)}"
+        "--template",
+        help="chat template for --checkpoint (default: the checkpoint's); with --protocol agentboard and "
+        "--base-url, the template (llama3|mistral) that counts prompt tokens for history truncation",
     )
-    p.add_argument("--episodes", type=int, default=10, help="episodes per task (default 10)")
+    p.add_argument(
+        "--protocol",
+        choices=("ours", "agentboard"),
+        default="ours",
+        help="ours: this project's offline tasks; agentboard: AgentBoard's protocol on --agentboard-dir",
+    )
+    p.add_argument("--agentboard-dir", help="an AgentBoard checkout with its data in DIR/data")
+    p.add_argument(
+        "--all-checkpoints",
+        action="store_true",
+        help="AgentBoard protocol, with --checkpoint RUN_DIR: evaluate every kept checkpoint, report each "
+        "table and the best (held-out unweighted mean success, then progress)",
+    )
+    p.add_argument(
+        "--context-length",
+        type=int,
+        help="AgentBoard protocol: the model's context in tokens (history is truncated to fit it; default: "
+        "the checkpoint's max_position_embeddings; required with --base-url)",
+    )
+    p.add_argument(
+        "--log-dir",
+        help="AgentBoard protocol: write AgentBoard-style logs here (logs/<task>.jsonl, <task>.txt, "
+        "all_results.txt)",
+    )
+    p.add_argument(
+        "--tasks",
+        help=f"comma-separated subset of {','.join(TASK_NAMES)} (AgentBoard protocol: of "
+        "alfworld,babyai,sciworld,pddl,jericho; default: all)",
+    )
+    p.add_argument(
+        "--episodes",
+        type=int,
+        help="episodes per task (default 10; AgentBoard protocol: the first N of AgentBoard's list, "
+        "default all)",
+    )
     p.add_argument("--best-of", type=int, default=1, help="samples per episode; success if any succeeds")
     p.add_argument("--perturb", action="store_true", help="also run reworded-action variants (robustness)")
     p.add_argument("--num-perturbations", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=int, help="steps per episode (default: 40 for every task)")
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        help="steps per episode (default: 40 for every task; AgentBoard protocol: 30)",
+    )
     p.add_argument(
         "--batch-size",
         type=int,
@@ -78,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="import MODULE first; it may call agentrefine_jax.eval.register_task (e.g. ALFWorld, Jericho)",
+    )
+    p.add_argument(
+        "--prompt-style",
+        choices=("chat", "agentboard"),
+        default="chat",
+        help="our harness's prompt layout (agentrefine_jax.layout): chat = multi-turn, as `synth convert "
+        "--prompt-style chat` writes; agentboard = AgentBoard's single user message with the history",
     )
     p.add_argument("--out", help="write the results JSON (metrics + per-episode transcripts) here")
     p.add_argument("--quiet", action="store_true", help="no per-episode progress lines")
@@ -118,16 +166,24 @@ def make_policy(args: argparse.Namespace) -> Policy:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.protocol == "agentboard":
+        from agentrefine_jax.eval.agentboard.cli import run_agentboard
+
+        return run_agentboard(args)
+    if args.agentboard_dir or args.context_length or args.log_dir or args.all_checkpoints:
+        raise ValueError(
+            "--agentboard-dir/--context-length/--log-dir/--all-checkpoints need --protocol agentboard"
+        )
     for module in args.plugin:
         importlib.import_module(module)
-    tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+    tasks = tuple(t.strip() for t in (args.tasks or ",".join(TASK_NAMES)).split(",") if t.strip())
     own_workdir = args.workdir is None
     # A placeholder until the arguments are known to be good, so a bad call leaves no temp dir behind.
     workdir = args.workdir or "<temporary>"
     batch_size = args.batch_size or (1 if args.policy else 8)
     config = EvalConfig(
         tasks=tasks,
-        episodes=args.episodes,
+        episodes=10 if args.episodes is None else args.episodes,
         best_of=args.best_of,
         perturb=args.perturb,
         num_perturbations=args.num_perturbations,
@@ -136,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=batch_size,
         workdir=workdir,
         task_options={"sciworld": {"simplification": args.sciworld_simplification}},
+        prompt_style=args.prompt_style,
     )
     config.validate()
     if args.policy is None and args.best_of > 1:

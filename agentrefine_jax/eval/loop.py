@@ -21,12 +21,13 @@ from typing import Any
 from agentrefine_jax.eval.envs.base import EvalTask, TextEnv
 from agentrefine_jax.eval.perturb import variant_name
 from agentrefine_jax.eval.policies import ActRequest, ContextOverflow, Policy, PolicyError
-from agentrefine_jax.eval.react import (
-    FORMAT_ERROR,
+from agentrefine_jax.eval.react import FORMAT_ERROR, parse_action
+from agentrefine_jax.layout import (
     SYSTEM_PROMPT,
-    build_first_user_message,
-    format_observation,
-    parse_action,
+    agentboard_messages,
+    check_style,
+    first_user_turn,
+    observation_turn,
 )
 
 
@@ -41,6 +42,8 @@ class EpisodeJob:
     sample: int
     max_steps: int
     seed: int
+    # agentrefine_jax.layout style of the prompts: "chat" (multi-turn) or "agentboard" (one user message).
+    prompt_style: str = "chat"
 
 
 @dataclasses.dataclass
@@ -82,6 +85,15 @@ class _Running:
         self.format_errors = 0
         self.trace: list[dict[str, Any]] = []
         self.t0 = time.perf_counter()
+        # agentboard style: the Observation/Action history the single user message is rebuilt from.
+        self.goal = ""
+        self.history: list[tuple[str, str]] = []
+
+    def request_messages(self) -> list[dict[str, str]]:
+        """What the policy sees: the transcript (chat style) or AgentBoard's single-message prompt."""
+        if self.job.prompt_style == "agentboard":
+            return agentboard_messages(SYSTEM_PROMPT, self.env.instruction, self.goal, self.history)
+        return self.messages
 
 
 def _start(job: EpisodeJob, needs_oracle: bool) -> _Running:
@@ -91,11 +103,14 @@ def _start(job: EpisodeJob, needs_oracle: bool) -> _Running:
     except BaseException:
         env.close()
         raise
+    check_style(job.prompt_style)
     messages = [
         {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": build_first_user_message(env.instruction, goal, obs)},
+        {"role": "user", "content": first_user_turn(env.instruction, goal, obs)},
     ]
-    return _Running(job, env, messages)
+    run = _Running(job, env, messages)
+    run.goal, run.history = goal, [("Observation", obs)]
+    return run
 
 
 def _finish(run: _Running, termination: str, error: str | None = None) -> EpisodeResult:
@@ -182,7 +197,9 @@ def run_episodes(
                 done(idx, _error_result(job, f"environment failed to start: {type(e).__name__}: {e}"))
         if not active:
             continue
-        requests = [ActRequest(run.messages, run.env, run.rng, run.job.seed, run.steps) for _, run in active]
+        requests = [
+            ActRequest(run.request_messages(), run.env, run.rng, run.job.seed, run.steps) for _, run in active
+        ]
         replies = _ask(policy, requests)
         still: list[tuple[int, _Running]] = []
         for (idx, run), reply in zip(active, replies, strict=True):
@@ -236,7 +253,8 @@ def _advance(run: _Running, reply: str) -> str | None:
         entry.update(valid=result.valid, executed=result.executed)
     entry.update(progress=round(run.env.best_progress, 4), success=run.env.success)
     run.trace.append(entry)
-    run.messages.append({"role": "user", "content": format_observation(observation)})
+    run.messages.append({"role": "user", "content": observation_turn(observation)})
+    run.history += [("Action", action if action is not None else reply.strip()), ("Observation", observation)]
     if run.env.success:
         return "success"
     if run.env.done:

@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import re
 
-CHECK_VALID_ACTIONS = "check valid actions"
+# The chat layout (system prompt, opening turn, observation turns) is owned by agentrefine_jax.layout.
+from agentrefine_jax.layout import CHECK_VALID_ACTIONS, SYSTEM_PROMPT
+from agentrefine_jax.layout import assistant_turn as format_response
+from agentrefine_jax.layout import first_user_turn as build_first_user_message
+from agentrefine_jax.layout import observation_turn as format_observation
 
-SYSTEM_PROMPT = (
-    "You are a helpful assistant that solves tasks by interacting with an environment. "
-    "At every turn, first think about what to do next, then choose exactly one action. "
-    "Always answer in this format:\n"
-    "Thought: <your reasoning>\n"
-    "Action: <one action>"
-)
+__all__ = [
+    "CHECK_VALID_ACTIONS",
+    "FORMAT_ERROR",
+    "SYSTEM_PROMPT",
+    "build_first_user_message",
+    "format_observation",
+    "format_response",
+    "parse_action",
+]
 
 FORMAT_ERROR = (
     "Error: your response could not be parsed. Reply with one line 'Thought: <your reasoning>' "
@@ -51,21 +57,3 @@ def parse_action(response: str) -> str | None:
         action = peeled
     action = " ".join(action.split())
     return action or None
-
-
-def format_response(thought: str, action: str) -> str:
-    return f"Thought: {thought}\nAction: {action}"
-
-
-def build_first_user_message(instruction: str, goal: str, observation: str) -> str:
-    """The opening user turn: environment rules and actions, the goal, the first observation."""
-    return (
-        f"{instruction.strip()}\n\n"
-        f'You can also use the action "{CHECK_VALID_ACTIONS}" to list the actions that are valid now.\n\n'
-        f"Your goal: {goal.strip()}\n\n"
-        f"Observation: {observation.strip()}"
-    )
-
-
-def format_observation(observation: str) -> str:
-    return f"Observation: {observation.strip()}"

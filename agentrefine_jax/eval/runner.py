@@ -14,6 +14,7 @@ from agentrefine_jax.eval.loop import EpisodeJob, EpisodeResult, job_seed, run_e
 from agentrefine_jax.eval.metrics import HELD_OUT, PAPER_WEIGHTS, summarize
 from agentrefine_jax.eval.perturb import variant_name
 from agentrefine_jax.eval.policies import Policy
+from agentrefine_jax.layout import check_style
 
 TASK_NAMES = ("babyai", "sciworld", "pddl", "textworld")
 
@@ -98,6 +99,8 @@ class EvalConfig:
     batch_size: int = 8
     workdir: str = ""
     task_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    # agentrefine_jax.layout style: "chat" (multi-turn) or "agentboard" (AgentBoard's single user message).
+    prompt_style: str = "chat"
 
     def validate(self) -> None:
         unknown = [t for t in self.tasks if t not in _REGISTRY]
@@ -114,6 +117,7 @@ class EvalConfig:
             raise ValueError("num_perturbations must be >= 1 with perturb")
         if not self.workdir:
             raise ValueError("workdir is required (tool caches and generated games go there)")
+        check_style(self.prompt_style)
 
 
 def run_eval(policy: Policy, config: EvalConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -150,7 +154,9 @@ def _run_task(
     if config.perturb and n_pert < config.num_perturbations:
         log(f"[eval] {name}: only {task.num_perturbations} perturbations defined; running {n_pert}")
     jobs = [
-        EpisodeJob(name, task, spec, i, p, k, max_steps, job_seed(config.seed, name, p, i, k))
+        EpisodeJob(
+            name, task, spec, i, p, k, max_steps, job_seed(config.seed, name, p, i, k), config.prompt_style
+        )
         for p in range(n_pert + 1)
         for i, spec in enumerate(specs)
         for k in range(config.best_of)

@@ -83,7 +83,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 def cmd_convert(a: argparse.Namespace) -> int:
     try:
-        summary = convert_file(a.input, a.out)
+        summary = convert_file(a.input, a.out, style=a.prompt_style)
     except (FileNotFoundError, UnicodeDecodeError) as e:
         _err(f"cannot read {a.input}: {e}")
         return 2
@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--input", required=True)
     c.add_argument("--out", required=True)
     c.add_argument("--summary", help="also write the drop summary as JSON here")
+    c.add_argument("--prompt-style", choices=("chat", "agentboard"), default="chat",
+                   help="agentrefine_jax.layout style: chat = one multi-turn conversation per trajectory "
+                   "(what `eval --prompt-style chat` sends); agentboard = one row per trained turn, its "
+                   "history in AgentBoard's single user message")
     c.set_defaults(func=cmd_convert)
     return p
 

@@ -5,7 +5,7 @@ available in it (with `{slot}` parameters).  Stage 2, trajectory generation: one
 both the Dungeon Master (the environment) and the Player (the agent) and writes the whole
 multi-turn interaction, with at least one erroneous Player action that the DM flags and the
 Player then refines.  A trajectory that fails Algorithm 1 is regenerated from its verified
-prefix with `continue_messages`.  `training_system_prompt` is what the fine-tuned agent sees.
+prefix with `continue_messages`.  `script_instruction` is what the tuned agent is told of its environment.
 """
 
 from __future__ import annotations
@@ -103,8 +103,11 @@ def continue_messages(
     return [{"role": "system", "content": TRAJECTORY_SYSTEM}, {"role": "user", "content": user}]
 
 
-def training_system_prompt(script: dict[str, Any]) -> str:
-    """System prompt of a converted training conversation: environment, task, actions."""
+def script_instruction(script: dict[str, Any]) -> str:
+    """The environment's instruction in a training conversation: its description and action list.
+
+    agentrefine_jax.layout places it (first user turn in `chat` style, the single user message in `agentboard`
+    style), exactly where the offline eval harness places each environment's own instruction."""
     descriptions: dict[str, str] = script.get("action_descriptions") or {}
     lines = []
     for item in script["available_actions"]:
@@ -115,13 +118,7 @@ def training_system_prompt(script: dict[str, Any]) -> str:
         lines.append(f"- {template}: {desc}" if desc else f"- {template}")
     actions = "\n".join(lines)
     return (
-        "You are an agent acting in an interactive environment.\n\n"
-        f"Environment:\n{script['environment']}\n\n"
-        f"Your task: {script['task']}\n\n"
+        f"{script['environment'].strip()}\n\n"
         "Available actions (replace every {parameter} with a concrete value):\n"
-        f"{actions}\n\n"
-        "At each step, answer in exactly this format:\n"
-        "Thought: <your reasoning>\n"
-        "Action: <one available action>\n"
-        "If the environment reports an error, use its feedback to correct your next action."
+        f"{actions}"
     )

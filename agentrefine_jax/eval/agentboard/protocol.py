@@ -22,10 +22,9 @@ from typing import Any, Protocol
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, Checkout, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import AgentBoardEnv, EpisodeSpec, StepResult
+from agentrefine_jax.layout import agentboard_head, history_lines
+from agentrefine_jax.layout import agentboard_user as user_prompt
 
-GOAL_PREFIX = "You should perform actions to accomplish the goal: "
-HELP_PREFIX = "You should use the following commands for help when your action cannot be understood: "
-EXAMPLES_HEADER = "\nHere are examples:\n"
 MEMORY_SIZE = 100  # CFG agent.memory_size
 MAX_NEW_TOKENS = 100  # CFG llm.<open model>.max_tokens
 DEFAULT_MAX_STEPS = 30  # CFG run.max_num_steps
@@ -101,24 +100,8 @@ def prompt_head(
     prompt: PromptSet, goal: str, check_actions: str | None, check_inventory: bool, need_goal: bool = True
 ) -> str:
     """Everything before the history: instruction, examples, goal and help lines (never truncated)."""
-    head = prompt.instruction
-    if prompt.examples:
-        head += EXAMPLES_HEADER + "".join(e + "\n" for e in prompt.examples)
-    if need_goal:
-        head += GOAL_PREFIX + goal + "\n"
-    if check_actions is not None:
-        head += HELP_PREFIX + check_actions + "\n"
-    if check_inventory:
-        head += HELP_PREFIX + "inventory\n"  # the word is fixed whatever CFG's value
-    return head
-
-
-def history_lines(memory: Sequence[tuple[str, str]]) -> list[str]:
-    return [f"{kind}: {text}" for kind, text in memory]
-
-
-def user_prompt(head: str, lines: Sequence[str]) -> str:
-    return head + "\n".join(lines) + "\nAction: "
+    p = prompt
+    return agentboard_head(p.instruction, p.examples, goal, check_actions, check_inventory, need_goal)
 
 
 class PromptTooLong(ValueError):
@@ -210,13 +193,16 @@ class OraclePolicy(Protocol):
 
 
 class RandomPolicy:
-    """Uniform choice among the actions valid now (help commands excluded); seeded per episode."""
+    """Uniform choice among the actions valid now (help commands excluded); seeded per episode.
+
+    A task whose help lists templates rather than actions (ScienceWorld) offers `candidate_actions()`."""
 
     def __init__(self, seed: int):
         self.rng = random.Random(seed)
 
     def act(self, env: AgentBoardEnv, history: list[tuple[str, str]]) -> str:
-        choices = [a for a in env.valid_actions() if "check" not in a.lower()] or env.valid_actions()
+        listing = getattr(env, "candidate_actions", env.valid_actions)()
+        choices = [a for a in listing if "check" not in a.lower()] or listing
         return self.rng.choice(choices) if choices else "check valid actions"
 
 
@@ -389,11 +375,14 @@ def run_episodes(
                 if agent.model is not None:
                     ep.prompt_set = load_prompt_set(checkout, task.prompt_file, task.examples_key(spec))
                 ep.start()
-                if agent.policy_for is not None:
-                    policy = agent.policy_for(task, env, spec)
             except CheckoutError:
                 env.close()
                 raise
+            if agent.policy_for is not None and not ep.finished:
+                try:
+                    policy = agent.policy_for(task, env, spec)
+                except (RuntimeError, OSError, ValueError) as e:  # e.g. the planner found no plan: reported
+                    ep.fail(f"policy_error: {e}")
             if ep.finished:
                 finish(i, ep)
             else:
