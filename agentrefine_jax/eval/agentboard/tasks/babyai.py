@@ -396,34 +396,40 @@ def _state_key(env: Any) -> tuple:
 class BotOracle:
     """minigrid's BabyAIBot driven through the macro-action interface.
 
-    Each turn the bot plans from the current state on a copy of the env (a fresh bot: it re-explores what a
-    copy does not remember) for up to `horizon` primitives; every listed macro is tried on a copy too, and
-    the one whose end state lies furthest along the bot's trajectory is taken. When no macro reproduces
-    even the bot's first primitive, the single-primitive macro for it is used (its `turn`/`move forward`/
-    `toggle`/`drop`/`pickup ... k`), and `check available actions` when none exists."""
+    One bot plays the whole episode on a private copy of the env kept in step with the real one. Each turn
+    the bot's plan is rolled out on a copy (up to `horizon` primitives); every listed macro is tried on a
+    copy too, and the one whose end state lies furthest along the rollout is taken; the bot is then advanced
+    to that point. When no macro reproduces even the bot's first primitive, `check available actions` is
+    answered (a wasted step, counted like any other)."""
 
-    def __init__(self, horizon: int = 96):
+    def __init__(self, horizon: int = 48):
         self.horizon = horizon
+        self.bot: Any = None
 
-    def act(self, env: BabyAIEnv, history: list[tuple[str, str]]) -> str:
+    def _copy(self, env: BabyAIEnv) -> tuple[Any, Any]:
         from minigrid.utils.baby_ai_bot import BabyAIBot
 
-        assert env.view is not None
         sim = copy.deepcopy(env.env)
-        bot = BabyAIBot(sim.unwrapped)
-        trajectory: dict[tuple, int] = {}
-        first = None
-        for t in range(self.horizon):
-            try:
-                primitive = int(bot.replan())
-            except Exception:  # noqa: BLE001 - the bot gives up on some states; keep what it planned
-                break
-            first = primitive if first is None else first
-            _, _, terminated, _, _ = sim.step(primitive)
-            trajectory[_state_key(sim)] = t + 1  # a revisited state counts at its latest visit
-            if terminated:
-                break
-        best, best_t = None, 0
+        if self.bot is None:
+            return sim, BabyAIBot(sim.unwrapped)
+        # deepcopy with the old env mapped to the new copy: every reference the bot holds moves over
+        return sim, copy.deepcopy(self.bot, {id(self.bot.mission): sim.unwrapped})
+
+    def act(self, env: BabyAIEnv, history: list[tuple[str, str]]) -> str:
+        assert env.view is not None
+        sim, bot = self._copy(env)
+        reached: dict[tuple, int] = {}
+        with contextlib.redirect_stdout(io.StringIO()):
+            for t in range(self.horizon):
+                try:
+                    primitive = int(bot.replan())
+                except Exception:  # noqa: BLE001 - the bot gives up on some states; keep what it planned
+                    break
+                _, _, terminated, _, _ = sim.step(primitive)
+                reached[_state_key(sim)] = t + 1  # a revisited state counts at its latest visit
+                if terminated:
+                    break
+        best, best_t = "check available actions", 0
         for name, primitives in env.view.actions.items():
             if not primitives:
                 continue
@@ -434,15 +440,15 @@ class BotOracle:
                 if np.array_equal(obs["image"], image):
                     break
                 image = obs["image"]
-            t = trajectory.get(_state_key(trial), 0)
+            t = reached.get(_state_key(trial), 0)
             if t > best_t:
                 best, best_t = name, t
-        if best is not None:
-            return best
-        for name, primitives in env.view.actions.items():
-            if primitives == [first]:
-                return name
-        return "check available actions"
+        sim, bot = self._copy(env)
+        with contextlib.redirect_stdout(io.StringIO()):
+            for _ in range(best_t):
+                sim.step(int(bot.replan()))
+        self.bot = bot
+        return best
 
 
 # ------------------------------------------------------------------------------------ the task
