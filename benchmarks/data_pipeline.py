@@ -11,6 +11,11 @@ Throughput is reported per core: the tokenizer's Rust thread pool is limited to 
 
 Packing efficiency = real tokens / token slots, for: packed rows, padding every example to
 max_length, and padding each random batch to its own longest example.
+
+Peer: the vendor's own chat encoder on the same conversations (Meta's llama-models ChatFormat,
+or mistral-common's instruct tokenizer), tokens only, no validation and no loss mask. Ours
+(prepare) and the vendor alternate over --rounds rounds (benchmarks/_paired.py); the printed
+ratio is the median of per-round tokens/s ratios with its min and max, beside the load seen.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ import json
 import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _paired  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--max-lengths", default="512,1024,2048,4096")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of ours vs the vendor encoder")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     os.environ["RAYON_RS_NUM_CPUS"] = str(args.threads)  # must precede the tokenizers import
@@ -65,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         "tokens/s/core",
         file=sys.stderr,
     )
+
+    results["vs_vendor_encoder"] = _paired_prepare(records, template, cfg, args)
 
     lengths = store.lengths
     results["length_percentiles"] = report.length_percentiles()
@@ -126,6 +137,86 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
     return 0
+
+
+def _vendor_encoder(template: str):
+    """messages -> token ids with the vendor's own library (the oracle of tests/test_data_templates)."""
+    if template == "llama3":
+        from llama_models.datatypes import RawMessage, StopReason
+        from llama_models.llama3.chat_format import ChatFormat
+        from llama_models.llama3.tokenizer import Tokenizer
+
+        cf = ChatFormat(Tokenizer.get_instance())
+        bos = cf.tokenizer.special_tokens["<|begin_of_text|>"]
+
+        def encode(messages: list[dict]) -> list[int]:
+            ids = [bos]
+            for m in messages:
+                msg = RawMessage(role=m["role"], content=m["content"], stop_reason=StopReason.end_of_turn)
+                ids += cf.encode_message(msg, None)[0]
+            return ids
+
+        return encode
+    from mistral_common.protocol.instruct.messages import AssistantMessage, UserMessage
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+    from mistral_common.protocol.instruct.validator import ValidationMode
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    from agentrefine_jax.data.tokenizers import mistral_v3_model_path
+
+    vendor = MistralTokenizer.from_file(str(mistral_v3_model_path()), mode=ValidationMode.finetuning)
+
+    def encode(messages: list[dict]) -> list[int]:
+        merged = [dict(m) for m in messages]
+        if merged[0]["role"] == "system":  # our placement: system text opens the first user turn
+            system = merged.pop(0)["content"]
+            merged[0]["content"] = system + "\n\n" + merged[0]["content"]
+        chat = [
+            UserMessage(content=m["content"])
+            if m["role"] == "user"
+            else AssistantMessage(content=m["content"])
+            for m in merged
+        ]
+        return vendor.encode_chat_completion(ChatCompletionRequest(messages=chat)).tokens
+
+    return encode
+
+
+def _paired_prepare(records, template, cfg, args) -> dict:
+    """Our prepare stage vs the vendor's chat encoder, alternating rounds, tokens/s each."""
+    from agentrefine_jax.data.examples import build_examples
+    from agentrefine_jax.data.report import DataReport
+    from agentrefine_jax.data.schema import normalize_row
+
+    encode = _vendor_encoder(args.template)
+    convs = [normalize_row(r, None, rid)["messages"] for rid, r in records]
+
+    def ours() -> float:
+        report = DataReport()
+        t = time.perf_counter()
+        build_examples(
+            records, template, loss_on=cfg.loss_on, max_length=8192, overlength="truncate", report=report
+        )
+        return report.tokens / (time.perf_counter() - t)
+
+    def vendor() -> float:
+        t = time.perf_counter()
+        n = sum(len(encode(m)) for m in convs)
+        return n / (time.perf_counter() - t)
+
+    res = _paired.measure(
+        {"ours": ours, "vendor": vendor},
+        "vendor",
+        rounds=args.rounds,
+        log=lambda m: print(m, file=sys.stderr, flush=True),
+    )
+    r, ld = res["ratio"]["ours"], res["load"]
+    print(
+        f"prepare vs vendor encoder ({args.template}): {r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}] "
+        f"over {res['rounds']} alternating rounds, load {ld['min']:.2f}-{ld['max']:.2f}",
+        file=sys.stderr,
+    )
+    return {"ratio": r, "rounds": res["rounds"], "load": ld, "tokens_per_s": res["throughput"]}
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ run identical weights on identical prompts. Both decode greedily for exactly
 --new-tokens tokens (no early stop). Decode tokens/s counts generated tokens after the
 first: ours from the engine's own prefill/decode timings, transformers' as
 batch * (N - 1) / (t(N new tokens) - t(1 new token)). Compilation is excluded (one
-warm-up run), and the best of --repeats runs is reported for each side.
+warm-up round); then the two stacks alternate over --rounds rounds (benchmarks/_paired.py)
+and the printed ratio is the median of the per-round ratios, with its min and max and the
+machine load seen.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ import tempfile
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _paired  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -37,7 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both stacks")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds (ours, transformers)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
@@ -66,9 +71,8 @@ def random_hf_dir(args: argparse.Namespace, out: pathlib.Path) -> pathlib.Path:
     return out
 
 
-def bench_transformers(
-    hf_dir: pathlib.Path, prompts: np.ndarray, args: argparse.Namespace
-) -> dict[str, object]:
+def bench_transformers(hf_dir: pathlib.Path, prompts: np.ndarray, args: argparse.Namespace):
+    """One round: decode tokens/s from t(N new tokens) - t(1 new token)."""
     import torch
     import transformers
 
@@ -79,8 +83,9 @@ def bench_transformers(
     ).eval()
     ids = torch.as_tensor(prompts)
     mask = torch.ones_like(ids)
+    state: dict[str, object] = {}
 
-    def run(n: int) -> tuple[float, list[list[int]]]:
+    def run(n: int) -> float:
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
@@ -91,48 +96,36 @@ def bench_transformers(
                 do_sample=False,
                 pad_token_id=0,
             )
-        return time.perf_counter() - t0, out[:, ids.shape[1] :].tolist()
+        state["tokens"] = out[:, ids.shape[1] :].tolist()
+        return time.perf_counter() - t0
 
-    run(2)  # warm-up (allocator, thread pool)
-    t1 = min(run(1)[0] for _ in range(args.repeats))
-    best, tokens = float("inf"), []
-    for _ in range(args.repeats):
-        t, tokens = run(args.new_tokens)
-        best = min(best, t)
-    decode_s = max(best - t1, 1e-9)
-    return {
-        "prefill_s": t1,
-        "decode_tok_s": args.batch * (args.new_tokens - 1) / decode_s,
-        "tokens": tokens,
-    }
+    def one_round() -> float:
+        t1 = run(1)
+        state["prefill_s"] = t1
+        return args.batch * (args.new_tokens - 1) / max(run(args.new_tokens) - t1, 1e-9)
+
+    return one_round, state
 
 
-def bench_ours(hf_dir: pathlib.Path, prompts: np.ndarray, args: argparse.Namespace) -> dict[str, object]:
+def bench_ours(hf_dir: pathlib.Path, prompts: np.ndarray, args: argparse.Namespace):
+    """One round: decode tokens/s from the engine's own decode timing."""
     from agentrefine_jax.hf.io import load_hf_model
     from agentrefine_jax.inference.engine import generate
 
     _, model = load_hf_model(hf_dir, dtype=args.dtype, param_dtype=args.dtype)
     rows = prompts.tolist()
+    state: dict[str, object] = {}
 
-    def run() -> tuple[dict[str, float], list[list[int]]]:
+    def one_round() -> float:
         timings: dict[str, float] = {}
+        t0 = time.perf_counter()
         gens = generate(model, rows, max_new_tokens=args.new_tokens, stop_token_ids=(), timings=timings)
-        return timings, [g.tokens for g in gens]
+        state.setdefault("first_run_s", time.perf_counter() - t0)
+        state["tokens"] = [g.tokens for g in gens]
+        state["prefill_s"] = timings["prefill_s"]
+        return args.batch / (timings["decode_s"] / max(timings["decode_steps"], 1))
 
-    t0 = time.perf_counter()
-    run()
-    compile_s = time.perf_counter() - t0
-    best_prefill, best_decode, tokens = float("inf"), float("inf"), []
-    for _ in range(args.repeats):
-        timings, tokens = run()
-        best_prefill = min(best_prefill, timings["prefill_s"])
-        best_decode = min(best_decode, timings["decode_s"] / max(timings["decode_steps"], 1))
-    return {
-        "prefill_s": best_prefill,
-        "decode_tok_s": args.batch / best_decode,
-        "first_run_s": compile_s,
-        "tokens": tokens,
-    }
+    return one_round, state
 
 
 def main() -> int:
@@ -154,15 +147,26 @@ def main() -> int:
             f"({os.cpu_count()} cores), torch threads {args.threads}",
             flush=True,
         )
-        ours = bench_ours(hf_dir, prompts, args)
-        theirs = bench_transformers(hf_dir, prompts, args)
+        ours, ours_state = bench_ours(hf_dir, prompts, args)
+        theirs, theirs_state = bench_transformers(hf_dir, prompts, args)
+        res = _paired.measure(
+            {"ours": ours, "transformers": theirs},
+            "transformers",
+            rounds=args.rounds,
+            log=lambda m: print(m, file=sys.stderr, flush=True),
+        )
 
-    same = ours["tokens"] == theirs["tokens"]
-    print(f"\n{'':18}{'prefill s':>12}{'decode tok/s':>15}")
-    print(f"{'transformers':18}{theirs['prefill_s']:>12.4f}{theirs['decode_tok_s']:>15.1f}")
-    print(f"{'agentrefine_jax':18}{ours['prefill_s']:>12.4f}{ours['decode_tok_s']:>15.1f}")
-    print(f"\ndecode speed ratio (ours / transformers): {ours['decode_tok_s'] / theirs['decode_tok_s']:.2f}x")
-    print(f"our first run incl. compile: {ours['first_run_s']:.1f}s")
+    same = ours_state["tokens"] == theirs_state["tokens"]
+    ratio, load, tput = res["ratio"]["ours"], res["load"], res["throughput"]
+    print(f"\n{'':18}{'last prefill s':>16}{'decode tok/s (median)':>24}")
+    print(f"{'transformers':18}{theirs_state['prefill_s']:>16.4f}{tput['transformers']['median']:>24.1f}")
+    print(f"{'agentrefine_jax':18}{ours_state['prefill_s']:>16.4f}{tput['ours']['median']:>24.1f}")
+    print(
+        f"\ndecode speed ratio (ours / transformers): {ratio['median']:.2f}x "
+        f"[{ratio['min']:.2f}-{ratio['max']:.2f}] over {res['rounds']} alternating rounds, "
+        f"load {load['min']:.2f}-{load['max']:.2f}"
+    )
+    print(f"our first run incl. compile: {ours_state['first_run_s']:.1f}s")
     print(f"greedy outputs identical: {'yes' if same else 'NO'}")
     return 0
 
