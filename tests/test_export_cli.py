@@ -50,7 +50,7 @@ def test_llama_round_trip_sharded_float32(hf_dirs, llama_ckpt, tmp_path, capsys)
             str(llama_ckpt),
             "--out",
             str(out),
-            "--dtype",
+            "--export-dtype",
             "float32",
             "--max-shard-size",
             "200KB",
@@ -101,7 +101,7 @@ def test_mistral_round_trip_bfloat16_with_tokenizer(hf_dirs, tmp_path, capsys) -
     assert meta["tokenizer"] == "mistral" and meta["template"] == "mistral"
 
     out = tmp_path / "hf"
-    assert main(["to-hf", "--checkpoint", str(ck), "--out", str(out), "--dtype", "bfloat16"]) == 0
+    assert main(["to-hf", "--checkpoint", str(ck), "--out", str(out), "--export-dtype", "bfloat16"]) == 0
     assert (out / "model.safetensors").exists() and not (out / "model.safetensors.index.json").exists()
     assert json.loads((out / "config.json").read_text())["sliding_window"] == 8
 
@@ -126,14 +126,14 @@ def test_mistral_round_trip_bfloat16_with_tokenizer(hf_dirs, tmp_path, capsys) -
 
 
 def test_default_flags_round_trip_is_exact(hf_dirs, llama_ckpt, tmp_path, capsys) -> None:
-    """float32 HF -> project -> HF with no --dtype: `auto` writes the imported dtype, bit for bit."""
+    """float32 HF -> project -> HF with no --export-dtype: `auto` writes the imported dtype, bit for bit."""
     from safetensors.numpy import load_file
 
     src = hf_dirs["llama"]
     out = tmp_path / "hf"
     capsys.readouterr()
     assert main(["to-hf", "--checkpoint", str(llama_ckpt), "--out", str(out)]) == 0
-    assert "--dtype auto: float32, the dtype it was imported from" in capsys.readouterr().err
+    assert "--export-dtype auto: float32, the dtype it was imported from" in capsys.readouterr().err
 
     def tensors(d: pathlib.Path) -> dict[str, np.ndarray]:
         return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}

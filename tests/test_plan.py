@@ -19,6 +19,7 @@ from agentrefine_jax.config import load_config
 from agentrefine_jax.plan import cli as plan_cli
 from agentrefine_jax.train import flops
 from agentrefine_jax.train import planner as P
+from agentrefine_jax.train.topology import PEAK_FLOPS
 
 # Hugging Face model cards / safetensors index totals.
 PUBLISHED = {"llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496, "mistral_7b": 7_248_023_552}
@@ -55,7 +56,7 @@ def test_exact_parameter_counts(name: str, mesh: str) -> None:
         flops.flops_per_token(cfg.model, cfg.data.max_length) * p["global_batch"] * cfg.data.max_length
     )
     assert p["step_time_s"] == pytest.approx(
-        p["flops_per_step"] / (p["devices"] * flops.PEAK_FLOPS["v5p"] * p["mfu"])
+        p["flops_per_step"] / (p["devices"] * PEAK_FLOPS["v5p"] * p["mfu"])
     )
     assert not p["notes"], p["notes"]
 

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("libtpu", reason="the TPU compile check needs the tpu extra (libtpu)")
 
-from agentrefine_jax.train import aot, flops  # noqa: E402
+from agentrefine_jax.train import aot  # noqa: E402
 from agentrefine_jax.train import topology as T  # noqa: E402
 
 # A tiny Llama (the demo's preset, one layer, short sequences): compiles in seconds.
@@ -48,7 +48,7 @@ def test_slice_table_matches_libtpu() -> None:
     assert T.get_slice("v5litepod-256") is T.get_slice("v5e-256")
     assert T.get_slice("v5p-64").hosts == 8
     # The planner and MFU read the same table.
-    assert flops.PEAK_FLOPS["v5p"] == T.CHIPS["v5p"].peak_flops == 459e12
+    assert T.PEAK_FLOPS["v5p"] == T.CHIPS["v5p"].peak_flops == 459e12
     with pytest.raises(T.UnknownTopology, match="known: v4-8"):
         T.get_slice("v5p-63")
 

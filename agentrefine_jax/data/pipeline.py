@@ -309,9 +309,6 @@ class Pipeline:
     def total_steps(self) -> int | None:
         return None if self.num_epochs is None else self.steps_per_epoch * self.num_epochs
 
-    def epoch_of_step(self, step: int) -> int:
-        return step // self.steps_per_epoch
-
 
 def make_pipeline(
     cfg: DataConfig,

@@ -100,11 +100,11 @@ def cmd_to_hf(args: argparse.Namespace) -> int:
     cfg, model, meta = load_model(args.checkpoint, mesh=mesh)
     tokenizer = args.tokenizer or meta.get("tokenizer")
     dtype = resolve_export_dtype(
-        args.dtype, source_dtype=meta.get("source_dtype"), param_dtype=cfg.param_dtype
+        args.export_dtype, source_dtype=meta.get("source_dtype"), param_dtype=cfg.param_dtype
     )
-    if args.dtype == "auto":
+    if args.export_dtype == "auto":
         why = "the dtype it was imported from" if meta.get("source_dtype") else "the parameter dtype"
-        log.info(f"--dtype auto: {dtype}, {why}")
+        log.info(f"--export-dtype auto: {dtype}, {why}")
     log.info(f"writing {param_count(model):,} parameters as {dtype} to {args.out}")
     write_hf(model, cfg, args.out, dtype=dtype, max_shard_bytes=max_shard, tokenizer=tokenizer, log=log.info)
     log.info(f"done: {args.out}")
@@ -112,7 +112,7 @@ def cmd_to_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from agentrefine_jax.export.verify import result_dict, summary, verify
+    from agentrefine_jax.export.parity import result_dict, summary, verify
 
     seq_lens = [int(x) for x in args.seq_lens.split(",") if x.strip()]
     mesh = parse_mesh(args.mesh)
@@ -142,7 +142,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from flax import nnx
 
     from agentrefine_jax.checkpoint import save_model
-    from agentrefine_jax.export.verify import summary, verify
+    from agentrefine_jax.export.parity import summary, verify
     from agentrefine_jax.hf.io import check_output_dir, load_hf_model, save_hf
     from agentrefine_jax.models import llama, preset
 
@@ -197,10 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--checkpoint", required=True, help="run dir, checkpoint root (latest step) or step dir")
     b.add_argument("--out", required=True, help="output directory (must not already hold a model)")
     b.add_argument(
-        "--dtype",
+        "--export-dtype",  # storage dtype, as `train.export_dtype`; --dtype is a compute dtype everywhere
         default="auto",
         choices=["auto", "bfloat16", "float32", "float16"],
-        help="storage dtype; auto (default): the dtype imported from, else the param dtype",
+        help="storage dtype of the weights; auto (default): the dtype imported from, else the param dtype",
     )
     b.add_argument(
         "--max-shard-size", default="5GB", help="split safetensors past this size (e.g. 5GB, 500MB)"

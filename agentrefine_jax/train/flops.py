@@ -15,9 +15,7 @@ import jax
 
 from agentrefine_jax.models import params
 from agentrefine_jax.models.config import ModelConfig
-from agentrefine_jax.train.topology import PEAK_FLOPS, chip_of_device_kind
-
-__all__ = ["PEAK_FLOPS", "device_peak_flops", "flops_per_token", "matmul_params"]
+from agentrefine_jax.train.topology import chip_of_device_kind
 
 
 def matmul_params(cfg: ModelConfig) -> int:

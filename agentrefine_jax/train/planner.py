@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentrefine_jax.sharding import MESH_AXES, parse_mesh_sizes
-from agentrefine_jax.train.topology import HBM_BYTES, GiB
+from agentrefine_jax.train.topology import HBM_BYTES, PEAK_FLOPS, GiB
 
 
 class PlanError(ValueError):
@@ -442,7 +442,7 @@ def plan(
         )
     fpt = flops.flops_per_token(model_cfg, seq) + 6.0 * (counted - flops.matmul_params(model_cfg))
     flops_step = fpt * gb * seq
-    peak = flops.PEAK_FLOPS[chip]
+    peak = PEAK_FLOPS[chip]
     step_time = flops_step / (devices * peak * mfu)
     return {
         "config": name,
