@@ -169,7 +169,13 @@ def test_iterator_starts_at_a_global_step_on_any_topology():
         {key: np.concatenate([r[i][key] for r in resumed]) for key in KEYS} for i in range(len(full) - k)
     ]
     assert _same(stacked, full[k:])
-    assert _same(_batches(make_pipeline(CFG, global_batch_size=8, num_epochs=2).iterator(k)), full[k:])
+    it = make_pipeline(CFG, global_batch_size=8, num_epochs=2).iterator(k)
+    assert _same(_batches(it, 2), full[k : k + 2])
+    assert it.get_state() == {"next_index": k + 2}  # Grain's state stays the global step
+    assert _same(_batches(it), full[k + 2 :])
+    # The same from Grain worker processes (num_workers > 0).
+    workers = make_pipeline(dataclasses.replace(CFG, num_workers=1), global_batch_size=8, num_epochs=2)
+    assert _same(_batches(workers.iterator(k), 3), full[k : k + 3])
 
 
 def test_many_processes_share_one_plan():

@@ -290,17 +290,19 @@ class Pipeline:
     def iterator(self, start_step: int = 0) -> grain.DatasetIterator:
         """Batches from global step `start_step` on: the data position is the step, so this is
         how a run resumes, on any number of processes."""
-        ds = self.dataset[start_step:] if start_step else self.dataset
-        ds = ds.to_iter_dataset(self.read_options)
-        if self.num_workers > 0:
-            # grain 0.2.x reads an absl flag in its worker code and raises when the program
-            # never parsed absl flags (google/grain#1355): declare the defaults as parsed.
-            from absl import flags
+        if self.num_workers == 0:
+            it = iter(self.dataset.to_iter_dataset(self.read_options))
+            if start_step:  # Grain's own state then stays the global step (`{"next_index": step}`)
+                it.set_state({"next_index": start_step})
+            return it
+        # grain 0.2.x reads an absl flag in its worker code and raises when the program
+        # never parsed absl flags (google/grain#1355): declare the defaults as parsed.
+        from absl import flags
 
-            if not flags.FLAGS.is_parsed():
-                flags.FLAGS.mark_as_parsed()
-            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.num_workers))
-        return iter(ds)
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
+        ds = (self.dataset[start_step:] if start_step else self.dataset).to_iter_dataset(self.read_options)
+        return iter(ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.num_workers)))
 
     def __iter__(self) -> grain.DatasetIterator:
         return self.iterator(0)
