@@ -107,9 +107,10 @@ def table(rows: list[dict], skipped: str | None) -> str:
             else ""
         )
         ratio = "" if r["planned_to_compiled"] is None else f"{r['planned_to_compiled']:.2f}"
+        attention = "xla" if r["attention"] == "default" else r["attention"]
         secs = "n/a" if r["compile_seconds"] is None else f"{r['compile_seconds']:.0f}"
         lines.append(
-            f"| {r['config']} | {r['slice']} | {mesh} | {r['attention'].replace('default', 'xla')} | {_g(r['compiled_total'])} "
+            f"| {r['config']} | {r['slice']} | {mesh} | {attention} | {_g(r['compiled_total'])} "
             f"({_g(r['compiled_temp'])}) | {'yes' if r['fits'] else 'NO'} of {r['hbm_bytes'] // GiB} | "
             f"{_g(r['planned_total'])} | {ratio} | {vs} | {secs} |"
         )
