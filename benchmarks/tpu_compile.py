@@ -107,10 +107,12 @@ def table(rows: list[dict], skipped: str | None) -> str:
             else ""
         )
         ratio = "" if r["planned_to_compiled"] is None else f"{r['planned_to_compiled']:.2f}"
+        attention = "xla" if r["attention"] == "default" else r["attention"]
+        secs = "n/a" if r["compile_seconds"] is None else f"{r['compile_seconds']:.0f}"
         lines.append(
-            f"| {r['config']} | {r['slice']} | {mesh} | {r['attention']} | {_g(r['compiled_total'])} "
+            f"| {r['config']} | {r['slice']} | {mesh} | {attention} | {_g(r['compiled_total'])} "
             f"({_g(r['compiled_temp'])}) | {'yes' if r['fits'] else 'NO'} of {r['hbm_bytes'] // GiB} | "
-            f"{_g(r['planned_total'])} | {ratio} | {vs} | {r['compile_seconds']:.0f} |"
+            f"{_g(r['planned_total'])} | {ratio} | {vs} | {secs} |"
         )
     if skipped:
         lines.append(f"\n{skipped}")
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             row = replan(row) if row and "error" not in row else compile_row(config, sl, overrides, attention)
             rows.append(row)
             print(f"# {config} {sl} {row['attention']}: {row.get('compiled_total', 0) / GiB:.2f} GiB "
-                  f"({row['wall_seconds']} s)", file=sys.stderr, flush=True)  # fmt: skip
+                  f"({row['wall_seconds'] or 'reused'} s)", file=sys.stderr, flush=True)  # fmt: skip
             if args.out:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")

@@ -65,9 +65,10 @@ def test_plan_compile_json_tiny_on_v5p8() -> None:
     assert out["compiled"]["compile_seconds"] > 0
     planned = out["planned"]["bytes_per_device"]
     # The step's inputs are the fsdp-sharded params + AdamW state + this device's batch rows;
-    # the planner derives params/optimizer from the same sharding rules.
+    # the planner derives params/optimizer from the same sharding rules (TPU layouts pad small
+    # arrays to whole tiles, ~1% on this tiny model).
     state = planned["params"] + planned["optimizer"]
-    assert state <= b["arguments"] <= state + 64 * 1024
+    assert state <= b["arguments"] <= 1.03 * state + 64 * 1024
     # Params and optimizer state are donated: the update is written in place.
     assert b["aliased"] >= state
     assert planned["total"] > 0 and out["planned_to_compiled"] == pytest.approx(planned["total"] / b["total"])
@@ -76,7 +77,7 @@ def test_plan_compile_json_tiny_on_v5p8() -> None:
 def test_train_compile_only_two_slices() -> None:
     r = run(
         "agentrefine_jax.train", "--config", "demo", "--compile-only", "--topology", "v5p-8",
-        "--num-slices", "2", *TINY,
+        "--num-slices", "2", *TINY, "--set", "train.global_batch_size=8",
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     assert "demo train step on v5p-8 x 2 slices (8 chips" in r.stdout
@@ -88,7 +89,7 @@ def test_train_compile_only_two_slices() -> None:
     ("args", "message"),
     [
         (["--topology", "v9z-8"], "unknown TPU slice 'v9z-8'; known: v4-8"),
-        (["--topology", "v5p-8", "--set", "mesh.fsdp=3"], "does not fit 4 chips"),
+        (["--topology", "v5p-8", "--set", "mesh.fsdp=3"], "has 3 devices but the slice has 4 chips"),
         ([], "--topology is required"),
     ],
 )
