@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import signal
 import sys
@@ -166,6 +167,21 @@ def save_checkpoint(
     )
 
 
+class _NoTraceback(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and "orbax" in record.pathname:
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _one_line_orbax_errors() -> None:
+    """Orbax logs each background save failure with a full traceback from several threads; the
+    run reports the failure itself (CheckpointSaveError), so keep Orbax's to one line each."""
+    absl_logger = logging.getLogger("absl")
+    if not any(isinstance(f, _NoTraceback) for f in absl_logger.filters):
+        absl_logger.addFilter(_NoTraceback())
+
+
 class CheckpointSaveError(TrainingError):
     """An (asynchronous) checkpoint save failed: disk full, no permission, bucket gone..."""
 
@@ -175,6 +191,7 @@ class RunCheckpoints:
     step is finalised, and save failures surfaced at the next step instead of at the end."""
 
     def __init__(self, paths: RunPaths, cfg: Config, steps_per_epoch: int) -> None:
+        _one_line_orbax_errors()
         self.paths = paths
         self.mngr = make_checkpoint_manager(paths, cfg, steps_per_epoch)
         self.pending: list[int] = []
