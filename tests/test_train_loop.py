@@ -322,6 +322,9 @@ def _disk_full_at(limit_bytes: int) -> Any:
 
 
 def test_failed_save_stops_the_run_at_the_next_step(tmp_path):
+    from agentrefine_jax.data.tokenizers import load_tokenizer
+
+    load_tokenizer("llama3")  # its ~10 MB cache file is written here, where the disk is not full
     run_dir = tmp_path / "full"
     # Today's behaviour: the failure surfaces when training ends, and the process then waits out
     # Orbax's 20-minute background timeout; the timeout here would catch that.
