@@ -511,11 +511,27 @@ def restore_train_state(
     return {item: restored[item] for item in (ITEM_PARAMS, ITEM_OPT_STATE)}
 
 
+class _NoTraceback(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and "orbax" in record.pathname:
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _one_line_orbax_errors() -> None:
+    """Orbax logs each background save failure with a full traceback from several threads; the
+    run reports the failure itself (CheckpointSaveError), so keep Orbax's to one line each."""
+    absl_logger = logging.getLogger("absl")
+    if not any(isinstance(f, _NoTraceback) for f in absl_logger.filters):
+        absl_logger.addFilter(_NoTraceback())
+
+
 class TrainCheckpoints:
     """A run's checkpoints: the Orbax manager plus what Orbax does not do — a checksum manifest
     written once a step is finalised, and save failures surfaced at the next step, not at the end."""
 
     def __init__(self, root: epath.Path, *, keep: int, keep_every: int = 0) -> None:
+        _one_line_orbax_errors()
         self.root = root
         self.mngr = manager(root, keep=keep, keep_every=keep_every, async_save=True)
         self.pending: list[int] = []

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import pytest
 from test_checkpoint_integrity import flip_bit, truncate
@@ -50,7 +51,7 @@ def _env(tmp: pathlib.Path) -> dict[str, str]:
     return env
 
 
-def _train(run_dir: pathlib.Path, *extra: str) -> subprocess.Popen:
+def _train(run_dir: pathlib.Path | str, *extra: str, preexec_fn: Any = None) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
@@ -63,7 +64,13 @@ def _train(run_dir: pathlib.Path, *extra: str) -> subprocess.Popen:
         *extra,
     ]
     return subprocess.Popen(
-        cmd, cwd=REPO, env=_env(run_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd,
+        cwd=REPO,
+        env=_env(run_dir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=preexec_fn,
     )
 
 
@@ -302,12 +309,28 @@ def test_file_url_run_dir_and_the_schedule_horizon(tmp_path):
     assert [r["step"] for r in _strict_rows(run_dir) if "loss" in r] == [1, 2, 3]
 
 
+def _disk_full_at(limit_bytes: int) -> Any:
+    """preexec_fn: files of the child cannot grow past `limit_bytes` (writes fail with EFBIG, as on a
+    full disk) — the demo checkpoint's embedding (33 MB) cannot be written, the logs can."""
+
+    def apply() -> None:
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write instead of killing the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+
+    return apply
+
+
 def test_failed_save_stops_the_run_at_the_next_step(tmp_path):
-    run_dir = tmp_path / "blocked"
-    (run_dir / "checkpoints").mkdir(parents=True)
-    # A file where Orbax creates step 2's temporary directory: that save fails in the background.
-    (run_dir / "checkpoints" / "2.orbax-checkpoint-tmp").write_text("in the way")
-    code, out = _finish(_train(run_dir), timeout=300)
+    from agentrefine_jax.data.tokenizers import load_tokenizer
+
+    load_tokenizer("llama3")  # its ~10 MB cache file is written here, where the disk is not full
+    run_dir = tmp_path / "full"
+    # Today's behaviour: the failure surfaces when training ends, and the process then waits out
+    # Orbax's 20-minute background timeout; the timeout here would catch that.
+    code, out = _finish(_train(run_dir, preexec_fn=_disk_full_at(16 << 20)), timeout=480)
     assert code == 1, out
-    assert "saving checkpoint step 2" in out and "No checkpoint has been written yet" in out, out
-    assert max(_losses(run_dir)) == 3  # stopped at the step after the failed save
+    lines = [line for line in out.splitlines() if "saving checkpoint step 2" in line]
+    assert len(lines) == 1 and "No checkpoint has been written yet" in lines[0], out
+    assert max(_losses(run_dir)) == 2  # the step after the failed save did not get logged or go on
