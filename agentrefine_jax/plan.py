@@ -46,6 +46,8 @@ def parse_mesh(text: str | None, default: dict[str, int], devices: int | None = 
     Axes not named keep the config's size; one axis may be -1 ("the rest") only when
     `devices` is given.
     """
+    if devices is not None and devices < 1:
+        raise PlanError(f"--devices must be >= 1, got {devices}")
     sizes = dict(default)
     if text:
         for part in text.split(","):
@@ -553,6 +555,10 @@ def main(argv: list[str] | None = None) -> int:
     from agentrefine_jax.config import load_config
 
     try:
+        if not 0 < args.mfu <= 1 or not 0 <= args.headroom < 1:
+            raise PlanError(
+                f"--mfu must be in (0, 1] and --headroom in [0, 1); got {args.mfu}, {args.headroom}"
+            )
         cfg = load_config(args.config, args.overrides)
         default = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
         mesh = parse_mesh(args.mesh, default, args.devices)

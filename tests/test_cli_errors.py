@@ -80,6 +80,8 @@ def test_print_config_validates():
         ("plan", ["--config", "demo", "--set", "optim.schedule=cosin"], "optim.schedule"),
         ("plan", ["--config", "no_such_config"], "no config 'no_such_config'"),
         ("plan", ["--config", "demo", "--mesh", "bogus=2"], "unknown axis 'bogus'"),
+        ("plan", ["--config", "demo", "--devices", "0"], "--devices must be >= 1"),
+        ("plan", ["--config", "demo", "--mesh", "fsdp=1", "--mfu", "-1"], "--mfu must be in (0, 1]"),
         ("data", ["bogus"], "invalid choice: 'bogus'"),
         ("data", ["stats", "--input", "x.jsonl", "--overlength", "cut"], "invalid choice: 'cut'"),
         ("data", ["stats", "--input", MISSING, "--max-length", "0"], "data.max_length=0: must be >= 2"),
