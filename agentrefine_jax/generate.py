@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from agentrefine_jax.cli_errors import OneLineParser
+from agentrefine_jax.cli_errors import OneLineParser, float_in, int_in
 from agentrefine_jax.inference.chat import ChatGenerator, Completion, ContextOverflowError
 from agentrefine_jax.inference.engine import generate
 from agentrefine_jax.inference.loading import load_for_inference
@@ -50,10 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", help="system prompt to put before --prompt")
     p.add_argument("--template", help="chat template (default: the checkpoint's)")
     p.add_argument("--tokenizer", help="tokenizer name or dir (default: the checkpoint's)")
-    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--max-new-tokens", type=int_in(1), required=True)
     p.add_argument("--greedy", action="store_true", help="argmax decoding (the default when no temperature)")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (0 = greedy)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument(
+        "--temperature",
+        type=float_in(0, float("inf")),
+        default=None,
+        help="sampling temperature (0 = greedy)",
+    )
+    p.add_argument("--top-p", type=float_in(0, 1, lo_open=True), default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (chat mode); repeatable")
     stops = p.add_mutually_exclusive_group()

@@ -29,7 +29,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from agentrefine_jax.cli_errors import OneLineParser
+from agentrefine_jax.cli_errors import OneLineParser, int_in
 from agentrefine_jax.inference.chat import ChatGenerator, ContextOverflowError
 
 MAX_BODY_BYTES = 16 * 2**20
@@ -359,13 +359,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--checkpoint", required=True, help="training run / checkpoint dir, or an HF model dir")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="0 = any free port (printed at start-up)")
+    p.add_argument(
+        "--port", type=int_in(0, 65535), default=8000, help="0 = any free port (printed at start-up)"
+    )
     p.add_argument("--model-name", help="the model id clients must send (default: checkpoint dir name)")
     p.add_argument("--template", help="chat template (default: the checkpoint's)")
     p.add_argument("--tokenizer", help="tokenizer name or dir (default: the checkpoint's)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="override the compute dtype")
-    p.add_argument("--default-max-tokens", type=int, default=512, help="when a request sets no max_tokens")
-    p.add_argument("--max-n", type=int, default=16, help="largest 'n' a request may ask for")
+    p.add_argument(
+        "--default-max-tokens", type=int_in(1), default=512, help="when a request sets no max_tokens"
+    )
+    p.add_argument("--max-n", type=int_in(1), default=16, help="largest 'n' a request may ask for")
     p.add_argument(
         "--api-key-env",
         default="AGENTREFINE_SERVE_API_KEY",

@@ -85,7 +85,11 @@ def test_print_config_validates():
         ("data", ["bogus"], "invalid choice: 'bogus'"),
         ("data", ["stats", "--input", "x.jsonl", "--overlength", "cut"], "invalid choice: 'cut'"),
         ("data", ["stats", "--input", MISSING, "--max-length", "0"], "data.max_length=0: must be >= 2"),
-        ("data", ["dump", "--input", MISSING, "-o", MISSING, "--field-map", "{x"], "--field-map is not valid"),
+        (
+            "data",
+            ["dump", "--input", MISSING, "-o", MISSING, "--field-map", "{x"],
+            "--field-map is not valid",
+        ),
         ("synth", ["convert", "--input", "x.jsonl"], "required: --out"),
         ("synth", ["verify", "--input", MISSING, "--out", MISSING], "cannot read"),
         ("export", ["verify", "--checkpoint", MISSING], "required: --hf"),
@@ -93,8 +97,15 @@ def test_print_config_validates():
         ("eval", ["--policy", "oracle", "--tasks", "nosuchtask"], "unknown task(s)"),
         ("eval", ["--policy", "oracle", "--episodes", "x"], "invalid int value"),
         ("generate", ["--checkpoint", MISSING, "--prompt", "hi"], "required: --max-new-tokens"),
-        ("serve", ["--checkpoint", MISSING, "--port", "x"], "invalid int value: 'x'"),
+        ("serve", ["--checkpoint", MISSING, "--port", "x"], "argument --port: expected an integer, got 'x'"),
         ("serve", ["--checkpoint", MISSING], "does not exist"),
+        ("serve", ["--checkpoint", MISSING, "--port", "-5"], "argument --port: must be in [0, 65535]"),
+        ("generate", ["--checkpoint", MISSING, "--prompt", "hi", "--max-new-tokens", "0"], "must be >= 1"),
+        (
+            "generate",
+            ["--checkpoint", MISSING, "--prompt", "hi", "--max-new-tokens", "1", "--top-p", "0"],
+            "(0, 1]",
+        ),
     ],
 )
 def test_every_cli_answers_a_bad_argument_with_one_line(tool, args, needle, capsys):
