@@ -34,3 +34,35 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         fail(tool_name(self.prog), f"{message} (see {self.prog} --help)")
         raise SystemExit(USAGE_ERROR)
+
+
+def int_in(lo: int, hi: int | None = None):
+    """argparse `type=` for an integer flag with a range, checked before any work starts."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(
+                f"must be {f'in [{lo}, {hi}]' if hi is not None else f'>= {lo}'}"
+            )
+        return value
+
+    return parse
+
+
+def float_in(lo: float, hi: float, *, lo_open: bool = False):
+    """argparse `type=` for a float flag in [lo, hi] (or (lo, hi] with lo_open)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (lo < value <= hi if lo_open else lo <= value <= hi):
+            raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}{lo}, {hi}]")
+        return value
+
+    return parse

@@ -67,10 +67,11 @@ def one_of(*choices: str) -> Check:
 
 
 def subset_of(*choices: str) -> Check:
-    return Check(
-        lambda v: isinstance(v, (tuple, list)) and bool(v) and all(x in choices for x in v),
-        f"must be a non-empty subset of {', '.join(choices)}",
-    )
+    def ok(v: Any) -> bool:
+        items = [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
+        return isinstance(items, (tuple, list)) and bool(items) and all(x in choices for x in items)
+
+    return Check(ok, f"must be a non-empty subset of {', '.join(choices)}")
 
 
 def optional(check: Check) -> Check:
@@ -236,6 +237,8 @@ def _type_mismatch(value: Any, tp: Any) -> str | None:
     if tp is str:
         return None if isinstance(value, str) else "must be a string"
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        if isinstance(value, str) and args[0] is str:
+            return None  # one name for a list of names: the consumers (RecordSet, loss_on) take it
         if not isinstance(value, (tuple, list)):
             return "must be a list"
         for item in value:

@@ -80,6 +80,8 @@ def test_print_config_validates():
         ("plan", ["--config", "demo", "--set", "optim.schedule=cosin"], "optim.schedule"),
         ("plan", ["--config", "no_such_config"], "no config 'no_such_config'"),
         ("plan", ["--config", "demo", "--mesh", "bogus=2"], "unknown axis 'bogus'"),
+        ("plan", ["--config", "demo", "--devices", "0"], "--devices must be >= 1"),
+        ("plan", ["--config", "demo", "--mesh", "fsdp=1", "--mfu", "-1"], "--mfu must be in (0, 1]"),
         ("data", ["bogus"], "invalid choice: 'bogus'"),
         ("data", ["stats", "--input", "x.jsonl", "--overlength", "cut"], "invalid choice: 'cut'"),
         ("data", ["stats", "--input", MISSING, "--max-length", "0"], "data.max_length=0: must be >= 2"),
@@ -95,9 +97,28 @@ def test_print_config_validates():
         ("eval", ["--policy", "oracle", "--tasks", "nosuchtask"], "unknown task(s)"),
         ("eval", ["--policy", "oracle", "--episodes", "x"], "invalid int value"),
         ("inference", ["generate", "--checkpoint", MISSING, "--prompt", "hi"], "required: --max-new-tokens"),
-        ("inference", ["serve", "--checkpoint", MISSING, "--port", "x"], "invalid int value: 'x'"),
+        (
+            "inference",
+            ["serve", "--checkpoint", MISSING, "--port", "x"],
+            "argument --port: expected an integer",
+        ),
         ("inference", ["serve", "--checkpoint", MISSING], "does not exist"),
+        (
+            "inference",
+            ["serve", "--checkpoint", MISSING, "--port", "-5"],
+            "argument --port: must be in [0, 65535]",
+        ),
         ("inference", ["decode"], "invalid choice: 'decode'"),
+        (
+            "inference",
+            ["generate", "--checkpoint", MISSING, "--prompt", "hi", "--max-new-tokens", "0"],
+            "must be >= 1",
+        ),
+        (
+            "inference",
+            ["generate", "--checkpoint", MISSING, "--prompt", "hi", "--max-new-tokens", "1", "--top-p", "0"],
+            "(0, 1]",
+        ),
     ],
 )
 def test_every_cli_answers_a_bad_argument_with_one_line(tool, args, needle, capsys):

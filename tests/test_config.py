@@ -175,6 +175,22 @@ def test_wrong_types_in_a_config_file_are_refused(tmp_path):
         load_config(str(path))
 
 
+def test_a_single_name_where_a_list_of_names_belongs_is_accepted_as_before(tmp_path):
+    path = tmp_path / "one_file.py"
+    path.write_text(
+        "import dataclasses\n"
+        "from agentrefine_jax.config import load_config\n"
+        "def config():\n"
+        "    cfg = load_config('demo')\n"
+        "    data = dataclasses.replace(cfg.data, train_files='x.jsonl', loss_on='correct,refinement')\n"
+        "    return dataclasses.replace(cfg, data=data)\n"
+    )
+    assert load_config(str(path)).data.train_files == "x.jsonl"
+    path.write_text(path.read_text().replace("correct,refinement", "correct,wrong"))
+    with pytest.raises(ConfigError, match="data.loss_on='correct,wrong'"):
+        load_config(str(path))
+
+
 def test_a_broken_config_file_is_one_config_error(tmp_path):
     path = tmp_path / "broken.py"
     path.write_text("def config(:\n")

@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from agentrefine_jax import logs
-from agentrefine_jax.cli_errors import OneLineParser, fail
+from agentrefine_jax.cli_errors import OneLineParser, fail, float_in, int_in
 from agentrefine_jax.inference.chat import ChatGenerator
 from agentrefine_jax.inference.engine import generate
 from agentrefine_jax.inference.loading import load_for_inference
@@ -72,10 +72,15 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", help="system prompt to put before --prompt")
     p.add_argument("--template", help="chat template (default: the checkpoint's)")
     p.add_argument("--tokenizer", help="tokenizer name or dir (default: the checkpoint's)")
-    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--max-new-tokens", type=int_in(1), required=True)
     p.add_argument("--greedy", action="store_true", help="argmax decoding (the default when no temperature)")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (0 = greedy)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument(
+        "--temperature",
+        type=float_in(0, float("inf")),
+        default=None,
+        help="sampling temperature (0 = greedy)",
+    )
+    p.add_argument("--top-p", type=float_in(0, 1, lo_open=True), default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (chat mode); repeatable")
     stops = p.add_mutually_exclusive_group()
@@ -171,13 +176,17 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     logs.add_flags(p)
     p.add_argument("--checkpoint", required=True, help="training run / checkpoint dir, or an HF model dir")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="0 = any free port (printed at start-up)")
+    p.add_argument(
+        "--port", type=int_in(0, 65535), default=8000, help="0 = any free port (printed at start-up)"
+    )
     p.add_argument("--model-name", help="the model id clients must send (default: checkpoint dir name)")
     p.add_argument("--template", help="chat template (default: the checkpoint's)")
     p.add_argument("--tokenizer", help="tokenizer name or dir (default: the checkpoint's)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="override the compute dtype")
-    p.add_argument("--default-max-tokens", type=int, default=512, help="when a request sets no max_tokens")
-    p.add_argument("--max-n", type=int, default=16, help="largest 'n' a request may ask for")
+    p.add_argument(
+        "--default-max-tokens", type=int_in(1), default=512, help="when a request sets no max_tokens"
+    )
+    p.add_argument("--max-n", type=int_in(1), default=16, help="largest 'n' a request may ask for")
     p.add_argument(
         "--api-key-env",
         default="AGENTREFINE_SERVE_API_KEY",

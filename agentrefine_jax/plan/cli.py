@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     from agentrefine_jax.config import load_config
 
     try:
+        if not 0 < args.mfu <= 1 or not 0 <= args.headroom < 1:
+            raise planner.PlanError(
+                f"--mfu must be in (0, 1] and --headroom in [0, 1); got {args.mfu}, {args.headroom}"
+            )
         cfg = load_config(args.config, args.overrides)
         default = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
         mesh = planner.parse_mesh(args.mesh, default, devices)

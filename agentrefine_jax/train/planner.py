@@ -39,6 +39,8 @@ def parse_mesh(text: str | None, default: dict[str, int], devices: int | None = 
     Axes not named keep the config's size; one axis may be -1 ("the rest") only when
     `devices` is given.
     """
+    if devices is not None and devices < 1:
+        raise PlanError(f"--devices must be >= 1, got {devices}")
     sizes = dict(default)
     if text:
         try:
