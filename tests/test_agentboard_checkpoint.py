@@ -48,6 +48,7 @@ def checkpoint(tmp_path_factory) -> str:
     return str(root)
 
 
+@pytest.mark.slow
 def test_prompts_fit_the_context_and_replies_are_the_models(checkpoint, tmp_path):
     co = Checkout(make_checkout(tmp_path / "ab"))
     system = "You plan.Answer with one action. "  # prompt file's system_msg + the checkout's vLLM sentence
@@ -93,6 +94,7 @@ def test_prompts_fit_the_context_and_replies_are_the_models(checkpoint, tmp_path
     assert sorted(taken) == sorted(parse_action(x) for x in replies)
 
 
+@pytest.mark.slow
 def test_all_checkpoints_of_a_run_dir_are_evaluated_and_the_best_reported(checkpoint, tmp_path):
     run_dir = tmp_path / "run"
     graphdef, state = nnx.split(llama.abstract(CFG))

@@ -33,6 +33,7 @@ class SciWorldTask:
     name = "sciworld"
     agentboard_name = "scienceworld"
     prompt_file = PROMPT_FILE
+    max_in_flight = 4  # each episode in flight holds a simulator JVM (~0.5 GB)
 
     def __init__(self, strict: bool = True):
         self.strict = strict
