@@ -362,6 +362,7 @@ def run_episodes(
     pending = list(enumerate(specs))
     active: list[tuple[int, Episode, Any]] = []
     width = max(1, batch_size if agent.model is not None else 1)
+    width = min(width, getattr(task, "max_in_flight", width))  # e.g. one JVM per ScienceWorld episode
 
     def finish(i: int, ep: Episode) -> None:
         results[i] = ep.log
