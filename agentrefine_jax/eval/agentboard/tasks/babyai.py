@@ -393,6 +393,31 @@ def _state_key(env: Any) -> tuple:
     return (tuple(int(v) for v in u.agent_pos), int(u.agent_dir), carrying, u.grid.encode().tobytes())
 
 
+class BotStuck(RuntimeError):
+    """minigrid's bot re-plans without end on some states (e.g. UnlockToUnlock seed 1234)."""
+
+
+def _guarded_bot(env: Any) -> Any:
+    """A BabyAIBot whose single `replan` may run at most `SEARCHES` path searches."""
+    from minigrid.utils.baby_ai_bot import BabyAIBot
+
+    class GuardedBot(BabyAIBot):
+        SEARCHES = 300
+        searches_left = SEARCHES
+
+        def replan(self, action_taken: Any = None) -> Any:
+            self.searches_left = self.SEARCHES
+            return super().replan(action_taken)
+
+        def _shortest_path(self, *args: Any, **kwargs: Any) -> Any:
+            self.searches_left -= 1
+            if self.searches_left < 0:
+                raise BotStuck("BabyAIBot re-plans without end")
+            return super()._shortest_path(*args, **kwargs)
+
+    return GuardedBot(env)
+
+
 class BotOracle:
     """minigrid's BabyAIBot driven through the macro-action interface.
 
@@ -404,20 +429,13 @@ class BotOracle:
 
     def __init__(self, horizon: int = 48):
         self.horizon = horizon
-        self.bot: Any = None
+        self.pair: tuple[Any, Any] | None = None  # (bot, its env copy), in step with the real env
 
-    def _copy(self, env: BabyAIEnv) -> tuple[Any, Any]:
-        from minigrid.utils.baby_ai_bot import BabyAIBot
-
-        sim = copy.deepcopy(env.env)
-        if self.bot is None:
-            return sim, BabyAIBot(sim.unwrapped)
-        # deepcopy with the old env mapped to the new copy: every reference the bot holds moves over
-        return sim, copy.deepcopy(self.bot, {id(self.bot.mission): sim.unwrapped})
-
-    def act(self, env: BabyAIEnv, history: list[tuple[str, str]]) -> str:
-        assert env.view is not None
-        sim, bot = self._copy(env)
+    def _rollout(self, env: BabyAIEnv) -> dict[tuple, int]:
+        if self.pair is None:
+            sim = copy.deepcopy(env.env)
+            self.pair = (_guarded_bot(sim.unwrapped), sim)
+        bot, sim = copy.deepcopy(self.pair)  # together: the bot's references into its env stay consistent
         reached: dict[tuple, int] = {}
         with contextlib.redirect_stdout(io.StringIO()):
             for t in range(self.horizon):
@@ -429,6 +447,14 @@ class BotOracle:
                 reached[_state_key(sim)] = t + 1  # a revisited state counts at its latest visit
                 if terminated:
                     break
+        return reached
+
+    def act(self, env: BabyAIEnv, history: list[tuple[str, str]]) -> str:
+        assert env.view is not None
+        reached = self._rollout(env)
+        if not reached:  # the bot is stuck: a fresh one (no memory of the episode) from the current state
+            self.pair = None
+            reached = self._rollout(env)
         best, best_t = "check available actions", 0
         for name, primitives in env.view.actions.items():
             if not primitives:
@@ -443,11 +469,11 @@ class BotOracle:
             t = reached.get(_state_key(trial), 0)
             if t > best_t:
                 best, best_t = name, t
-        sim, bot = self._copy(env)
+        assert self.pair is not None
+        bot, sim = self.pair
         with contextlib.redirect_stdout(io.StringIO()):
-            for _ in range(best_t):
+            for _ in range(best_t):  # the same replans as the rollout: deterministic
                 sim.step(int(bot.replan()))
-        self.bot = bot
         return best
 
 
