@@ -48,6 +48,9 @@ class ModelConfig:
     # Queries are processed in blocks of this many tokens so the [heads, S, S] score
     # matrix never exists whole (0 = one block). Exact: no approximation involved.
     attention_block_size: int = 0
+    # 2-D projections and one-batch-dimension attention dots (models/cpu_layout.py): faster on
+    # XLA:CPU, same numbers; training without a KV cache only. Keep off on TPU.
+    cpu_layout: bool = False
     bos_token_id: int = 128000
     eos_token_ids: tuple[int, ...] = (128001, 128009)
     pad_token_id: int | None = None
