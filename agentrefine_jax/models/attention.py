@@ -92,7 +92,7 @@ def attend(
         return splash_attention(cfg, q, k, v, q_seg)
     if impl == "cudnn":
         return cudnn_attention(cfg, q, k, v, q_seg, q_pos, k_seg, k_pos)
-    return xla_attention(cfg, q, k, v, q_seg, q_pos, k_seg, k_pos)
+    return xla_attention(cfg, q, k, v, q_seg, q_pos, k_seg, k_pos, flat=cfg.cpu_layout and not cached)
 
 
 # ----------------------------------------------------------------------------- XLA
@@ -119,6 +119,25 @@ def _attend_blocked(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, b
     return jnp.moveaxis(out, 0, 1).reshape(q.shape)
 
 
+def attend_flat(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """q: [B, S, KVH, G, D]; k, v: [B, T, KVH, D]; mask: [B, S, T] -> [B, S, KVH, G, D].
+
+    The grouped queries of one KV head are stacked along the query axis, so each dot has the
+    single batch dimension B*KVH.
+    """
+    b, s, kvh, g, d = q.shape
+    t = k.shape[1]
+    qf = q.transpose(0, 2, 3, 1, 4).reshape(b * kvh, g * s, d)
+    kf = k.transpose(0, 2, 1, 3).reshape(b * kvh, t, d)
+    vf = v.transpose(0, 2, 1, 3).reshape(b * kvh, t, d)
+    scores = jnp.einsum("nqd,ntd->nqt", qf, kf, preferred_element_type=jnp.float32) * (d**-0.5)
+    scores = scores.reshape(b, kvh, g, s, t)
+    scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b * kvh, g * s, t)
+    out = jnp.einsum("nqt,ntd->nqd", probs, vf)
+    return out.reshape(b, kvh, g, s, d).transpose(0, 3, 1, 2, 4)
+
+
 def xla_attention(
     cfg: ModelConfig,
     q: jax.Array,
@@ -128,11 +147,16 @@ def xla_attention(
     q_pos: jax.Array,
     k_seg: jax.Array,
     k_pos: jax.Array,
+    *,
+    flat: bool = False,
 ) -> jax.Array:
-    """Exact softmax attention, queries in `attention_block_size` blocks; GQA by grouping."""
+    """Exact softmax attention, queries in `attention_block_size` blocks; GQA by grouping.
+    With `flat` (model.cpu_layout, training only) one-batch-dimension dots, fast on XLA:CPU."""
     b, s, h, d = q.shape
     mask = attention_mask(q_seg, q_pos, k_seg, k_pos, cfg.sliding_window)
     qg = q.reshape(b, s, cfg.num_kv_heads, h // cfg.num_kv_heads, d)
+    if flat:
+        return attend_flat(qg, k, v, mask).reshape(b, s, h, d)
     return _attend_blocked(qg, k, v, mask, cfg.attention_block_size).reshape(b, s, h, d)
 
 

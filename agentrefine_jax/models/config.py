@@ -55,6 +55,10 @@ class ModelConfig:
     splash_block_q: int = 512
     splash_block_kv: int = 512
     splash_block_kv_compute: int = 512
+    # 2-D projections (models/cpu_layout.py) and one-batch-dimension attention dots
+    # (attention.attend_flat): faster on XLA:CPU, same numbers; training (no KV cache) only.
+    # Keep off on TPU.
+    cpu_layout: bool = False
     bos_token_id: int = 128000
     eos_token_ids: tuple[int, ...] = (128001, 128009)
     pad_token_id: int | None = None

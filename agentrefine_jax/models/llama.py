@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from agentrefine_jax.models import params, rope
+from agentrefine_jax.models import cpu_layout, params, rope
 from agentrefine_jax.models.attention import attend
 from agentrefine_jax.models.config import ModelConfig
 from agentrefine_jax.sharding import constrain
@@ -73,10 +73,13 @@ def layer_forward(
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """One decoder layer on per-layer weights `p` (a slice of DecoderLayers)."""
     dt = jnp.dtype(cfg.dtype)
+    flat = cfg.cpu_layout and kv is None
+    proj_in = cpu_layout.project_in if flat else _project_in
+    proj_out = cpu_layout.project_out if flat else _project_out
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q = jnp.einsum("bsd,dhk->bshk", h, p["wq"].astype(dt))
-    k = jnp.einsum("bsd,dhk->bshk", h, p["wk"].astype(dt))
-    v = jnp.einsum("bsd,dhk->bshk", h, p["wv"].astype(dt))
+    q = proj_in(h, p["wq"].astype(dt))
+    k = proj_in(h, p["wk"].astype(dt))
+    v = proj_in(h, p["wv"].astype(dt))
     q = constrain(rope.apply(q, sin, cos), ("batch", "activation_seq", "activation_heads", None))
     k = constrain(rope.apply(k, sin, cos), ("batch", "activation_seq", "activation_kv_heads", None))
     v = constrain(v, ("batch", "activation_seq", "activation_kv_heads", None))
@@ -88,14 +91,28 @@ def layer_forward(
         k, v = k_cache.astype(dt), v_cache.astype(dt)
     attn = attend(cfg, q, k, v, q_seg, q_pos, k_seg, k_pos, cached=kv is not None)
     attn = checkpoint_name(attn, "attn_out")
-    x = x + jnp.einsum("bshk,hkd->bsd", attn, p["wo"].astype(dt))
+    x = x + proj_out(attn, p["wo"].astype(dt))
     x = constrain(x, ("batch", "activation_seq", "activation_embed"))
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    gate = jnp.einsum("bsd,df->bsf", h, p["w_gate"].astype(dt))
-    up = jnp.einsum("bsd,df->bsf", h, p["w_up"].astype(dt))
+    gate = proj_in(h, p["w_gate"].astype(dt))
+    up = proj_in(h, p["w_up"].astype(dt))
     act = constrain(jax.nn.silu(gate) * up, ("batch", "activation_seq", "activation_mlp"))
-    x = x + jnp.einsum("bsf,fd->bsd", act, p["w_down"].astype(dt))
+    x = x + proj_out(act, p["w_down"].astype(dt))
     return constrain(x, ("batch", "activation_seq", "activation_embed")), new_kv
+
+
+def _project_in(x: jax.Array, w: jax.Array) -> jax.Array:
+    """[B, S, D] x [D, *out] -> [B, S, *out] (the default, sharding-friendly einsum)."""
+    if w.ndim == 3:
+        return jnp.einsum("bsd,dhk->bshk", x, w)
+    return jnp.einsum("bsd,df->bsf", x, w)
+
+
+def _project_out(x: jax.Array, w: jax.Array) -> jax.Array:
+    """[B, S, *in] x [*in, D] -> [B, S, D] (the default, sharding-friendly einsum)."""
+    if x.ndim == 4:
+        return jnp.einsum("bshk,hkd->bsd", x, w)
+    return jnp.einsum("bsf,fd->bsd", x, w)
 
 
 class Transformer(nnx.Module):

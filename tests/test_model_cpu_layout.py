@@ -1,0 +1,55 @@
+"""model.cpu_layout computes the same numbers as the default layout (which is HF-checked)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from agentrefine_jax.models import create, preset
+from agentrefine_jax.train.step import loss_sums
+
+CFG = preset("tiny", vocab_size=500, num_layers=2)
+
+
+def test_cpu_layout_matches_default_loss_and_gradients_on_packed_rows():
+    rng = np.random.RandomState(0)
+    seg = np.array([[1] * 20 + [2] * 9 + [0] * 3, [1] * 32])
+    pos = np.array([list(range(20)) + list(range(9)) + [0] * 3, list(range(32))])
+    batch = {
+        "input_ids": jnp.asarray(rng.randint(0, 500, (2, 32)), jnp.int32),
+        "loss_mask": jnp.asarray(seg > 0, jnp.int32),
+        "segment_ids": jnp.asarray(seg, jnp.int32),
+        "positions": jnp.asarray(pos, jnp.int32),
+    }
+    out = {}
+    for name, cfg in {
+        "default": CFG,
+        "cpu": dataclasses.replace(CFG, cpu_layout=True, scan_layers=False),
+    }.items():
+        model = create(cfg, seed=2)
+        graphdef, params = nnx.graphdef(model), nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        grad = jax.jit(
+            jax.value_and_grad(lambda p, g=graphdef: loss_sums(g, p, batch, 8, "fused"), has_aux=True)
+        )
+        logits = model(batch["input_ids"], batch["positions"], batch["segment_ids"])
+        out[name] = (logits, *grad(params))
+    (l_d, (s_d, n_d), g_d), (l_c, (s_c, n_c), g_c) = out["default"], out["cpu"]
+    np.testing.assert_allclose(np.asarray(l_c), np.asarray(l_d), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(s_c), float(s_d), rtol=1e-6)
+    assert float(n_c) == float(n_d) > 0
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_c), jax.tree.leaves(g_d), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5 * np.abs(b).max(), err_msg=str(path))
+
+
+def test_cpu_layout_is_ignored_when_decoding_with_a_cache():
+    from agentrefine_jax.models.llama import init_cache
+
+    model = create(dataclasses.replace(CFG, cpu_layout=True), seed=1)
+    ref = create(CFG, seed=1)
+    ids = jnp.asarray(np.random.RandomState(1).randint(0, 500, (1, 6)), jnp.int32)
+    h1, _ = model.forward(ids, cache=init_cache(model.cfg, 1, 8))
+    h2, _ = ref.forward(ids, cache=init_cache(ref.cfg, 1, 8))
+    np.testing.assert_array_equal(np.asarray(h1), np.asarray(h2))
