@@ -90,7 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--best-of", type=int, default=1, help="samples per episode; success if any succeeds")
     p.add_argument("--perturb", action="store_true", help="also run reworded-action variants (robustness)")
-    p.add_argument("--num-perturbations", type=int, default=3)
+    p.add_argument(
+        "--num-perturbations",
+        type=int,
+        help="reworded variants with --perturb (default 3; AgentBoard protocol: ALFWorld's 5)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--max-steps",
@@ -186,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         episodes=10 if args.episodes is None else args.episodes,
         best_of=args.best_of,
         perturb=args.perturb,
-        num_perturbations=args.num_perturbations,
+        num_perturbations=3 if args.num_perturbations is None else args.num_perturbations,
         seed=args.seed,
         max_steps=args.max_steps,
         batch_size=batch_size,

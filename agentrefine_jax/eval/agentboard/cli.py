@@ -12,7 +12,7 @@ from agentrefine_jax.eval.agentboard.protocol import DEFAULT_MAX_STEPS
 from agentrefine_jax.eval.agentboard.runner import TASKS, RunConfig, format_table, run
 
 # Options of our harness that AgentBoard's protocol fixes (greedy, 100 tokens, one sample, no rewording).
-_NOT_HERE = ("best_of", "perturb", "temperature", "plugin")
+_NOT_HERE = ("best_of", "temperature", "plugin")
 
 
 def run_agentboard(args: argparse.Namespace) -> int:
@@ -30,6 +30,9 @@ def run_agentboard(args: argparse.Namespace) -> int:
         seed=args.seed,
         log_dir=args.log_dir,
         limit=args.episodes,
+        perturbations=(5 if args.num_perturbations is None else args.num_perturbations)
+        if args.perturb
+        else 0,
     )
     config.validate()
     checkout = Checkout(args.agentboard_dir)

@@ -348,17 +348,21 @@ def run_episodes(
     max_steps: int = DEFAULT_MAX_STEPS,
     batch_size: int = 1,
     on_done: Callable[[EpisodeLog], None] | None = None,
+    wrap_env: Callable[[Any], Any] | None = None,
+    reword_prompt: Callable[[PromptSet], PromptSet] | None = None,
 ) -> list[EpisodeLog]:
     """Run every episode of `specs` under AgentBoard's loop; results in `specs` order.
 
     With a model backend, up to `batch_size` episodes are in flight and each step is one batched call. Prompts
     (and therefore the prompt file) are only built for a model; a privileged policy sees the env and history.
+    `wrap_env` and `reword_prompt` apply a perturbation (reworded actions) to every episode's env and prompt.
     """
     setup = AgentBoardTaskSetup(task.check_actions, bool(task.check_inventory))
     results: dict[int, EpisodeLog] = {}
     pending = list(enumerate(specs))
     active: list[tuple[int, Episode, Any]] = []
     width = max(1, batch_size if agent.model is not None else 1)
+    width = min(width, getattr(task, "max_in_flight", width))  # e.g. one JVM per ScienceWorld episode
 
     def finish(i: int, ep: Episode) -> None:
         results[i] = ep.log
@@ -369,11 +373,15 @@ def run_episodes(
         while pending and len(active) < width:
             i, spec = pending.pop(0)
             env = task.make_env(checkout, spec)
+            if wrap_env is not None:
+                env = wrap_env(env)
             ep = Episode(spec, env, setup, max_steps)
             policy = None
             try:
                 if agent.model is not None:
                     ep.prompt_set = load_prompt_set(checkout, task.prompt_file, task.examples_key(spec))
+                    if reword_prompt is not None:
+                        ep.prompt_set = reword_prompt(ep.prompt_set)
                 ep.start()
             except CheckoutError:
                 env.close()

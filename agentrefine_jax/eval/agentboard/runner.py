@@ -278,6 +278,7 @@ class RunConfig:
     seed: int = 0
     log_dir: str | None = None
     limit: int | None = None  # first N episodes per task (smoke runs; a full run leaves it None)
+    perturbations: int = 0  # ALFWorld reworded-action variants to run beside the original (Table 3: 5)
 
     def validate(self) -> None:
         if not self.tasks:
@@ -290,7 +291,13 @@ class RunConfig:
         if self.batch_size < 1:
             raise ValueError("--batch-size must be >= 1")
         if self.limit is not None and self.limit < 1:
-            raise ValueError("--limit must be >= 1")
+            raise ValueError("--episodes must be >= 1")
+        if self.perturbations < 0:
+            raise ValueError("--num-perturbations must be >= 0")
+        if self.perturbations and "alfworld" not in self.tasks:
+            raise ValueError(
+                "AgentBoard perturbations (reworded actions, Table 3) are defined for alfworld only"
+            )
 
 
 def run(
@@ -359,11 +366,54 @@ def run(
         doc["episodes"] += [episode_record(x) for x in logs]
         if writer is not None:
             writer.task(task.name, metrics)
+        if config.perturbations and task.name == "alfworld":
+            doc.setdefault("perturbation", {})[task.name] = _perturbed(
+                task, checkout, specs, agent, config, metrics, log
+            )
     notes = [n for t in tasks for n in getattr(t, "notes", [])]
     if notes:
         doc["checkout_notes"] = notes
     doc["held_out"] = held_out_summary(doc["tasks"])
     return doc
+
+
+def _perturbed(
+    task: Any,
+    checkout: Checkout,
+    specs: Sequence[Any],
+    agent: Agent,
+    config: RunConfig,
+    original: dict[str, Any],
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """The task's episodes again under each reworded-action variant; Table 3's original/mean/std layout."""
+    from agentrefine_jax.eval.agentboard import perturb
+    from agentrefine_jax.eval.agentboard.protocol import PromptSet
+
+    variants = []
+    for k in range(1, config.perturbations + 1):
+        rw = perturb.rewording(k)
+
+        def reword(ps: PromptSet, rw: Any = rw) -> PromptSet:
+            instruction, examples = perturb.reword_prompt(rw, ps.instruction, ps.examples)
+            return PromptSet(instruction, examples, ps.system_msg)
+
+        log(f"[agentboard] {task.name}: perturbation {k} ({rw.name})")
+        logs = run_episodes(
+            task,
+            checkout,
+            specs,
+            agent,
+            max_steps=config.max_steps,
+            batch_size=config.batch_size,
+            wrap_env=lambda env, rw=rw: perturb.RewordedEnv(env, rw),
+            reword_prompt=reword,
+        )
+        variants.append({"index": k, "name": rw.name} | task_metrics(logs))
+    out: dict[str, Any] = {"variants": variants}
+    for m in ("success_rate", "progress_rate"):
+        out[m] = perturb.summary(original[m], [v[m] for v in variants])
+    return out
 
 
 def _oracle_for(task: Any, env: Any, spec: Any) -> Any:
@@ -396,6 +446,13 @@ def format_table(doc: dict[str, Any]) -> str:
             f"held-out episode-weighted mean (112/90/60/20, NOT AgentBoard's): "
             f"success {_pct(w['success_rate'])} progress {_pct(w['progress_rate'])}"
         )
+    for name, p in doc.get("perturbation", {}).items():
+        for m in ("success_rate", "progress_rate"):
+            r = p[m]
+            lines.append(
+                f"{name} {m} under reworded actions: original {_pct(r['original'])}, "
+                f"{len(r['perturbations'])} variants mean {_pct(r['mean'])} ± {100 * r['std']:.1f}"
+            )
     for note in doc.get("checkout_notes", []):
         lines.append(f"note: {note}")
     return "\n".join(lines)

@@ -19,7 +19,7 @@ import re
 import threading
 from typing import Any
 
-from agentrefine_jax.eval.agentboard.checkout import DATA, Checkout, CheckoutError
+from agentrefine_jax.eval.agentboard.checkout import CONFIG_FILE, DATA, Checkout, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec, StepResult
 
 LABELS = "data/scienceworld/test.jsonl"
@@ -33,6 +33,7 @@ class SciWorldTask:
     name = "sciworld"
     agentboard_name = "scienceworld"
     prompt_file = PROMPT_FILE
+    max_in_flight = 4  # each episode in flight holds a simulator JVM (~0.5 GB)
 
     def __init__(self, strict: bool = True):
         self.strict = strict
@@ -46,8 +47,13 @@ class SciWorldTask:
     def episodes(self, checkout: Checkout) -> list[EpisodeSpec]:
         if checkout.has_config():
             cfg = checkout.env_config("scienceworld")
-            self.check_actions = cfg.get("check_actions", CHECK)
+            self.check_actions = cfg.get("check_actions")
+            # AgentBoard adds the inventory line whenever the key is set (`is not None`), even to False.
             self.check_inventory = cfg.get("check_inventory") is not None
+        elif self.strict:
+            checkout.config()  # raises the one-line missing-file error
+        else:
+            self.notes.append(f"{checkout.root / CONFIG_FILE} absent: check_actions and check_inventory on")
         rows = checkout.read_jsonl(LABELS, DATA)
         by_key: dict[str, dict[str, Any]] = {}
         for n, row in enumerate(rows, 1):
