@@ -609,6 +609,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.compile:
         return aot.run(args.config, args.overrides, args.topology, args.num_slices, args.json)
+    if args.num_slices != 1:
+        print("error: --num-slices goes with --compile", file=sys.stderr)
+        return 2
     chip, devices = args.chip, args.devices
     if args.topology:
         try:

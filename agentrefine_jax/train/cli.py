@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.compile_only:
         return aot.run(args.config, args.overrides, args.topology, args.num_slices, args.json)
+    if args.topology or args.num_slices != 1 or args.json:
+        print("error: --topology, --num-slices and --json go with --compile-only", file=sys.stderr)
+        return 2
     # With libtpu installed but no TPU here, keep its start-up quiet.
     aot.prepare_tpu_env()
     from agentrefine_jax.config import load_config, to_dict
