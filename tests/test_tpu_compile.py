@@ -30,8 +30,7 @@ def test_slice_table_matches_libtpu() -> None:
     from jax.experimental import topologies
 
     aot.prepare_tpu_env()
-    names = ["v5p-8", "v5p-64", "v5e-8", "v5e-256", "v6e-64", "v4-32"]
-    for name in names:
+    for name in T.SLICES:
         sl = T.get_slice(name)
         devices = topologies.get_topology_desc(
             platform="tpu",
