@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup("plan", args)
     if args.compile:
         return aot.run(args.config, args.overrides, args.topology, args.num_slices, args.json)
+    if args.num_slices != 1:
+        return fail("plan", "--num-slices goes with --compile")
     chip, devices = args.chip, args.devices
     if args.topology:
         try:

@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.compile_only:
         return aot.run(args.config, args.overrides, args.topology, args.num_slices, args.json, tool=TOOL)
+    if args.topology or args.num_slices != 1 or args.json:
+        return fail(TOOL, "--topology, --num-slices and --json go with --compile-only")
     # With libtpu installed but no TPU here, keep its start-up quiet.
     aot.prepare_tpu_env()
     from agentrefine_jax.config import ConfigError, load_config, to_dict
