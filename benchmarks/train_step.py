@@ -6,6 +6,8 @@ batch and sequence length, with an AdamW step included. After one warm-up round 
 times `--steps` steps and the printed ratio is the median of the per-round ratios against
 torch float32, with its min and max, beside the machine load seen.
   * ours        — agentrefine_jax jitted step, float32, with the trainer's CPU defaults
+                  (train.loss_impl=auto -> fused cross-entropy)
+  * ours_cpu    — ours plus model.cpu_layout=true, model.scan_layers=false (the CPU layout)
   * ours_remat  — the same with train.loss_impl="remat" (the TPU-style chunked loss)
   * ours_bf16   — ours with bfloat16 compute (float32 params)
   * torch_fp32  — transformers LlamaForCausalLM, eager, float32 (the baseline)
@@ -31,6 +33,7 @@ import _paired  # noqa: E402
 MODEL = dict(vocab=32000, hidden=256, inter=768, layers=4, heads=8, kv=4)
 OURS = {  # contender -> overrides of the trainer defaults
     "ours": {},
+    "ours_cpu": {"cpu_layout": True, "scan_layers": False},
     "ours_remat": {"loss_impl": "remat"},
     "ours_bf16": {"dtype": "bfloat16"},
 }
@@ -235,7 +238,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument(
         "--contenders",
-        default="ours,torch_fp32,torch_bf16",
+        default="ours_cpu,ours,torch_fp32,torch_bf16",
         help=f"comma list from {sorted([*OURS, *TORCH])}; torch_fp32 is always included",
     )
     p.add_argument("--no-effective", action="store_true", help="skip the packed-vs-padded pair")
@@ -257,8 +260,12 @@ def main() -> None:
         f"{args.steps} steps (after 1 warm-up round), load {_paired.load_now():.2f}"
     )
     res = _pairs(kinds, "torch_fp32", args)
+    # The headline figure: our best CPU setting among those measured (named in "setting").
+    ours_measured = [k for k in OURS if k in res["ratio"]]
+    best = max(ours_measured, key=lambda k: res["ratio"][k]["median"]) if ours_measured else None
     out: dict[str, Any] = {
-        "ratio_vs_torch_fp32": res["ratio"].get("ours"),
+        "ratio_vs_torch_fp32": res["ratio"].get(best),
+        "setting": {"contender": best, **OURS[best]} if best else None,
         "rounds": res["rounds"],
         "load": res["load"],
         "model": MODEL,
