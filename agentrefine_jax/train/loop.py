@@ -131,7 +131,9 @@ def run_steps(
         state.step += 1
         read_pending()  # step k-1: the device is already busy with step k
         pending = (state.step, metrics)
-        ckpts.poll()  # a failed background save stops the run here, not at the end
+        # A save started at step k-1 must be known good before step k counts: wait for it here
+        # (it overlapped step k's compute), so a failed save stops the run at the next step.
+        ckpts.poll(wait=bool(ckpts.pending))
         if any(h.wants(state.step) for h in hooks):
             read_pending()
         for h in hooks:
