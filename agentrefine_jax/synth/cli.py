@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import pathlib
 import sys
 
-from agentrefine_jax.cli_errors import OneLineParser
+from agentrefine_jax import logs
+from agentrefine_jax.cli_errors import OneLineParser, fail
 from agentrefine_jax.synth import jsonl
 from agentrefine_jax.synth.convert import convert_file
 from agentrefine_jax.synth.generate import GenerateConfig, run_generate
@@ -18,7 +20,7 @@ from agentrefine_jax.synth.verify import verify_trajectory
 
 
 def _err(msg: str) -> None:
-    print(f"[synth] error: {msg}", file=sys.stderr, flush=True)
+    fail("synth", msg)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -51,7 +53,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         _err("--concurrency must be >= 1 and --max-retries >= 0")
         return 2
     try:
-        report = run_generate(cfg)
+        # -q: no progress line or per-persona messages (errors still reach stderr as one line)
+        report = run_generate(cfg, progress_stream=open(os.devnull, "w") if a.quiet else None)
     except FileNotFoundError as e:
         _err(str(e))
         return 2
@@ -174,14 +177,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--input", required=True)
     c.add_argument("--out", required=True)
     c.add_argument("--summary", help="also write the drop summary as JSON here")
-    c.add_argument("--prompt-style", choices=("chat", "agentboard"), default="chat",
-                   help="agentrefine_jax.layout style: chat = one multi-turn conversation per trajectory "
-                   "(what `eval --prompt-style chat` sends); agentboard = one row per trained turn, its "
-                   "history in AgentBoard's single user message")
+    c.add_argument(
+        "--prompt-style",
+        choices=("chat", "agentboard"),
+        default="chat",
+        help="agentrefine_jax.layout style: chat = one multi-turn conversation per trajectory "
+        "(what `eval --prompt-style chat` sends); agentboard = one row per trained turn, its "
+        "history in AgentBoard's single user message",
+    )
     c.set_defaults(func=cmd_convert)
+    for command in sub.choices.values():
+        logs.add_flags(command)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logs.setup("synth", args)
     return args.func(args)
