@@ -50,10 +50,13 @@ def compile_row(config: str, slice_name: str, overrides: tuple[str, ...], attent
     row: dict[str, Any] = {"config": config, "slice": slice_name, "attention": attention or "default"}
     row["overrides"] = list(overrides)
     row["wall_seconds"] = round(time.perf_counter() - t0, 1)
-    if r.returncode not in (0, 1):
+    try:  # exit 1 is "does not fit" (still a report) or a crash (no JSON)
+        out = json.loads(r.stdout) if r.returncode in (0, 1) else None
+    except json.JSONDecodeError:
+        out = None
+    if out is None:
         row["error"] = (r.stderr.strip().splitlines() or ["no output"])[-1]
         return row
-    out = json.loads(r.stdout)
     b = out["compiled"]["bytes_per_device"]
     row.update(
         mesh=out["mesh"],

@@ -101,7 +101,10 @@ def make_mesh(devices: list[Any], sizes: dict[str, int], num_slices: int) -> Any
         ici = (shape[0] // num_slices, *shape[1:])
         arr = mesh_utils.create_hybrid_device_mesh(ici, (num_slices, 1, 1), devices=devices)
     else:
-        arr = mesh_utils.create_device_mesh(shape, devices=devices)
+        try:
+            arr = mesh_utils.create_device_mesh(shape, devices=devices)
+        except NotImplementedError:  # e.g. tensor=4 on a 16x16 torus: split a physical axis
+            arr = mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
     return Mesh(arr, MESH_AXES)
 
 
