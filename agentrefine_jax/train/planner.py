@@ -313,12 +313,9 @@ def activation_model(
     blocked = 0 < blk < seq_len and seq_len % blk == 0
     attention_blocks = 0
     mask = 0
-    if attention.resolve(model_cfg, "tpu") == "splash":
-        # The splash kernel tiles scores in VMEM and builds its mask from segment ids per tile:
-        # no score block or [S, S] mask in HBM (compiler: 8B v5p-64 temp 17.41 -> 13.37 GiB).
-        notes_attention = "attention: splash (TPU kernel; no score blocks or [S, S] mask in HBM)"
-    else:
-        notes_attention = "attention: blocked XLA"
+    # The splash kernel (TPU default) tiles scores in VMEM and builds its mask per tile from the
+    # segment ids: no score block or [S, S] mask in HBM (compiler, 8B v5p-64: temp 17.41 -> 13.37 GiB).
+    if attention.resolve(model_cfg, "tpu") != "splash":
         if blocked:
             # Scores (f32), probabilities (compute dtype) and score cotangents (f32) of one
             # query block, rebuilt inside the block's checkpoint.
@@ -358,7 +355,7 @@ def activation_model(
         "attention_mask": mask,
         "logits_chunk": logits_chunk,
     }
-    return ActivationModel(fixed, per_sample), [*notes, notes_attention]
+    return ActivationModel(fixed, per_sample), notes
 
 
 # -------------------------------------------------------------------------------- plan
@@ -466,6 +463,7 @@ def plan(
     return {
         "config": name,
         "chip": chip,
+        "attention": attention.resolve(cfg.model, "tpu"),
         "mesh": mesh_sizes,
         "devices": devices,
         "params": n_params,
@@ -529,7 +527,8 @@ def format_plan(p: dict[str, Any], name: str = "") -> str:
         f"  parameters          {p['params']:,} ({p['param_dtype']} master, {p['compute_dtype']} compute)",
         f"  batch               global {p['global_batch']} x {p['seq_len']} tokens; micro {p['micro_batch']} "
         f"({accum}), {p['micro_batch_per_device']} per device",
-        f"  remat               {p['remat_policy']}, attention block {p['attention_block_size'] or 'none'}",
+        f"  remat               {p['remat_policy']}; attention {p['attention']}"
+        + ("" if p["attention"] == "splash" else f", block {p['attention_block_size'] or 'none'}"),
         "  bytes per device",
         f"    params            {_gib(b['params'])}",
         f"    grads             {_gib(b['grads'])}",
