@@ -119,23 +119,27 @@ def delta(
     return jnp.tensordot(xa, ab["b"].astype(x.dtype), axes=1) * jnp.asarray(spec.scale, x.dtype)
 
 
-def merged_weight(w: jax.Array, ab: dict[str, jax.Array], n_in: int, spec: LoraSpec) -> jax.Array:
-    """W + A @ B * alpha / r, in float32, cast back to W's dtype (any leading layers axis kept)."""
+def merged_weight(
+    w: jax.Array, ab: dict[str, jax.Array], n_in: int, spec: LoraSpec, dtype: Any = None
+) -> jax.Array:
+    """W + A @ B * alpha / r, in float32, cast to `dtype` (default W's; leading layers axis kept)."""
     a, b = ab["a"].astype(jnp.float32), ab["b"].astype(jnp.float32)
     lead = a.ndim - n_in - 1  # 1 for stacked adapters, 0 for one layer's
     ein_a = "xyz"[:lead] + "ijk"[:n_in] + "r"
     ein_b = "xyz"[:lead] + "r" + "uvw"[: b.ndim - lead - 1]
     out = ein_a[:-1] + ein_b[lead + 1 :]
     ab_prod = jnp.einsum(f"{ein_a},{ein_b}->{out}", a, b)
-    return (w.astype(jnp.float32) + ab_prod * spec.scale).astype(w.dtype)
+    return (w.astype(jnp.float32) + ab_prod * spec.scale).astype(dtype or w.dtype)
 
 
-def merge(base: dict[str, Any], adapters: Adapters, spec: LoraSpec) -> dict[str, Any]:
-    """The base's pure-dict params with every adapter folded into its projection."""
-    layers = dict(base["layers"])
+def merge(base: dict[str, Any], adapters: Adapters, spec: LoraSpec, dtype: Any = None) -> dict[str, Any]:
+    """The base's pure-dict params with every adapter folded into its projection; with `dtype`,
+    every tensor is cast to it (the merge itself is float32)."""
+    cast = (lambda x: x) if dtype is None else (lambda x: x.astype(dtype))
+    layers = {k: cast(v) for k, v in base["layers"].items()}
     for name, ab in adapters.items():
-        layers[name] = merged_weight(layers[name], ab, _row(name).n_in, spec)
-    return {**base, "layers": layers}
+        layers[name] = merged_weight(base["layers"][name], ab, _row(name).n_in, spec, dtype)
+    return {**{k: cast(v) for k, v in base.items() if k != "layers"}, "layers": layers}
 
 
 # ------------------------------------------------------------------------------ PEFT layout

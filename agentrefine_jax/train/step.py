@@ -45,6 +45,7 @@ class StepFns:
     # differentiated, held in the optimizer state and checkpointed (`trainable`).
     lora_spec: lora.LoraSpec | None = None
     init_adapters: Callable[[int], Params] | None = None
+    merged_dtype: str | None = None  # model.param_dtype: what a merged LoRA model is cast to
 
     def trainable(self, params: Params) -> Params:
         """What the optimizer updates and a checkpoint stores: all params, or the adapters."""
@@ -61,7 +62,7 @@ class StepFns:
     def model(self, params: Params) -> Transformer:
         """The model these params describe, adapters merged into the base's weights."""
         if self.lora_spec:
-            params = lora.merge(params["base"], params["lora"], self.lora_spec)
+            params = lora.merge(params["base"], params["lora"], self.lora_spec, self.merged_dtype)
         return nnx.merge(self.graphdef, params)
 
 
@@ -97,6 +98,7 @@ def build_steps(
     lora_spec: lora.LoraSpec | None = None,
     lora_base_dtype: str | None = None,
 ) -> StepFns:
+    merged_dtype = model_cfg.param_dtype
     if lora_spec is not None and lora_base_dtype:  # the frozen base is stored in its own dtype
         model_cfg = dataclasses.replace(model_cfg, param_dtype=lora_base_dtype)
     graphdef, abs_state = abstract_params(model_cfg)
@@ -230,6 +232,7 @@ def build_steps(
         evaluate=with_rules(eval_jit),
         lora_spec=lora_spec,
         init_adapters=None if init_adapters_jit is None else with_rules(init_adapters_jit),
+        merged_dtype=merged_dtype,
     )
 
 
