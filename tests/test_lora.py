@@ -177,7 +177,8 @@ def test_peft_loads_the_adapter_export_with_our_logits_and_merged_export_agrees(
         from_merged = merged(torch.as_tensor(ids)).logits.numpy()
     _, model, _ = load_model(lora_run, dtype="float32", param_dtype="float32")
     ours = np.asarray(model(jnp.asarray(ids, jnp.int32)))
-    base_only = base(torch.as_tensor(ids)).logits.detach().numpy()
+    with torch.no_grad(), peft_model.disable_adapter():  # peft wraps `base` in place
+        base_only = peft_model(torch.as_tensor(ids)).logits.numpy()
     assert np.abs(theirs - base_only).max() > 1e-3  # the adapters change the logits
     assert np.abs(theirs - ours).max() <= 1e-4
     assert np.abs(from_merged - theirs).max() <= 1e-4
