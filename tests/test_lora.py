@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -38,6 +39,23 @@ def _batch(b: int = 4, s: int = 32) -> dict[str, jax.Array]:
         "segment_ids": jnp.ones((b, s), jnp.int32),
         "positions": jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)),
     }
+
+
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        ("train.lora.rank=-1", "train.lora.rank=-1: must be >= 0"),
+        ("train.lora.targets=q,x", "must be a non-empty subset of q, k, v, o, gate, up, down"),
+        ("train.lora.dropout=1", "train.lora.dropout=1.0: must be in [0, 1)"),
+        ("train.lora.base_dtype=int8", "int8: the QLoRA int8 base (qwix) is not implemented yet"),
+        ("train.lora.base_dtype=fp8", "must be one of bfloat16, float32, int8"),
+    ],
+)
+def test_bad_lora_settings_are_refused_at_load_time(bad, says):
+    from agentrefine_jax.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load_config("demo", ["train.lora.rank=8", bad])
 
 
 def test_fresh_adapters_leave_the_forward_unchanged():
