@@ -8,6 +8,10 @@ subdirectory is one step, holding at least two items:
   meta    JsonSave of {"model": ModelConfig dict, "tokenizer": str|None,
           "template": str|None, "config": full Config dict|None, "step": int}.
 
+A LoRA run's steps (meta["lora"] set: rank, alpha, targets, base dtype and `base`, the
+reference to the frozen base: {"init_from_hf": dir} or {"seed": n}) hold only the adapters
+in `params`; `load_model` rebuilds the base from the reference and merges them.
+
 The trainer adds `opt_state` (its optimizer state) to the same steps, through the same
 manager (`manager`, `TrainCheckpoints`); loaders read only `params` and `meta` and ignore
 everything else (older runs also hold a `data_iter` item, no longer needed: the data
@@ -427,18 +431,21 @@ def load_model(
     `param_dtype` casts on restore; `overrides` replace non-shape ModelConfig fields (e.g.
     dtype="float32", scan_layers=False, remat_policy="full"). Returns (config, model, meta).
     """
-    root, step = resolve_checkpoint(path)
-    if (root / str(step) / MANIFEST).exists():
-        verify_step(root / str(step))
-    else:  # written by another tool or an older version: usable, but say it is unverified
-        warnings.warn(f"checkpoint {root / str(step)} has no {MANIFEST}; loading it unverified", stacklevel=2)
-    meta = read_meta(root, step)
+    root, step, meta = _open_step(path)
     model_cfg = model_config_from_meta(meta)
     changes = dict(overrides)
     if param_dtype is not None:
         changes["param_dtype"] = param_dtype
     if changes:
         model_cfg = dataclasses.replace(model_cfg, **changes)
+    if meta.get("lora"):  # adapters only: rebuild the base, merge in float32, cast to param_dtype
+        from agentrefine_jax.models import lora
+
+        base_cfg, base, spec, adapters = load_lora(root / str(step), meta, mesh=mesh, rules=rules, **changes)
+        merged = lora.merge(base, adapters, spec, dtype=model_cfg.param_dtype)
+        graphdef, abs_params = abstract_params(model_cfg)
+        nnx.replace_by_pure_dict(abs_params, merged)
+        return model_cfg, nnx.merge(graphdef, abs_params), meta
 
     graphdef, abs_params = abstract_params(model_cfg)
     expected = nnx.to_pure_dict(abs_params)
@@ -466,6 +473,92 @@ def load_model(
     nnx.replace_by_pure_dict(abs_params, restored)
     model = nnx.merge(graphdef, abs_params)
     return model_cfg, model, meta
+
+
+def _open_step(path: str | pathlib.Path | epath.Path) -> tuple[epath.Path, int, dict[str, Any]]:
+    root, step = resolve_checkpoint(path)
+    if (root / str(step) / MANIFEST).exists():
+        verify_step(root / str(step))
+    else:  # written by another tool or an older version: usable, but say it is unverified
+        warnings.warn(f"checkpoint {root / str(step)} has no {MANIFEST}; loading it unverified", stacklevel=2)
+    return root, step, read_meta(root, step)
+
+
+def load_lora(
+    path: str | pathlib.Path | epath.Path,
+    meta: Mapping[str, Any] | None = None,
+    *,
+    mesh: Mesh | None = None,
+    rules: Any = None,
+    **overrides: Any,
+) -> tuple[ModelConfig, dict[str, Any], Any, dict[str, Any]]:
+    """A LoRA run's (base config, frozen base params, LoraSpec, adapters), the base rebuilt
+    bit for bit from the checkpoint's reference (the HF dir it started from, or its seed)."""
+    from agentrefine_jax.models import lora
+
+    if meta is None:
+        root, step, meta = _open_step(path)
+        path = root / str(step)
+    ref = meta.get("lora")
+    if not ref:
+        raise ValueError(f"checkpoint {path} is not a LoRA run (its meta has no 'lora' entry)")
+    spec = lora.LoraSpec(tuple(ref["targets"]), int(ref["rank"]), float(ref["alpha"]), float(ref["dropout"]))
+    overrides.pop("param_dtype", None)
+    base_cfg = dataclasses.replace(model_config_from_meta(meta), param_dtype=ref["base_dtype"], **overrides)
+    graphdef, abs_base = abstract_params(base_cfg)
+    base_ref = ref["base"]
+    if "init_from_hf" in base_ref:
+        from agentrefine_jax.hf.io import load_hf_model  # the base's own format
+
+        hf_dir = base_ref["init_from_hf"]
+        if not pathlib.Path(hf_dir).is_dir() and not is_url(hf_dir):
+            raise FileNotFoundError(f"the LoRA run's base {hf_dir} (train.init_from_hf) is missing")
+        _, model = load_hf_model(hf_dir, mesh=mesh, rules=rules, param_dtype=ref["base_dtype"])
+        base = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    else:
+        shardings = param_shardings(abs_base, mesh, rules)
+        base = jax.jit(
+            lambda: nnx.to_pure_dict(nnx.state(llama.create(base_cfg, int(base_ref["seed"])), nnx.Param)),
+            out_shardings=shardings,
+        )()
+    shapes = lora.shapes(spec, base_cfg)
+    single = None if mesh is not None else SingleDeviceSharding(jax.devices()[0])
+    target = {
+        n: {
+            f: jax.ShapeDtypeStruct(shapes[n][f], jnp.dtype(lora.ADAPTER_DTYPE), sharding=single)
+            for f in "ab"
+        }
+        for n in shapes
+    }
+    if mesh is not None:
+        from agentrefine_jax.sharding import logical_to_spec
+
+        axes = lora.logical_axes(spec)
+        target = {
+            n: {
+                f: jax.ShapeDtypeStruct(
+                    t.shape,
+                    t.dtype,
+                    sharding=jax.sharding.NamedSharding(
+                        mesh, logical_to_spec(axes[n][f], rules or (), t.shape, mesh)
+                    ),
+                )
+                for f, t in d.items()
+            }
+            for n, d in target.items()
+        }
+    params_dir = epath.Path(path) / ITEM_PARAMS
+    problems = compare_trees(
+        target, ocp.StandardCheckpointHandler().metadata(params_dir).tree, what="adapter"
+    )
+    if problems:
+        raise ValueError(
+            f"LoRA checkpoint {params_dir} does not match its lora settings: " + "; ".join(problems)
+        )
+    adapters = ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(
+        params_dir, args=ocp.args.StandardRestore(target)
+    )
+    return base_cfg, base, spec, adapters
 
 
 # ------------------------------------------------------------------------ training state

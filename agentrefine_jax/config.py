@@ -108,6 +108,19 @@ class MeshConfig:
 
 
 @dataclasses.dataclass
+class LoraConfig:
+    """LoRA refinement tuning (docs/lora.md): train low-rank adapters on a frozen base."""
+
+    rank: int = 0  # 0: LoRA off, every weight is trained
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapter's input, training only
+    # Projections that get adapters: any of q, k, v, o, gate, up, down.
+    targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+    # Storage dtype of the frozen base: bfloat16 | float32 (| int8 via qwix: not built yet).
+    base_dtype: str = "bfloat16"
+
+
+@dataclasses.dataclass
 class TrainConfig:
     run_dir: str = "runs/default"
     global_batch_size: int = 64
@@ -135,6 +148,7 @@ class TrainConfig:
     export_dtype: str = "auto"
     # Peak FLOP/s per device used for MFU; 0 = look it up from the device kind.
     peak_flops_per_device: float = 0.0
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
 
 @dataclasses.dataclass

@@ -158,7 +158,24 @@ RULES: dict[str, Check | Callable[[], Check]] = {
     # "auto": the dtype the checkpoint was imported from, else the parameter dtype.
     "train.export_dtype": one_of("auto", *DTYPES),
     "train.peak_flops_per_device": at_least(0),
+    "train.lora.rank": at_least(0),
+    "train.lora.alpha": greater_than(0),
+    "train.lora.dropout": fraction(upper_open=True),
+    "train.lora.targets": lambda: subset_of(*_lora_targets()),
+    "train.lora.base_dtype": lambda: one_of(*_lora_base_dtypes()),
 }
+
+
+def _lora_targets() -> tuple[str, ...]:
+    from agentrefine_jax.models.lora import TARGETS
+
+    return tuple(TARGETS)
+
+
+def _lora_base_dtypes() -> tuple[str, ...]:
+    from agentrefine_jax.models.lora import BASE_DTYPES
+
+    return BASE_DTYPES
 
 
 def _mesh_one_fill(cfg: Any) -> str | None:
@@ -196,7 +213,19 @@ def _warmup(cfg: Any) -> str | None:
     return None
 
 
-CROSS_CHECKS: list[Callable[[Any], str | None]] = [_mesh_one_fill, _mesh_rules, _micro_batch, _warmup]
+def _lora_int8(cfg: Any) -> str | None:
+    if cfg.train.lora.rank and cfg.train.lora.base_dtype == "int8":
+        return "train.lora.base_dtype=int8: the QLoRA int8 base (qwix) is not implemented yet; use bfloat16"
+    return None
+
+
+CROSS_CHECKS: list[Callable[[Any], str | None]] = [
+    _mesh_one_fill,
+    _mesh_rules,
+    _micro_batch,
+    _warmup,
+    _lora_int8,
+]
 
 
 # ---------------------------------------------------------------------------- checking

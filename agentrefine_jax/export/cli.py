@@ -67,9 +67,7 @@ def cmd_from_hf(args: argparse.Namespace) -> int:
         tokenizer = str(hf.resolve())
         log.info(f"note: recording the tokenizer in {tokenizer} (override with --tokenizer NAME)")
     t0 = time.time()
-    cfg, model = load_hf_model(
-        args.hf, mesh=mesh, param_dtype=args.param_dtype, log=log.info
-    )
+    cfg, model = load_hf_model(args.hf, mesh=mesh, param_dtype=args.param_dtype, log=log.info)
     log.info(
         f"loaded {param_count(model):,} parameters in {time.time() - t0:.1f}s; writing checkpoint {args.out}"
     )
@@ -88,7 +86,7 @@ def cmd_from_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_to_hf(args: argparse.Namespace) -> int:
-    from agentrefine_jax.checkpoint import is_url, load_model, resolve_checkpoint
+    from agentrefine_jax.checkpoint import is_url, load_model, read_meta, resolve_checkpoint
     from agentrefine_jax.hf.io import check_output_dir, parse_size, resolve_export_dtype, write_hf
 
     if not is_url(args.out):
@@ -96,6 +94,11 @@ def cmd_to_hf(args: argparse.Namespace) -> int:
     mesh = parse_mesh(args.mesh)
     max_shard = parse_size(args.max_shard_size)
     root, step = resolve_checkpoint(args.checkpoint)
+    is_lora = bool(read_meta(root, step).get("lora"))
+    if args.merge_lora and not is_lora:
+        raise ValueError(f"--merge-lora: {root} step {step} is not a LoRA run")
+    if is_lora and not args.merge_lora:
+        return _to_peft(args, root / str(step), mesh, max_shard)
     log.info(f"loading checkpoint {root} step {step} on {_describe_mesh(mesh)}")
     cfg, model, meta = load_model(args.checkpoint, mesh=mesh)
     tokenizer = args.tokenizer or meta.get("tokenizer")
@@ -108,6 +111,31 @@ def cmd_to_hf(args: argparse.Namespace) -> int:
     log.info(f"writing {param_count(model):,} parameters as {dtype} to {args.out}")
     write_hf(model, cfg, args.out, dtype=dtype, max_shard_bytes=max_shard, tokenizer=tokenizer, log=log.info)
     log.info(f"done: {args.out}")
+    return 0
+
+
+def _to_peft(args: argparse.Namespace, step_dir: Any, mesh: Any, max_shard: int) -> int:
+    """A LoRA run without --merge-lora: a PEFT adapter directory (plus the base when it is not an HF dir)."""
+    from flax import nnx
+
+    from agentrefine_jax.checkpoint import abstract_params, load_lora, read_meta
+    from agentrefine_jax.hf.io import write_hf
+    from agentrefine_jax.hf.peft import write_peft_adapter
+
+    meta = read_meta(step_dir.parent, int(step_dir.name))
+    base_cfg, base, spec, adapters = load_lora(step_dir, meta, mesh=mesh)
+    tokenizer = args.tokenizer or meta.get("tokenizer")
+
+    def write_base(where: Any) -> None:
+        dtype = base_cfg.param_dtype if args.export_dtype == "auto" else args.export_dtype
+        graphdef, abs_params = abstract_params(base_cfg)
+        nnx.replace_by_pure_dict(abs_params, base)
+        model = nnx.merge(graphdef, abs_params)
+        log.info(f"the base is not an HF directory: writing it ({dtype}) to {where}")
+        write_hf(model, base_cfg, where, dtype=dtype, max_shard_bytes=max_shard, tokenizer=tokenizer)
+
+    out = write_peft_adapter(args.out, spec, adapters, meta["lora"]["base"], write_base=write_base)
+    log.info(f"done: PEFT adapter (rank {spec.rank}, {', '.join(spec.targets)}) in {out}")
     return 0
 
 
@@ -207,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--tokenizer", help="tokenizer to write (default: the one recorded in the checkpoint)")
     b.add_argument("--mesh", default="auto", help=mesh_help)
+    b.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="LoRA run: write full weights with the adapters merged (default: a PEFT adapter directory)",
+    )
     b.set_defaults(func=cmd_to_hf)
 
     c = sub.add_parser("verify", help="compare our forward pass with transformers' on the same inputs")

@@ -2,6 +2,7 @@
 
 * a project checkpoint (training run dir, checkpoint root or step dir; see
   `agentrefine_jax.checkpoint`): tokenizer and template default to the names in its meta;
+  a LoRA run's adapters are merged into its rebuilt base at load (`checkpoint.load_model`);
 * a Hugging Face directory (config.json + safetensors, e.g. written by `export`): the
   tokenizer defaults to the directory itself when it holds tokenizer files; the template
   must be named, since our templates are not read from tokenizer_config.json.

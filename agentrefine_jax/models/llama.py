@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from agentrefine_jax.models import cpu_layout, params, rope
+from agentrefine_jax.models import cpu_layout, lora, params, rope
 from agentrefine_jax.models.attention import attend
 from agentrefine_jax.models.config import ModelConfig
 from agentrefine_jax.sharding import constrain
@@ -70,16 +70,27 @@ def layer_forward(
     k_pos: jax.Array,
     kv: tuple[jax.Array, jax.Array] | None,
     index: jax.Array | None,
+    lora_spec: lora.LoraSpec | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-    """One decoder layer on per-layer weights `p` (a slice of DecoderLayers)."""
+    """One decoder layer on per-layer weights `p` (a slice of DecoderLayers); with `lora_spec`,
+    `p["lora"]` holds this layer's adapters and `p["lora_key"]` (optional) its dropout key."""
     dt = jnp.dtype(cfg.dtype)
     flat = cfg.cpu_layout and kv is None
     proj_in = cpu_layout.project_in if flat else _project_in
     proj_out = cpu_layout.project_out if flat else _project_out
+
+    def proj(matmul: Any, h: jax.Array, name: str) -> jax.Array:
+        y = matmul(h, p[name].astype(dt))
+        if lora_spec is not None and name in p["lora"]:
+            key = p.get("lora_key")
+            key = None if key is None else jax.random.fold_in(key, lora_spec.names.index(name))
+            y = y + lora.delta(h, p["lora"][name], params.BY_PATH[("layers", name)].n_in, lora_spec, key)
+        return y
+
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q = proj_in(h, p["wq"].astype(dt))
-    k = proj_in(h, p["wk"].astype(dt))
-    v = proj_in(h, p["wv"].astype(dt))
+    q = proj(proj_in, h, "wq")
+    k = proj(proj_in, h, "wk")
+    v = proj(proj_in, h, "wv")
     q = constrain(rope.apply(q, sin, cos), ("batch", "activation_seq", "activation_heads", None))
     k = constrain(rope.apply(k, sin, cos), ("batch", "activation_seq", "activation_kv_heads", None))
     v = constrain(v, ("batch", "activation_seq", "activation_kv_heads", None))
@@ -91,13 +102,13 @@ def layer_forward(
         k, v = k_cache.astype(dt), v_cache.astype(dt)
     attn = attend(cfg, q, k, v, q_seg, q_pos, k_seg, k_pos, cached=kv is not None)
     attn = checkpoint_name(attn, "attn_out")
-    x = x + proj_out(attn, p["wo"].astype(dt))
+    x = x + proj(proj_out, attn, "wo")
     x = constrain(x, ("batch", "activation_seq", "activation_embed"))
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    gate = proj_in(h, p["w_gate"].astype(dt))
-    up = proj_in(h, p["w_up"].astype(dt))
+    gate = proj(proj_in, h, "w_gate")
+    up = proj(proj_in, h, "w_up")
     act = constrain(jax.nn.silu(gate) * up, ("batch", "activation_seq", "activation_mlp"))
-    x = x + proj_out(act, p["w_down"].astype(dt))
+    x = x + proj(proj_out, act, "w_down")
     return constrain(x, ("batch", "activation_seq", "activation_embed")), new_kv
 
 
@@ -152,11 +163,13 @@ class Transformer(nnx.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         cache: Cache | None = None,
+        adapters: tuple[lora.LoraSpec, lora.Adapters, jax.Array | None] | None = None,
     ) -> tuple[jax.Array, Cache | None]:
         """Final-normed hidden states [B, S, hidden] (compute dtype) and the updated cache.
 
         `segment_ids` 0 marks padding; `positions` restart per segment. With a cache the
         tokens are written at `cache["index"]` and attend to every live cache slot.
+        `adapters` = (spec, stacked LoRA weights, dropout key or None) adds LoRA deltas.
         """
         cfg = self.cfg
         b, s = input_ids.shape
@@ -176,11 +189,18 @@ class Transformer(nnx.Module):
             k_seg = jax.lax.dynamic_update_slice_in_dim(cache["segment_ids"], segment_ids, index, axis=1)
             k_pos = jax.lax.dynamic_update_slice_in_dim(cache["positions"], positions, index, axis=1)
 
-        weights = {name: getattr(self.layers, name)[...] for name in _LAYER_PARAMS}
+        weights: dict[str, Any] = {name: getattr(self.layers, name)[...] for name in _LAYER_PARAMS}
+        spec = None
+        if adapters is not None:
+            spec, weights["lora"], key = adapters
+            if key is not None and spec.dropout > 0:
+                weights["lora_key"] = jax.random.split(key, cfg.num_layers)
 
         def body(carry: jax.Array, xs: tuple[dict[str, jax.Array], Any]) -> tuple[jax.Array, Any]:
             p, kv = xs
-            return layer_forward(cfg, p, carry, sin, cos, segment_ids, positions, k_seg, k_pos, kv, index)
+            return layer_forward(
+                cfg, p, carry, sin, cos, segment_ids, positions, k_seg, k_pos, kv, index, spec
+            )
 
         if cfg.remat_policy != "none":
             body = jax.checkpoint(body, policy=_REMAT[cfg.remat_policy], prevent_cse=not cfg.scan_layers)

@@ -157,8 +157,10 @@ class Checkpointing(Hook):
         every: int,
         steps_per_epoch: int,
         start_step: int,
+        saved: Callable[[Any], Any] = lambda params: params,
     ) -> None:
         self.ckpts, self.cfg, self.facts = ckpts, cfg, facts
+        self.saved = saved  # the part of the params a checkpoint holds (LoRA: the adapters)
         self.every, self.steps_per_epoch = every, steps_per_epoch
         self.last_saved = start_step
 
@@ -183,7 +185,7 @@ class Checkpointing(Hook):
             config=self.cfg,
             extra=extra,
         )
-        self.ckpts.save(state.step, state.params, state.opt_state, meta)
+        self.ckpts.save(state.step, self.saved(state.params), state.opt_state, meta)
         self.last_saved = state.step
 
     def at_end(self, state: RunState) -> None:

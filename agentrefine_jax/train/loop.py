@@ -27,6 +27,7 @@ from agentrefine_jax.checkpoint import (
 )
 from agentrefine_jax.config import Config
 from agentrefine_jax.data.packing import BATCH_KEYS
+from agentrefine_jax.models.lora import LoraSpec
 from agentrefine_jax.train import flops
 from agentrefine_jax.train.hooks import Checkpointing, Evaluate, ExportAtEnd, Hook, MetricsLog, RunState
 from agentrefine_jax.train.metrics import MetricsWriter
@@ -64,6 +65,8 @@ def build_train_step(cfg: Config, mesh: jax.sharding.Mesh, total_steps: int) -> 
         micro_batch=cfg.train.micro_batch_size,
         loss_chunk=cfg.train.loss_chunk_size,
         loss_impl=cfg.train.loss_impl,
+        lora_spec=LoraSpec.of(cfg.train.lora),
+        lora_base_dtype=cfg.train.lora.base_dtype,
     )
     return fns, schedule
 
@@ -193,6 +196,8 @@ def train(cfg: Config) -> dict[str, Any]:
         meta = read_meta(paths.checkpoints, resume_step)
         check_schedule(paths, meta, total_steps, cfg)
         facts["source_dtype"] = meta.get("source_dtype")
+    if fns.lora_spec:
+        facts["lora"] = lora_base_reference(cfg)
 
     keep_every = pipeline.steps_per_epoch if tc.keep_epoch_checkpoints else 0
     ckpts = TrainCheckpoints(paths.checkpoints, keep=tc.keep_checkpoints, keep_every=keep_every)
@@ -201,12 +206,14 @@ def train(cfg: Config) -> dict[str, Any]:
             restored = restore_train_state(
                 ckpts.mngr,
                 resume_step,
-                {"params": fns.abstract_params, "opt_state": fns.abstract_opt},
-                {"params": fns.param_shardings, "opt_state": fns.opt_shardings},
+                {"params": fns.abstract_trainable, "opt_state": fns.abstract_opt},
+                {"params": fns.trainable_shardings, "opt_state": fns.opt_shardings},
             )
         except ValueError as e:
             raise TrainingError(str(e)) from None
         params, opt_state = restored["params"], restored["opt_state"]
+        if fns.lora_spec:  # the checkpoint holds the adapters; the base is rebuilt from its reference
+            params = {"base": _initial_params(cfg, fns, mesh)["base"], "lora": params}
         log.info(f"resumed from {paths.checkpoints}/{resume_step}")
     else:
         params = _initial_params(cfg, fns, mesh)
@@ -236,6 +243,7 @@ def train(cfg: Config) -> dict[str, Any]:
         ckpts,
         cfg,
         facts,
+        saved=fns.trainable,
         every=tc.checkpoint_every,
         steps_per_epoch=pipeline.steps_per_epoch,
         start_step=start_step,
@@ -283,15 +291,13 @@ def train(cfg: Config) -> dict[str, Any]:
 def export_final(fns: StepFns, params: Any, cfg: Config, step: int, source_dtype: str | None = None) -> None:
     """Export to `train.export_hf_at_end` (relative: inside the run dir; may be a URL), replacing an
     earlier export of this run without ever leaving a half-written one in its place."""
-    from flax import nnx
-
     from agentrefine_jax.hf.io import resolve_export_dtype, write_hf
 
     out = join(cfg.train.run_dir, cfg.train.export_hf_at_end)
     dtype = resolve_export_dtype(
         cfg.train.export_dtype, source_dtype=source_dtype, param_dtype=cfg.model.param_dtype
     )
-    model = nnx.merge(fns.graphdef, params)
+    model = fns.model(params)
     where = write_hf(model, cfg.model, out, replace=True, dtype=dtype, tokenizer=cfg.data.tokenizer)
     log.info(f"exported step {step} as a Hugging Face checkpoint ({dtype}) to {where}")
 
@@ -305,6 +311,23 @@ def evaluate(fns: StepFns, params: Any, pipeline: Any, global_batch: int) -> flo
     return total / max(count, 1.0)
 
 
+def lora_base_reference(cfg: Config) -> dict[str, Any]:
+    """What a LoRA checkpoint stores instead of the frozen base: how to rebuild it exactly."""
+    lc = cfg.train.lora
+    ref: dict[str, Any] = {
+        "rank": lc.rank,
+        "alpha": lc.alpha,
+        "dropout": lc.dropout,
+        "targets": list(lc.targets),
+    }
+    ref["base_dtype"] = lc.base_dtype
+    if cfg.train.init_from_hf:
+        ref["base"] = {"init_from_hf": str(cfg.train.init_from_hf)}
+    else:
+        ref["base"] = {"seed": cfg.train.seed}
+    return ref
+
+
 def _initial_params(cfg: Config, fns: StepFns, mesh: jax.sharding.Mesh) -> Any:
     if not cfg.train.init_from_hf:
         return fns.init_params(cfg.train.seed)
@@ -312,8 +335,9 @@ def _initial_params(cfg: Config, fns: StepFns, mesh: jax.sharding.Mesh) -> Any:
 
     from agentrefine_jax.hf.io import load_hf_model
 
+    param_dtype = cfg.train.lora.base_dtype if fns.lora_spec else cfg.model.param_dtype
     hf_cfg, model = load_hf_model(
-        cfg.train.init_from_hf, mesh=mesh, rules=cfg.mesh.rules, param_dtype=cfg.model.param_dtype
+        cfg.train.init_from_hf, mesh=mesh, rules=cfg.mesh.rules, param_dtype=param_dtype
     )
     bad = [
         f"{f}: config {getattr(cfg.model, f)!r} vs checkpoint {getattr(hf_cfg, f)!r}"
@@ -323,4 +347,7 @@ def _initial_params(cfg: Config, fns: StepFns, mesh: jax.sharding.Mesh) -> Any:
         raise TrainingError(f"train.init_from_hf={cfg.train.init_from_hf} does not match model config: {bad}")
     log.info(f"initialised from {cfg.train.init_from_hf}")
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    if fns.lora_spec:
+        base = jax.device_put(params, fns.param_shardings["base"])
+        return {"base": base, "lora": fns.init_adapters(cfg.train.seed)}
     return jax.device_put(params, fns.param_shardings)

@@ -1,0 +1,166 @@
+"""LoRA adapters on the decoder's projections: shapes, logical axes, init, forward delta, merge.
+
+For a frozen projection W stored [*in, *out] (see `params.py`), an adapter is A [*in, r] and
+B [r, *out], stacked over layers like W; the forward adds (dropout(x) @ A) @ B * alpha / r.
+B starts at zero, so a fresh adapter leaves the model's output unchanged. A and B carry the
+logical axes of W's input/output sides plus "lora_rank" (no rule maps it: replicated), so they
+shard by the same rules as the base. Adapters are kept in float32 whatever the base's dtype.
+
+PEFT's layout (`peft_name`): lora_A.weight is [r, in] and lora_B.weight is [out, r], the
+HF-layout factors of the same product, under `base_model.model.` + the HF module name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from agentrefine_jax.models import params
+from agentrefine_jax.models.config import ModelConfig
+
+# train.lora.targets name -> our layer parameter (the HF module is the table's hf name).
+TARGETS: dict[str, str] = {
+    "q": "wq",
+    "k": "wk",
+    "v": "wv",
+    "o": "wo",
+    "gate": "w_gate",
+    "up": "w_up",
+    "down": "w_down",
+}
+# "int8" is the QLoRA-style base the issue asks for (via qwix); refused by config_checks until built.
+BASE_DTYPES = ("bfloat16", "float32", "int8")
+RANK_AXIS = "lora_rank"
+ADAPTER_DTYPE = "float32"
+
+Adapters = dict[str, dict[str, Any]]  # {"wq": {"a": [L, *in, r], "b": [L, r, *out]}, ...}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """What the forward needs: which projections, rank, scale, dropout."""
+
+    targets: tuple[str, ...]
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(TARGETS[t] for t in self.targets)
+
+    @classmethod
+    def of(cls, lora_cfg: Any) -> LoraSpec | None:
+        """From a `train.lora` config; None when LoRA is off (rank 0)."""
+        if lora_cfg is None or not lora_cfg.rank:
+            return None
+        return cls(
+            tuple(lora_cfg.targets), int(lora_cfg.rank), float(lora_cfg.alpha), float(lora_cfg.dropout)
+        )
+
+
+def _row(name: str) -> params.Param:
+    return params.BY_PATH[("layers", name)]
+
+
+def shapes(spec: LoraSpec, cfg: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
+    out = {}
+    for name in spec.names:
+        row = _row(name)
+        own = params.shape(row, cfg, stacked=False)
+        n_in = row.n_in
+        out[name] = {
+            "a": (cfg.num_layers, *own[:n_in], spec.rank),
+            "b": (cfg.num_layers, spec.rank, *own[n_in:]),
+        }
+    return out
+
+
+def logical_axes(spec: LoraSpec) -> dict[str, dict[str, tuple[str, ...]]]:
+    out = {}
+    for name in spec.names:
+        row = _row(name)
+        axes = params.logical_axes(row)[1:]  # without "layers"
+        out[name] = {
+            "a": ("layers", *axes[: row.n_in], RANK_AXIS),
+            "b": ("layers", RANK_AXIS, *axes[row.n_in :]),
+        }
+    return out
+
+
+def init(spec: LoraSpec, cfg: ModelConfig, key: jax.Array) -> Adapters:
+    """A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (PEFT's default bound), B = 0."""
+    out: Adapters = {}
+    for i, (name, s) in enumerate(shapes(spec, cfg).items()):
+        fan_in = math.prod(s["a"][1:-1])
+        bound = 1.0 / math.sqrt(fan_in)
+        a = jax.random.uniform(jax.random.fold_in(key, i), s["a"], ADAPTER_DTYPE, -bound, bound)
+        out[name] = {"a": a, "b": jnp.zeros(s["b"], ADAPTER_DTYPE)}
+    return out
+
+
+def delta(
+    x: jax.Array, ab: dict[str, jax.Array], n_in: int, spec: LoraSpec, key: jax.Array | None
+) -> jax.Array:
+    """(dropout(x) @ A) @ B * alpha / r for one layer; x's last `n_in` dims meet A's first."""
+    if key is not None and spec.dropout > 0:
+        keep = jax.random.bernoulli(key, 1.0 - spec.dropout, x.shape)
+        x = jnp.where(keep, x / (1.0 - spec.dropout), 0).astype(x.dtype)
+    xa = jnp.tensordot(x, ab["a"].astype(x.dtype), axes=n_in)
+    return jnp.tensordot(xa, ab["b"].astype(x.dtype), axes=1) * jnp.asarray(spec.scale, x.dtype)
+
+
+def merged_weight(
+    w: jax.Array, ab: dict[str, jax.Array], n_in: int, spec: LoraSpec, dtype: Any = None
+) -> jax.Array:
+    """W + A @ B * alpha / r, in float32, cast to `dtype` (default W's; leading layers axis kept)."""
+    a, b = ab["a"].astype(jnp.float32), ab["b"].astype(jnp.float32)
+    lead = a.ndim - n_in - 1  # 1 for stacked adapters, 0 for one layer's
+    ein_a = "xyz"[:lead] + "ijk"[:n_in] + "r"
+    ein_b = "xyz"[:lead] + "r" + "uvw"[: b.ndim - lead - 1]
+    out = ein_a[:-1] + ein_b[lead + 1 :]
+    ab_prod = jnp.einsum(f"{ein_a},{ein_b}->{out}", a, b)
+    return (w.astype(jnp.float32) + ab_prod * spec.scale).astype(dtype or w.dtype)
+
+
+def merge(base: dict[str, Any], adapters: Adapters, spec: LoraSpec, dtype: Any = None) -> dict[str, Any]:
+    """The base's pure-dict params with every adapter folded into its projection; with `dtype`,
+    every tensor is cast to it (the merge itself is float32)."""
+    cast = (lambda x: x) if dtype is None else (lambda x: x.astype(dtype))
+    layers = {k: cast(v) for k, v in base["layers"].items()}
+    for name, ab in adapters.items():
+        layers[name] = merged_weight(base["layers"][name], ab, _row(name).n_in, spec, dtype)
+    return {**{k: cast(v) for k, v in base.items() if k != "layers"}, "layers": layers}
+
+
+# ------------------------------------------------------------------------------ PEFT layout
+
+
+def peft_module(name: str, layer: int) -> str:
+    """transformers' module path of our projection `name` in `layer`, e.g. model.layers.0.self_attn.q_proj."""
+    return params.hf_name(_row(name), layer).removesuffix(".weight")
+
+
+def peft_target_modules(spec: LoraSpec) -> list[str]:
+    return [params.hf_name(_row(n), 0).removesuffix(".weight").rsplit(".", 1)[1] for n in spec.names]
+
+
+def to_peft(adapters: Adapters, spec: LoraSpec) -> dict[str, np.ndarray]:
+    """PEFT tensor names -> float32 arrays: lora_A [r, in], lora_B [out, r] per layer."""
+    out: dict[str, np.ndarray] = {}
+    for name, ab in adapters.items():
+        a, b = np.asarray(ab["a"], np.float32), np.asarray(ab["b"], np.float32)
+        for i in range(a.shape[0]):
+            prefix = f"base_model.model.{peft_module(name, i)}"
+            out[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, spec.rank).T)
+            out[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(spec.rank, -1).T)
+    return out

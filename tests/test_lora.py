@@ -1,0 +1,226 @@
+"""LoRA refinement tuning (train.lora): adapters only are trained and checkpointed, a fresh
+adapter is the identity, runs learn and resume exactly, and exports load in peft + transformers."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+from test_train_loop import REPO, _env, _finish, _losses, _train
+
+from agentrefine_jax import sharding as shd
+from agentrefine_jax.config import MeshConfig, OptimConfig
+from agentrefine_jax.models import create, lora, preset
+from agentrefine_jax.train.optimizer import make_optimizer
+from agentrefine_jax.train.step import build_steps
+
+VOCAB = 512
+CFG = preset("tiny", vocab_size=VOCAB, param_dtype="float32", dtype="float32")
+SPEC = lora.LoraSpec(("q", "k", "v", "o", "gate", "up", "down"), rank=4, alpha=8.0)
+LORA = ["--set", "train.lora.rank=8", "--set", "train.lora.dropout=0.1", "--set", "optim.learning_rate=0.01"]
+
+
+def _batch(b: int = 4, s: int = 32) -> dict[str, jax.Array]:
+    rng = np.random.RandomState(0)
+    return {
+        "input_ids": jnp.asarray(rng.randint(0, VOCAB, (b, s)), jnp.int32),
+        "loss_mask": jnp.ones((b, s), jnp.int32),
+        "segment_ids": jnp.ones((b, s), jnp.int32),
+        "positions": jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)),
+    }
+
+
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        ("train.lora.rank=-1", "train.lora.rank=-1: must be >= 0"),
+        ("train.lora.targets=q,x", "must be a non-empty subset of q, k, v, o, gate, up, down"),
+        ("train.lora.dropout=1", "train.lora.dropout=1.0: must be in [0, 1)"),
+        ("train.lora.base_dtype=int8", "int8: the QLoRA int8 base (qwix) is not implemented yet"),
+        ("train.lora.base_dtype=fp8", "must be one of bfloat16, float32, int8"),
+    ],
+)
+def test_bad_lora_settings_are_refused_at_load_time(bad, says):
+    from agentrefine_jax.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load_config("demo", ["train.lora.rank=8", bad])
+
+
+def test_fresh_adapters_leave_the_forward_unchanged():
+    model = create(CFG, seed=0)
+    adapters = lora.init(SPEC, CFG, jax.random.key(1))
+    assert all(float(jnp.abs(ab["a"]).max()) > 0 and not jnp.any(ab["b"]) for ab in adapters.values())
+    ids = _batch()["input_ids"]
+    base, _ = model.forward(ids)
+    with_lora, _ = model.forward(ids, adapters=(SPEC, adapters, None))
+    np.testing.assert_array_equal(np.asarray(base), np.asarray(with_lora))
+
+
+def test_lora_forward_equals_the_merged_weights():
+    model = create(CFG, seed=0)
+    adapters = jax.tree.map(
+        lambda x: jax.random.normal(jax.random.key(x.size), x.shape) * 0.05,
+        lora.init(SPEC, CFG, jax.random.key(1)),
+    )
+    merged = lora.merge(nnx.to_pure_dict(nnx.state(model, nnx.Param)), adapters, SPEC)
+    graphdef, state = nnx.split(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, merged)
+    ids = _batch()["input_ids"]
+    got, _ = model.forward(ids, adapters=(SPEC, adapters, None))
+    want, _ = nnx.merge(graphdef, state).forward(ids)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+    assert float(jnp.abs(want - model.forward(ids)[0]).max()) > 1e-3  # the adapters do something
+
+
+def test_only_adapters_are_differentiated_updated_and_in_the_optimizer_state():
+    mesh = shd.make_mesh(1, -1, 1, devices=jax.devices()[:1])
+    optimizer, _ = make_optimizer(OptimConfig(learning_rate=1e-2, schedule="constant"), 10)
+    fns = build_steps(
+        CFG,
+        optimizer,
+        mesh,
+        MeshConfig().rules,
+        global_batch=4,
+        micro_batch=2,
+        loss_chunk=16,
+        lora_spec=SPEC,
+        lora_base_dtype="float32",
+    )
+    params = fns.init_params(0)
+    opt_state = fns.init_opt(params)
+    # Optimizer moments exist for adapters only: no base tensor is held twice more.
+    adam = optax.tree_utils.tree_get(opt_state, "mu")
+    assert jax.tree.structure(adam) == jax.tree.structure(params["lora"])
+    n_opt = sum(x.size for x in jax.tree.leaves(opt_state))
+    n_lora = sum(x.size for x in jax.tree.leaves(params["lora"]))
+    assert n_opt < 2 * n_lora + 10 < sum(x.size for x in jax.tree.leaves(params["base"]))
+    base_before = jax.tree.map(np.asarray, params["base"])
+    lora_before = jax.tree.map(np.asarray, params["lora"])
+    new, _, metrics = fns.train(params, opt_state, _batch())
+    assert np.isfinite(float(metrics["loss"]))
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, new["base"]), base_before)
+    for name in SPEC.names:  # B moves off zero; every target learned something
+        assert float(np.abs(np.asarray(new["lora"][name]["b"])).max()) > 0
+        assert not np.array_equal(np.asarray(new["lora"][name]["b"]), lora_before[name]["b"])
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> pathlib.Path:
+    run_dir = tmp_path_factory.mktemp("lora") / "run"
+    code, out = _finish(_train(run_dir, *LORA))
+    assert code == 0, out
+    return run_dir
+
+
+def test_lora_demo_learns_and_checkpoints_hold_only_adapters(lora_run):
+    losses = _losses(lora_run)
+    assert sorted(losses) == list(range(1, 9))
+    first, last = np.mean([losses[s] for s in (1, 2, 3)]), np.mean([losses[s] for s in (6, 7, 8)])
+    assert last < first - 0.05, losses
+    step = lora_run / "checkpoints" / "8"
+    tree = ocp.StandardCheckpointHandler().metadata(step / "params").tree
+    assert set(tree) == set(SPEC.names)  # adapters, no embedding / base projections
+    meta = json.loads((step / "meta" / "metadata").read_text())
+    assert meta["lora"]["rank"] == 8 and meta["lora"]["base"] == {"seed": 0}
+
+
+def test_resumed_lora_run_is_exact(lora_run, tmp_path):
+    resumed = tmp_path / "resumed"
+    shutil.copytree(lora_run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "8")  # as if killed after step 6's save
+    rows = (resumed / "metrics.jsonl").read_text().splitlines()
+    (resumed / "metrics.jsonl").write_text(
+        "\n".join(r for r in rows if json.loads(r).get("step", 0) <= 6) + "\n"
+    )
+    code, out = _finish(_train(resumed, *LORA))
+    assert code == 0, out
+    assert f"resumed from {resumed}/checkpoints/6" in out
+    assert _losses(resumed) == _losses(lora_run)
+    read = ocp.StandardCheckpointHandler()
+    a = ocp.Checkpointer(read).restore(lora_run / "checkpoints" / "8" / "params")
+    b = ocp.Checkpointer(read).restore(resumed / "checkpoints" / "8" / "params")
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def _export(run: pathlib.Path, out: pathlib.Path, *flags: str) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "agentrefine_jax.export",
+        "to-hf",
+        "--checkpoint",
+        str(run),
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(
+        [*cmd, *flags], cwd=REPO, env=_env(out), capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_peft_loads_the_adapter_export_with_our_logits_and_merged_export_agrees(lora_run, tmp_path):
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from agentrefine_jax.checkpoint import load_model
+
+    _export(lora_run, tmp_path / "adapter")
+    _export(lora_run, tmp_path / "merged", "--merge-lora")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "base" and config["r"] == 8
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "adapter" / "base", dtype=torch.float32)
+    peft_model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+
+    ids = np.random.RandomState(0).randint(0, 128000, (2, 48))
+    with torch.no_grad():
+        theirs = peft_model(torch.as_tensor(ids)).logits.numpy()
+        from_merged = merged(torch.as_tensor(ids)).logits.numpy()
+    _, model, _ = load_model(lora_run, dtype="float32", param_dtype="float32")
+    ours = np.asarray(model(jnp.asarray(ids, jnp.int32)))
+    with torch.no_grad(), peft_model.disable_adapter():  # peft wraps `base` in place
+        base_only = peft_model(torch.as_tensor(ids)).logits.numpy()
+    assert np.abs(theirs - base_only).max() > 1e-3  # the adapters change the logits
+    assert np.abs(theirs - ours).max() <= 1e-4
+    assert np.abs(from_merged - theirs).max() <= 1e-4
+
+
+def test_lora_step_compiles_for_tpu_with_base_outside_the_optimizer_state():
+    """The XLA TPU compiler (libtpu) on the tiny demo: a LoRA step's arguments are the bfloat16
+    base plus float32 adapters and their moments, far below full fine-tuning's params + moments."""
+    pytest.importorskip("libtpu", reason="the TPU compile check needs the tpu extra (libtpu)")
+    tiny = [
+        "--set",
+        "model.num_layers=1",
+        "--set",
+        "data.max_length=128",
+        "--set",
+        "train.loss_chunk_size=64",
+    ]
+    args = {}
+    for name, extra in (("full", []), ("lora", ["--set", "train.lora.rank=8"])):
+        cmd = [sys.executable, "-m", "agentrefine_jax.plan", "--config", "demo", "--topology", "v5p-8"]
+        proc = subprocess.run(
+            [*cmd, "--compile", "--json", *tiny, *extra], capture_output=True, text=True, timeout=900
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        args[name] = json.loads(proc.stdout)["compiled"]["bytes_per_device"]["arguments"]
+    # full: float32 params + 2 float32 moments = 12 bytes/weight; LoRA: a 2-byte base (+ adapters).
+    assert args["lora"] < args["full"] / 4, args
