@@ -7,6 +7,7 @@ module, placed in a checkout of our own as `snacktime.z8` (one of the four games
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -46,10 +47,13 @@ TAKE, PUT = "You take the teacup from the chair.", "You put the teacup on the co
 
 @pytest.fixture(scope="module")
 def story(tmp_path_factory) -> pathlib.Path:
-    out = tmp_path_factory.mktemp("tw") / "game.z8"
+    work = tmp_path_factory.mktemp("tw")
+    out = work / "game.z8"
     tw_make = shutil.which("tw-make") or str(pathlib.Path(sys.executable).with_name("tw-make"))
     cmd = [tw_make, "custom", "--world-size", "2", "--nb-objects", "3", "--quest-length", "2", "--seed", "7"]
-    subprocess.run([*cmd, "--output", str(out), "-f"], check=True, capture_output=True, timeout=600)
+    # Inform 7 writes $HOME/Inform: keep it in the test's own directory, not the suite's HOME.
+    env = {**os.environ, "HOME": str(work)}
+    subprocess.run([*cmd, "--output", str(out), "-f"], check=True, capture_output=True, timeout=600, env=env)
     return out
 
 

@@ -192,5 +192,5 @@ def test_training_on_unusable_data_stops_with_one_line(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode != 0 and "Traceback" not in out.stdout + out.stderr
-    errors = [line for line in out.stdout.splitlines() if line.startswith("error:")]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("[train] error:")]
     assert len(errors) == 1 and "no usable train examples: 2 of 2 records skipped" in errors[0]
