@@ -439,6 +439,11 @@ def plan(
         sizing, _ = activation_model(blocked_cfg, mesh, rules, seq, cfg.train.loss_chunk_size)
     max_pdb = sizing.max_batch(usable - (param_bytes + param_bytes + opt_bytes))
     max_global = max_pdb * max_batch_shards
+    if splits and total <= usable and micro > max_global:
+        notes.append(
+            f"micro batch {micro} is above the largest batch this plan answers ({max_global}): the "
+            "splash estimate is optimistic at large batches, so confirm it with --compile"
+        )
     if splits and total > usable:
         # Largest micro batch (a multiple of the batch shards dividing the global batch) that
         # fits with gradient accumulation (accumulator + micro-batch gradient).
