@@ -108,6 +108,8 @@ def _cmd(
     beside it, in one process."""
     lora_dir = run_dir.with_name(run_dir.name + "-lora")
     lora_data = {"data.train_files": str(run_dir.parent / "lora.jsonl"), "data.eval_files": ""}
+    if distributed is not None:  # the merged export gathers base and adapters across processes
+        lora_data["train.export_hf_at_end"] = "hf"
     # jax.distributed is initialised once per process: the second phase runs without the flags.
     phases = [
         _argv(run_dir, max_steps, distributed),
@@ -189,6 +191,7 @@ def test_demo_losses_do_not_depend_on_processes_and_resume_on_fewer(tmp_path: pa
     # LoRA phase: the same invariants with adapters, packing at 256 and adapter dropout.
     ref_lora, multi_lora = ref_dir.with_name("one_process-lora"), multi_dir.with_name("two_then_one-lora")
     assert f"resumed from {multi_lora}" in one_out
+    assert f"exported step {LORA_STOP} as a Hugging Face checkpoint" in two_out[0]
     ref_losses, multi_losses = _losses(ref_lora), _losses(multi_lora)
     assert sorted(ref_losses) == sorted(multi_losses) == list(range(1, LORA_STEPS + 1))
     for step in range(1, LORA_STEPS + 1):
