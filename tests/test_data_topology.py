@@ -6,6 +6,12 @@ The shipped demo config (shuffle and packing on) must give the same per-step los
 the uninterrupted run. Before the global packing plan each process shuffled and packed its
 own shard, so the global batch at step k depended on the number of processes (rel 3.4e-3)
 and a 2-process checkpoint could not be resumed on 1 process at all.
+
+The same launched processes then run a short LoRA phase (issue 14: refinement tuning with
+adapters keeps these invariants): same packing and shuffling, adapter dropout on, so the
+dropout masks must not depend on the topology either, and the 2-process adapter-only
+checkpoint must resume on 1 process exactly. A second phase in the same process (`cli.main`
+called again, jax.distributed already up) costs its compile and steps but no start-up.
 """
 
 from __future__ import annotations
@@ -18,11 +24,36 @@ import subprocess
 import sys
 import time
 
+import orbax.checkpoint as ocp
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+DEMO_TRAIN = REPO / "agentrefine_jax" / "data" / "demo" / "train.jsonl"
 STOP, STEPS = 2, 4
 TIMEOUT = 900
+# The LoRA phase is kept cheap: 40 records, one layer, 2 targets, 256-token rows (still shuffled and packed).
+LORA_STOP, LORA_STEPS = 2, 3
+LORA = {
+    "train.lora.rank": "8",
+    "train.lora.targets": "q,v",  # PEFT's default; the MLP targets cost compile time here
+    "train.lora.dropout": "0.3",  # large enough that a topology-dependent mask shows at rel 1e-5
+    "optim.learning_rate": "0.05",
+    "model.num_layers": "1",
+    "data.max_length": "256",
+    "train.loss_chunk_size": "64",
+}
+LORA_TARGETS = {"wq", "wv"}
+# Runs `cli.main` once per argv in one process; exits as the CLI's __main__ does on failure.
+DRIVER = """
+import json, os, sys
+from agentrefine_jax.train.cli import main
+for argv in json.loads(sys.argv[1]):
+    code = main(argv)
+    if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+"""
 
 
 def _env(devices: int) -> dict[str, str]:
@@ -33,18 +64,25 @@ def _env(devices: int) -> dict[str, str]:
     return env
 
 
-def _cmd(run_dir: pathlib.Path, max_steps: int, distributed: tuple[int, int] | None = None) -> list[str]:
+def _argv(
+    run_dir: pathlib.Path,
+    max_steps: int,
+    distributed: tuple[int, int] | None = None,
+    extra: dict[str, str] | None = None,
+    stop: int = STOP,
+) -> list[str]:
     # Only what makes the run short and self-contained changes; data settings are the demo's
     # (shuffle, packing, max_length 512, global batch 4).
     sets = {
         "train.max_steps": str(max_steps),
         "train.eval_every": "0",
-        "train.checkpoint_every": str(STOP),
+        "train.checkpoint_every": str(stop),
         "train.export_hf_at_end": "none",
         "optim.schedule": "constant",  # the stopped run's schedule must equal the full run's
         "train.run_dir": str(run_dir),
+        **(extra or {}),
     }
-    cmd = [sys.executable, "-m", "agentrefine_jax.train", "--config", "demo"]
+    cmd = ["--config", "demo"]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
     if distributed is not None:
@@ -58,6 +96,26 @@ def _cmd(run_dir: pathlib.Path, max_steps: int, distributed: tuple[int, int] | N
             str(pid),
         ]
     return cmd
+
+
+def _cmd(
+    run_dir: pathlib.Path,
+    max_steps: int,
+    lora_steps: int,
+    distributed: tuple[int, int] | None = None,
+) -> list[str]:
+    """Full fine-tuning in `run_dir`, then LoRA in `run_dir`-lora on the records in `lora.jsonl`
+    beside it, in one process."""
+    lora_dir = run_dir.with_name(run_dir.name + "-lora")
+    lora_data = {"data.train_files": str(run_dir.parent / "lora.jsonl"), "data.eval_files": ""}
+    if distributed is not None:  # the merged export gathers base and adapters across processes
+        lora_data["train.export_hf_at_end"] = "hf"
+    # jax.distributed is initialised once per process: the second phase runs without the flags.
+    phases = [
+        _argv(run_dir, max_steps, distributed),
+        _argv(lora_dir, lora_steps, extra={**LORA, **lora_data}, stop=LORA_STOP),
+    ]
+    return [sys.executable, "-c", DRIVER, json.dumps(phases)]
 
 
 def _start(cmd: list[str], devices: int, log: pathlib.Path) -> tuple[subprocess.Popen, pathlib.Path]:
@@ -100,10 +158,14 @@ def _port() -> int:
 @pytest.mark.timeout(3 * TIMEOUT)
 def test_demo_losses_do_not_depend_on_processes_and_resume_on_fewer(tmp_path: pathlib.Path) -> None:
     ref_dir, multi_dir = tmp_path / "one_process", tmp_path / "two_then_one"
+    (tmp_path / "lora.jsonl").write_text("\n".join(DEMO_TRAIN.read_text().splitlines()[:40]) + "\n")
     # Reference (1 process x 2 devices, uninterrupted) and 2 processes x 1 device up to STOP, concurrently.
-    ref = _start(_cmd(ref_dir, STEPS), 2, tmp_path / "ref.log")
+    ref = _start(_cmd(ref_dir, STEPS, LORA_STEPS), 2, tmp_path / "ref.log")
     port = _port()
-    two = [_start(_cmd(multi_dir, STOP, (port, pid)), 1, tmp_path / f"two-p{pid}.log") for pid in range(2)]
+    two = [
+        _start(_cmd(multi_dir, STOP, LORA_STOP, (port, pid)), 1, tmp_path / f"two-p{pid}.log")
+        for pid in range(2)
+    ]
     two_out = _finish(two, "2-process run")
     (ref_out,) = _finish([ref], "1-process reference")
     assert "over 2 devices (1 processes)" in ref_out
@@ -111,7 +173,9 @@ def test_demo_losses_do_not_depend_on_processes_and_resume_on_fewer(tmp_path: pa
     assert "packed rows" in ref_out  # the demo's packing is on
 
     # Resume the 2-process checkpoint on 1 process with 1 device.
-    (one_out,) = _finish([_start(_cmd(multi_dir, STEPS), 1, tmp_path / "resume.log")], "1-process resume")
+    (one_out,) = _finish(
+        [_start(_cmd(multi_dir, STEPS, LORA_STEPS), 1, tmp_path / "resume.log")], "1-process resume"
+    )
     assert "over 1 devices (1 processes)" in one_out and f"resumed from {multi_dir}" in one_out
 
     ref_losses, multi_losses = _losses(ref_dir), _losses(multi_dir)
@@ -123,3 +187,22 @@ def test_demo_losses_do_not_depend_on_processes_and_resume_on_fewer(tmp_path: pa
             ref_losses,
         )
     assert len(set(ref_losses.values())) == STEPS  # distinct batches: a repeated batch would not show
+
+    # LoRA phase: the same invariants with adapters, packing at 256 and adapter dropout.
+    ref_lora, multi_lora = ref_dir.with_name("one_process-lora"), multi_dir.with_name("two_then_one-lora")
+    assert f"resumed from {multi_lora}" in one_out
+    assert f"exported step {LORA_STOP} as a Hugging Face checkpoint" in two_out[0]
+    ref_losses, multi_losses = _losses(ref_lora), _losses(multi_lora)
+    assert sorted(ref_losses) == sorted(multi_losses) == list(range(1, LORA_STEPS + 1))
+    for step in range(1, LORA_STEPS + 1):
+        assert multi_losses[step] == pytest.approx(ref_losses[step], rel=1e-5), (
+            step,
+            multi_losses,
+            ref_losses,
+        )
+    assert len(set(ref_losses.values())) == LORA_STEPS
+    # The 2-process checkpoint the resume read holds the adapters only.
+    tree = (
+        ocp.StandardCheckpointHandler().metadata(multi_lora / "checkpoints" / str(LORA_STOP) / "params").tree
+    )
+    assert set(tree) == LORA_TARGETS

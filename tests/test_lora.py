@@ -84,6 +84,61 @@ def test_lora_forward_equals_the_merged_weights():
     assert float(jnp.abs(want - model.forward(ids)[0]).max()) > 1e-3  # the adapters do something
 
 
+def test_lora_loss_on_a_packed_masked_batch_is_the_merged_models_per_example_masked_loss():
+    """Refinement masks and packing are unchanged under LoRA: the training loss (adapters applied in
+    the forward) on a packed batch equals the merged-weights model run on each example alone,
+    counting only the unmasked (correct / refinement) tokens of that example."""
+    from agentrefine_jax.checkpoint import abstract_params
+    from agentrefine_jax.train.step import loss_sums
+
+    rng = np.random.RandomState(1)
+    # Two rows of 32: [example 12 | example 14 | padding 6] and [example 20 | example 12].
+    lengths = [[12, 14], [20, 12]]
+    s = 32
+    ids = rng.randint(0, VOCAB, (2, s)).astype(np.int32)
+    seg, pos = np.zeros((2, s), np.int32), np.zeros((2, s), np.int32)
+    mask = (rng.rand(2, s) > 0.4).astype(np.int32)  # zeros: the erroneous turns' tokens (and prompts)
+    for r, row in enumerate(lengths):
+        start = 0
+        for k, n in enumerate(row):
+            seg[r, start : start + n], pos[r, start : start + n] = k + 1, np.arange(n)
+            start += n
+    mask[seg == 0] = 0
+    batch = {k: jnp.asarray(v) for k, v in (("input_ids", ids), ("loss_mask", mask))}
+    batch |= {"segment_ids": jnp.asarray(seg), "positions": jnp.asarray(pos)}
+
+    model = create(CFG, seed=0)
+    adapters = jax.tree.map(
+        lambda x: jax.random.normal(jax.random.key(x.size), x.shape) * 0.05,
+        lora.init(SPEC, CFG, jax.random.key(1)),
+    )
+    base = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    graphdef, _ = abstract_params(CFG)
+    packed = jax.jit(lambda p, spec: loss_sums(graphdef, p, batch, 16, "remat", spec), static_argnums=1)
+    got, n_got = packed({"base": base, "lora": adapters}, SPEC)
+    base_only, _ = packed(base, None)
+
+    # The oracle: each example alone (right-padded to 20: causal attention ignores what follows).
+    starts = [np.cumsum([0, *row[:-1]]) for row in lengths]
+    examples = [(r, int(starts[r][k]), n) for r, row in enumerate(lengths) for k, n in enumerate(row)]
+    alone = np.zeros((len(examples), 20), np.int32)
+    for i, (r, start, n) in enumerate(examples):
+        alone[i, :n] = ids[r, start : start + n]
+    merged = nnx.merge(graphdef, lora.merge(base, adapters, SPEC))
+    logp = np.asarray(
+        jax.nn.log_softmax(jax.jit(lambda x: merged(x))(jnp.asarray(alone)), axis=-1), np.float64
+    )
+    want, n_want = 0.0, 0
+    for i, (r, start, n) in enumerate(examples):
+        counted = mask[r, start + 1 : start + n] > 0  # position t predicts token t + 1
+        picked = np.take_along_axis(logp[i, : n - 1], ids[r, start + 1 : start + n, None], -1)[:, 0]
+        want -= float(picked[counted].sum())
+        n_want += int(counted.sum())
+    assert int(n_got) == n_want < int(np.sum(seg > 0)) - 4  # masked tokens and segment starts drop out
+    np.testing.assert_allclose(float(got), want, rtol=2e-5)
+    assert abs(float(base_only) - want) > 1e-3 * abs(want)  # the adapters change this loss
+
+
 def test_only_adapters_are_differentiated_updated_and_in_the_optimizer_state():
     mesh = shd.make_mesh(1, -1, 1, devices=jax.devices()[:1])
     optimizer, _ = make_optimizer(OptimConfig(learning_rate=1e-2, schedule="constant"), 10)
