@@ -98,19 +98,29 @@ def test_int8_base_forward_is_close_to_the_float_base():
 
 
 def test_int8_step_trains_adapters_only_and_keeps_the_int8_base_bit_identical():
-    fns = _steps(CFG, "int8")
+    mesh = shd.make_mesh(1, 2, 2, devices=jax.devices()[:4]) if len(jax.devices()) >= 4 else None
+    fns = _steps(CFG, "int8", mesh)
     params = fns.init_params(0)
     opt_state = fns.init_opt(params)
     layers = params["base"]["layers"]
-    for name in quant.QUANTIZED:  # real int8 buffers in the step's state, sharded like W
-        assert layers[name].qvalue.dtype == jnp.int8 and layers[name].scale.dtype == jnp.float32
+    for name in quant.QUANTIZED:  # real int8 buffers in the step's state
+        qa, n_in = layers[name], P.BY_PATH[("layers", name)].n_in
+        assert qa.qvalue.dtype == jnp.int8 and qa.scale.dtype == jnp.float32
+        # int8 values sharded like W; scales along W's output axes only (input axes have size 1)
+        q_spec = tuple(qa.qvalue.sharding.spec) + (None,) * (qa.ndim - len(qa.qvalue.sharding.spec))
+        s_spec = tuple(qa.scale.sharding.spec) + (None,) * (qa.ndim - len(qa.scale.sharding.spec))
+        assert s_spec == (None, *[None] * n_in, *q_spec[1 + n_in :]), (name, q_spec, s_spec)
+    if mesh is not None:
+        assert "fsdp" in tuple(layers["wq"].qvalue.sharding.spec) and "tensor" in tuple(
+            layers["wq"].scale.sharding.spec
+        )
     assert params["base"]["embed"].dtype == jnp.bfloat16  # the rest of the base stays bfloat16
     assert jax.tree.structure(optax.tree_utils.tree_get(opt_state, "mu")) == jax.tree.structure(
         params["lora"]
     )
     before = jax.tree.map(np.asarray, params)
     losses = []
-    for _ in range(3):
+    for _ in range(2):
         params, opt_state, metrics = fns.train(params, opt_state, _batch())
         losses.append(float(metrics["loss"]))
     assert losses[-1] < losses[0], losses

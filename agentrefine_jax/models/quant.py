@@ -13,6 +13,7 @@ full precision at a time.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
@@ -57,7 +58,8 @@ def quantize_base(base: dict[str, Any]) -> dict[str, Any]:
 
 
 def is_quantized(x: Any) -> bool:
-    return type(x).__name__ == "QArray" and hasattr(x, "qvalue")
+    qwix = sys.modules.get("qwix")  # not imported yet: nothing can be a QArray (bf16/f32 bases)
+    return qwix is not None and isinstance(x, qwix.QArray)
 
 
 def dequantize(w: Any, dtype: Any) -> jax.Array:
