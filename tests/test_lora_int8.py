@@ -53,6 +53,13 @@ def _steps(cfg, base_dtype: str, mesh=None):
     )
 
 
+def test_int8_base_is_accepted_when_the_config_loads():
+    from agentrefine_jax.config import load_config
+
+    cfg = load_config("demo", ["train.lora.rank=8", "train.lora.base_dtype=int8"])
+    assert cfg.train.lora.base_dtype == "int8"
+
+
 def test_quantisation_is_per_output_channel_symmetric_int8():
     """Against a numpy oracle: scale = max|W| over the input axes / 127.5 per layer and output
     channel, q = clip(rint(W / scale), -128, 127); so |W - q * scale| <= scale / 2 everywhere.
