@@ -221,6 +221,7 @@ def test_int8_base_step_holds_fewer_argument_bytes_on_tpu():
     proj = sum(
         int(np.prod(P.shape(P.BY_PATH[("layers", n)], cfg))) for n in quant.QUANTIZED
     )  # projection weights, all layers
-    # bfloat16 -> int8 saves 1 byte per projection weight (per device: fsdp over 4 chips).
+    # bfloat16 -> int8 saves 1 byte per projection weight per device (fsdp over 4 chips), less
+    # the float32 per-channel scales (measured: 1484288 -> 1068544 bytes, 99.5% of proj / 4).
     saved = args["bfloat16"] - args["int8"]
-    assert saved > 0.8 * proj / 4, (args, proj)
+    assert 0.95 * proj / 4 < saved <= proj / 4, (args, proj)
