@@ -503,8 +503,11 @@ def load_lora(
     if not ref:
         raise ValueError(f"checkpoint {path} is not a LoRA run (its meta has no 'lora' entry)")
     spec = lora.LoraSpec(tuple(ref["targets"]), int(ref["rank"]), float(ref["alpha"]), float(ref["dropout"]))
+    from agentrefine_jax.models import quant
+
     overrides.pop("param_dtype", None)
-    base_cfg = dataclasses.replace(model_config_from_meta(meta), param_dtype=ref["base_dtype"], **overrides)
+    stored = quant.storage_dtype(ref["base_dtype"])  # int8: built in bfloat16, quantised below
+    base_cfg = dataclasses.replace(model_config_from_meta(meta), param_dtype=stored, **overrides)
     graphdef, abs_base = abstract_params(base_cfg)
     base_ref = ref["base"]
     if "init_from_hf" in base_ref:
@@ -513,7 +516,7 @@ def load_lora(
         hf_dir = base_ref["init_from_hf"]
         if not pathlib.Path(hf_dir).is_dir() and not is_url(hf_dir):
             raise FileNotFoundError(f"the LoRA run's base {hf_dir} (train.init_from_hf) is missing")
-        _, model = load_hf_model(hf_dir, mesh=mesh, rules=rules, param_dtype=ref["base_dtype"])
+        _, model = load_hf_model(hf_dir, mesh=mesh, rules=rules, param_dtype=stored)
         base = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     else:
         shardings = param_shardings(abs_base, mesh, rules)
@@ -521,6 +524,9 @@ def load_lora(
             lambda: nnx.to_pure_dict(nnx.state(llama.create(base_cfg, int(base_ref["seed"])), nnx.Param)),
             out_shardings=shardings,
         )()
+    if ref["base_dtype"] == "int8":  # re-quantised as the run did; handed out dequantised, float32
+        base = jax.jit(lambda b: quant.dequantize_base(quant.quantize_base(b)))(base)
+        base_cfg = dataclasses.replace(base_cfg, param_dtype="float32")
     shapes = lora.shapes(spec, base_cfg)
     single = None if mesh is not None else SingleDeviceSharding(jax.devices()[0])
     target = {

@@ -116,7 +116,7 @@ class LoraConfig:
     dropout: float = 0.0  # on the adapter's input, training only
     # Projections that get adapters: any of q, k, v, o, gate, up, down.
     targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
-    # Storage dtype of the frozen base: bfloat16 | float32 (| int8 via qwix: not built yet).
+    # Storage dtype of the frozen base: bfloat16 | float32 | int8 (QLoRA-style, via qwix: models/quant.py).
     base_dtype: str = "bfloat16"
 
 

@@ -215,7 +215,10 @@ def _warmup(cfg: Any) -> str | None:
 
 def _lora_int8(cfg: Any) -> str | None:
     if cfg.train.lora.rank and cfg.train.lora.base_dtype == "int8":
-        return "train.lora.base_dtype=int8: the QLoRA int8 base (qwix) is not implemented yet; use bfloat16"
+        try:
+            import qwix  # noqa: F401  (the int8 base's quantiser, models/quant.py)
+        except ImportError:
+            return "train.lora.base_dtype=int8: needs the qwix package (pip install qwix)"
     return None
 
 

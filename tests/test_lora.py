@@ -47,7 +47,6 @@ def _batch(b: int = 4, s: int = 32) -> dict[str, jax.Array]:
         ("train.lora.rank=-1", "train.lora.rank=-1: must be >= 0"),
         ("train.lora.targets=q,x", "must be a non-empty subset of q, k, v, o, gate, up, down"),
         ("train.lora.dropout=1", "train.lora.dropout=1.0: must be in [0, 1)"),
-        ("train.lora.base_dtype=int8", "int8: the QLoRA int8 base (qwix) is not implemented yet"),
         ("train.lora.base_dtype=fp8", "must be one of bfloat16, float32, int8"),
     ],
 )

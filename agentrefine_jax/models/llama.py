@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from agentrefine_jax.models import cpu_layout, lora, params, rope
+from agentrefine_jax.models import cpu_layout, lora, params, quant, rope
 from agentrefine_jax.models.attention import attend
 from agentrefine_jax.models.config import ModelConfig
 from agentrefine_jax.sharding import constrain
@@ -80,7 +80,7 @@ def layer_forward(
     proj_out = cpu_layout.project_out if flat else _project_out
 
     def proj(matmul: Any, h: jax.Array, name: str) -> jax.Array:
-        y = matmul(h, p[name].astype(dt))
+        y = matmul(h, quant.dequantize(p[name], dt))  # an int8 base (QArray) dequantises per layer
         if lora_spec is not None and name in p["lora"]:
             key = p.get("lora_key")
             key = None if key is None else jax.random.fold_in(key, lora_spec.names.index(name))

@@ -334,8 +334,9 @@ def _initial_params(cfg: Config, fns: StepFns, mesh: jax.sharding.Mesh) -> Any:
     from flax import nnx
 
     from agentrefine_jax.hf.io import load_hf_model
+    from agentrefine_jax.models.quant import storage_dtype
 
-    param_dtype = cfg.train.lora.base_dtype if fns.lora_spec else cfg.model.param_dtype
+    param_dtype = storage_dtype(cfg.train.lora.base_dtype) if fns.lora_spec else cfg.model.param_dtype
     hf_cfg, model = load_hf_model(
         cfg.train.init_from_hf, mesh=mesh, rules=cfg.mesh.rules, param_dtype=param_dtype
     )
@@ -348,6 +349,9 @@ def _initial_params(cfg: Config, fns: StepFns, mesh: jax.sharding.Mesh) -> Any:
     log.info(f"initialised from {cfg.train.init_from_hf}")
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     if fns.lora_spec:
-        base = jax.device_put(params, fns.param_shardings["base"])
+        if fns.prepare_base is not None:  # int8: quantised once, here, from the bfloat16 import
+            base = fns.prepare_base(params)
+        else:
+            base = jax.device_put(params, fns.param_shardings["base"])
         return {"base": base, "lora": fns.init_adapters(cfg.train.seed)}
     return jax.device_put(params, fns.param_shardings)

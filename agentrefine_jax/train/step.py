@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from agentrefine_jax import sharding as shd
 from agentrefine_jax.checkpoint import abstract_params, param_shardings
 from agentrefine_jax.data.packing import BATCH_KEYS
-from agentrefine_jax.models import Transformer, lora
+from agentrefine_jax.models import Transformer, lora, quant
 from agentrefine_jax.models.config import ModelConfig
 from agentrefine_jax.train.loss import chunked_cross_entropy, resolve_loss_impl, target_weights
 
@@ -46,6 +46,8 @@ class StepFns:
     lora_spec: lora.LoraSpec | None = None
     init_adapters: Callable[[int], Params] | None = None
     merged_dtype: str | None = None  # model.param_dtype: what a merged LoRA model is cast to
+    # int8 base: a bfloat16 base's params (HF import) -> the stored, quantised base; else None.
+    prepare_base: Callable[[Params], Params] | None = None
 
     def trainable(self, params: Params) -> Params:
         """What the optimizer updates and a checkpoint stores: all params, or the adapters."""
@@ -99,8 +101,9 @@ def build_steps(
     lora_base_dtype: str | None = None,
 ) -> StepFns:
     merged_dtype = model_cfg.param_dtype
+    int8_base = lora_spec is not None and lora_base_dtype == "int8"
     if lora_spec is not None and lora_base_dtype:  # the frozen base is stored in its own dtype
-        model_cfg = dataclasses.replace(model_cfg, param_dtype=lora_base_dtype)
+        model_cfg = dataclasses.replace(model_cfg, param_dtype=quant.storage_dtype(lora_base_dtype))
     graphdef, abs_state = abstract_params(model_cfg)
     p_shard = param_shardings(abs_state, mesh, rules)
     micro = micro_batch or global_batch
@@ -119,7 +122,14 @@ def build_steps(
         return nnx.to_pure_dict(nnx.state(create(model_cfg, seed), nnx.Param))
 
     init_params_jit = jax.jit(init_params, static_argnums=0, out_shardings=p_shard)
-    init_adapters_jit = None
+    init_adapters_jit = prepare_base = None
+    if int8_base:  # QLoRA-style: the projections held as int8 + per-channel scales (models/quant.py)
+        # A separate jit on the materialised bfloat16 base: the HF-import path and checkpoint.load_lora
+        # quantise the same arrays the same way.
+        prepare_base = jax.jit(quant.quantize_base, out_shardings=quant.shardings(p_shard))
+        bf16_init = init_params_jit
+        init_params_jit = lambda seed: prepare_base(bf16_init(seed))  # noqa: E731
+        p_shard = quant.shardings(p_shard)
     if lora_spec is not None:
         a_shard = _lora_shardings(lora_spec, model_cfg, mesh, rules)
 
@@ -133,6 +143,8 @@ def build_steps(
         p_shard = {"base": p_shard, "lora": a_shard}
     with shd.use_sharding(mesh, rules):
         abstract_pure = jax.eval_shape(lambda: init_params(0))
+        if int8_base:
+            abstract_pure = jax.eval_shape(quant.quantize_base, abstract_pure)
         if lora_spec is not None:
             abstract_pure = {"base": abstract_pure, "lora": jax.eval_shape(lambda: init_adapters(0))}
         abstract_opt = jax.eval_shape(optimizer.init, _trainable(abstract_pure, lora_spec))
@@ -233,6 +245,7 @@ def build_steps(
         lora_spec=lora_spec,
         init_adapters=None if init_adapters_jit is None else with_rules(init_adapters_jit),
         merged_dtype=merged_dtype,
+        prepare_base=None if prepare_base is None else with_rules(prepare_base),
     )
 
 
