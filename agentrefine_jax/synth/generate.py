@@ -240,8 +240,11 @@ class Generator:
             tag = f"trajectory attempt {state['attempts'] + 1}"
             reply = self._call(self.trajectory_client, msgs, state, tag)
             state["attempts"] += 1
-            entry: dict[str, Any] = {"attempt": state["attempts"], "prefix_turns": len(prefix),
-                                     "resumes": state["resumes"]}
+            entry: dict[str, Any] = {
+                "attempt": state["attempts"],
+                "prefix_turns": len(prefix),
+                "resumes": state["resumes"],
+            }
             try:
                 new_turns = parse_turns(extract_json(reply.text), prefix)
             except (JSONExtractError, ValueError) as e:
@@ -265,8 +268,11 @@ class Generator:
             state["prefix"] = [] if result.reason == NO_ERROR else raw["turns"][: result.verified_turns]
             state["last_reason"], state["last_detail"] = result.reason, result.detail
             state["last_turns"] = raw["turns"]
-            nxt = (f"regenerating from {len(state['prefix'])} verified turns"
-                   if state["attempts"] <= cfg.max_retries else "no retries left")
+            nxt = (
+                f"regenerating from {len(state['prefix'])} verified turns"
+                if state["attempts"] <= cfg.max_retries
+                else "no retries left"
+            )
             self.log(f"[synth] {pid}: attempt {state['attempts']} failed Algorithm 1: {result.detail}; {nxt}")
             self._save_state(state)
 
@@ -300,9 +306,18 @@ class Generator:
     # -- setup and the worker pool
     def _new_state(self, persona: Persona) -> dict[str, Any]:
         return {
-            "id": persona.id, "persona": persona.text, "script": None, "script_attempts": 0,
-            "prefix": [], "attempts": 0, "last_reason": "", "last_detail": "", "last_turns": None,
-            "history": [], "usage": Usage().as_dict(), "resumes": 0,
+            "id": persona.id,
+            "persona": persona.text,
+            "script": None,
+            "script_attempts": 0,
+            "prefix": [],
+            "attempts": 0,
+            "last_reason": "",
+            "last_detail": "",
+            "last_turns": None,
+            "history": [],
+            "usage": Usage().as_dict(),
+            "resumes": 0,
         }
 
     def _load_state(self, persona: Persona) -> dict[str, Any] | None:
@@ -359,8 +374,10 @@ class Generator:
         known = {p.id for p in personas}
         orphans = [f.name for f in self.state_dir.glob("*.json") if f.stem not in known]
         if orphans:
-            self.log(f"[synth] note: {len(orphans)} state file(s) belong to personas outside this persona "
-                     f"file (or beyond --limit) and are left untouched: {orphans[:5]}")
+            self.log(
+                f"[synth] note: {len(orphans)} state file(s) belong to personas outside this persona "
+                f"file (or beyond --limit) and are left untouched: {orphans[:5]}"
+            )
         self.log(
             f"[synth] {len(personas)} personas: {self.report.done_before} already finished, "
             f"{self.report.resumed} resuming in-flight, {len(work) - self.report.resumed} new; "
@@ -370,7 +387,9 @@ class Generator:
         same = cfg.script_llm == cfg.trajectory_llm
         self.trajectory_client = self.script_client if same else ChatClient(cfg.trajectory_llm, log=self.log)
         self.progress = Progress(
-            len(personas), already_done=self.report.done_before, stream=self._progress_stream,
+            len(personas),
+            already_done=self.report.done_before,
+            stream=self._progress_stream,
             interval=cfg.progress_interval,
         )
         todo: queue.Queue[tuple[Persona, dict[str, Any]]] = queue.Queue()
@@ -407,8 +426,10 @@ class Generator:
 
         # Daemon threads: on Ctrl-C the main thread returns at once; saved state covers the
         # requests still in the air.
-        threads = [threading.Thread(target=worker, daemon=True, name=f"synth-{i}")
-                   for i in range(max(1, min(cfg.concurrency, len(work))))]
+        threads = [
+            threading.Thread(target=worker, daemon=True, name=f"synth-{i}")
+            for i in range(max(1, min(cfg.concurrency, len(work))))
+        ]
         for t in threads:
             t.start()
         try:
@@ -437,13 +458,23 @@ class Generator:
 
     def _write_summary(self) -> None:
         r = self.report
-        jsonl.write_json_atomic(self.out / SUMMARY, {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "personas": r.total, "finished_before": r.done_before, "resumed": r.resumed,
-            "succeeded": r.succeeded, "failed": r.failed, "unfinished": r.unfinished,
-            "fatal": r.fatal, "interrupted": r.interrupted, "persona_skips": r.persona_skips,
-            "usage": r.usage.as_dict(), "pid": os.getpid(),
-        })
+        jsonl.write_json_atomic(
+            self.out / SUMMARY,
+            {
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "personas": r.total,
+                "finished_before": r.done_before,
+                "resumed": r.resumed,
+                "succeeded": r.succeeded,
+                "failed": r.failed,
+                "unfinished": r.unfinished,
+                "fatal": r.fatal,
+                "interrupted": r.interrupted,
+                "persona_skips": r.persona_skips,
+                "usage": r.usage.as_dict(),
+                "pid": os.getpid(),
+            },
+        )
 
 
 def run_generate(cfg: GenerateConfig, *, progress_stream=None) -> GenerateReport:

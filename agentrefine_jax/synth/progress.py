@@ -14,8 +14,9 @@ from typing import TextIO
 
 
 class Progress:
-    def __init__(self, total: int, *, already_done: int = 0, stream: TextIO | None = None,
-                 interval: float = 5.0):
+    def __init__(
+        self, total: int, *, already_done: int = 0, stream: TextIO | None = None, interval: float = 5.0
+    ):
         self.total = total
         self.done = already_done
         self.failed = 0
@@ -60,8 +61,16 @@ class Progress:
                 self._stream.write(self.status())
             self._stream.flush()
 
-    def update(self, *, done: int = 0, failed: int = 0, tokens: int = 0, unfinished: int = 0,
-               retrying: str | None = None, settled: str | None = None) -> None:
+    def update(
+        self,
+        *,
+        done: int = 0,
+        failed: int = 0,
+        tokens: int = 0,
+        unfinished: int = 0,
+        retrying: str | None = None,
+        settled: str | None = None,
+    ) -> None:
         with self._lock:
             self.done += done
             self.failed += failed

@@ -121,8 +121,15 @@ class ReplayServer:
                 break
             self._n += 1
             n = self._n
-            record = {"n": n, "path": path, "body": body, "text": text, "authorization": auth,
-                      "rule": rule.get("name") if rule else None, "reply": reply}
+            record = {
+                "n": n,
+                "path": path,
+                "body": body,
+                "text": text,
+                "authorization": auth,
+                "rule": rule.get("name") if rule else None,
+                "reply": reply,
+            }
             self.requests.append(record)
         if reply is None:
             return 500, {"error": {"message": "no recorded reply matches this request", "type": "replay"}}, {}
@@ -139,20 +146,32 @@ class ReplayServer:
         estimate = {"prompt_tokens": len(text) // 4, "completion_tokens": len(content) // 4}
         usage = dict(reply.get("usage") or estimate)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        return 200, {
-            "id": f"chatcmpl-replay-{n}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": body.get("model", "replay"),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                         "finish_reason": reply.get("finish_reason", "stop")}],
-            "usage": usage,
-        }, {}
+        return (
+            200,
+            {
+                "id": f"chatcmpl-replay-{n}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": body.get("model", "replay"),
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": content},
+                        "finish_reason": reply.get("finish_reason", "stop"),
+                    }
+                ],
+                "usage": usage,
+            },
+            {},
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m agentrefine_jax.synth.replay_server", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m agentrefine_jax.synth.replay_server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--replies", required=True, help='JSON file {"rules": [...]}')
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8765)

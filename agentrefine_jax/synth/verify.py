@@ -160,7 +160,9 @@ def verify_trajectory(obj_or_text: dict[str, Any] | str | bytes) -> VerifyResult
             flagged = isinstance(nxt, dict) and nxt.get("role") == DM and nxt.get("error") is True
             if not flagged:
                 return VerifyResult(
-                    False, i, INVALID_ACTION,
+                    False,
+                    i,
+                    INVALID_ACTION,
                     f"turn {i}: action {turn['action']!r} matches no available action "
                     "and the next DM turn does not flag an error",
                 )
