@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from agentboard_fixture import make_checkout
 from flax import nnx
+from test_eval_checkpoint import save_random_checkpoint
 
 from agentrefine_jax.checkpoint import save_model
 from agentrefine_jax.eval.agentboard.checkout import Checkout
@@ -34,18 +35,7 @@ CONTEXT = 700  # small enough that the history must be cut after a few random re
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    graphdef, state = nnx.split(llama.abstract(CFG))
-    rng = np.random.default_rng(1)
-
-    def draw(path, leaf):
-        noise = rng.standard_normal(leaf.shape)
-        value = 1.0 + 0.1 * noise if str(path[-1].key).endswith("norm") else 0.1 * noise
-        return jax.device_put(np.asarray(value, leaf.dtype), jax.devices()[0])
-
-    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(state)))
-    root = tmp_path_factory.mktemp("ckpt") / "run"
-    save_model(root, nnx.merge(graphdef, state), CFG, step=1, tokenizer="llama3", template="llama3")
-    return str(root)
+    return save_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "run", CFG, seed=1)
 
 
 @pytest.mark.slow

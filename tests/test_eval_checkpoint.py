@@ -22,10 +22,10 @@ from agentrefine_jax.models.config import preset
 CFG = preset("tiny", max_position_embeddings=2048)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    graphdef, state = nnx.split(llama.abstract(CFG))
-    rng = np.random.default_rng(0)
+def save_random_checkpoint(root, cfg, seed: int) -> str:
+    """A model of `cfg` with random weights away from init (norms near 1) saved as a checkpoint at `root`."""
+    graphdef, state = nnx.split(llama.abstract(cfg))
+    rng = np.random.default_rng(seed)
 
     def draw(path, leaf):
         noise = rng.standard_normal(leaf.shape)
@@ -33,9 +33,13 @@ def checkpoint(tmp_path_factory) -> str:
         return jax.device_put(np.asarray(value, leaf.dtype), jax.devices()[0])
 
     nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(state)))
-    root = tmp_path_factory.mktemp("ckpt") / "run"
-    save_model(root, nnx.merge(graphdef, state), CFG, step=1, tokenizer="llama3", template="llama3")
+    save_model(root, nnx.merge(graphdef, state), cfg, step=1, tokenizer="llama3", template="llama3")
     return str(root)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return save_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "run", CFG, seed=0)
 
 
 def test_checkpoint_backend_runs_episodes_and_records_model_replies(checkpoint, tmp_path, capsys):

@@ -173,23 +173,32 @@ def test_only_adapters_are_differentiated_updated_and_in_the_optimizer_state():
 # ------------------------------------------------------------------------------ end to end
 
 
-@pytest.fixture(scope="module")
-def lora_run(tmp_path_factory) -> pathlib.Path:
-    run_dir = tmp_path_factory.mktemp("lora") / "run"
-    code, out = _finish(_train(run_dir, *LORA))
+def train_demo(run_dir: pathlib.Path, *args: str) -> pathlib.Path:
+    """The demo trained 8 steps with `args` (a LoRA setting) in `run_dir`."""
+    code, out = _finish(_train(run_dir, *args))
     assert code == 0, out
     return run_dir
 
 
-def test_lora_demo_learns_and_checkpoints_hold_only_adapters(lora_run):
-    losses = _losses(lora_run)
+def check_learned_with_adapters_only(run_dir: pathlib.Path) -> dict:
+    """The run's loss fell and its last checkpoint holds the adapters only; returns its meta."""
+    losses = _losses(run_dir)
     assert sorted(losses) == list(range(1, 9))
     first, last = np.mean([losses[s] for s in (1, 2, 3)]), np.mean([losses[s] for s in (6, 7, 8)])
     assert last < first - 0.05, losses
-    step = lora_run / "checkpoints" / "8"
+    step = run_dir / "checkpoints" / "8"
     tree = ocp.StandardCheckpointHandler().metadata(step / "params").tree
     assert set(tree) == set(SPEC.names)  # adapters, no embedding / base projections
-    meta = json.loads((step / "meta" / "metadata").read_text())
+    return json.loads((step / "meta" / "metadata").read_text())
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> pathlib.Path:
+    return train_demo(tmp_path_factory.mktemp("lora") / "run", *LORA)
+
+
+def test_lora_demo_learns_and_checkpoints_hold_only_adapters(lora_run):
+    meta = check_learned_with_adapters_only(lora_run)
     assert meta["lora"]["rank"] == 8 and meta["lora"]["base"] == {"seed": 0}
 
 
