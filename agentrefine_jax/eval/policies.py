@@ -113,16 +113,15 @@ class OpenAIChatPolicy:
     ):
         import openai
 
+        from agentrefine_jax.http_client import openai_client
+
         self.name = f"openai:{model}"
         self.model = model
         self.sampling = sampling
         self._openai = openai
-        self._client = openai.OpenAI(
-            base_url=base_url,
-            api_key=os.environ.get(api_key_env) or "EMPTY",
-            timeout=timeout,
-            max_retries=max_retries,
-        )
+        self._key = os.environ.get(api_key_env) or "EMPTY"
+        # `timeout` bounds each whole request (connect + reply), not each read.
+        self._client = openai_client(base_url, self._key, timeout=timeout, max_retries=max_retries)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, concurrency))
 
     def _one(self, r: ActRequest) -> str | PolicyError:
@@ -138,8 +137,9 @@ class OpenAIChatPolicy:
                 seed=(r.seed + r.step) % 2**31,
             )
         except self._openai.APIError as e:
-            # The exception text carries status and server message, never the request headers.
-            return PolicyError(f"{type(e).__name__}: {e}")
+            from agentrefine_jax.http_client import describe_api_error
+
+            return PolicyError(describe_api_error(e, self._key))  # one line, key redacted, no raw body
         if not resp.choices:
             return PolicyError("the endpoint returned no choices")
         return resp.choices[0].message.content or ""

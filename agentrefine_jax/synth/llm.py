@@ -6,8 +6,10 @@ Retry-After), a fatal error on other 4xx (a bad key or model name would fail eve
 A 200 that is not a chat completion (a body that is not JSON, no `choices`, a choice without a
 message: proxies and overloaded servers send these) is a transport fault, not the model's
 answer, so it is retried the same way instead of costing the persona a regeneration.
-The API key is read from an environment variable and never printed: error texts pass through
-`redact` before they reach a log.
+`LLMSettings.timeout` is one deadline for the whole request (connect + reply), not per read, and
+the API key is read from an environment variable and never printed: both are owned by
+`agentrefine_jax.http_client`, and error texts reach logs and summary.json only through its
+`describe_api_error` (status, the provider's error code and message, redacted, never the raw body).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 
 import openai
 
-PLACEHOLDER_KEY = "EMPTY"  # what local servers (vLLM, llama.cpp) accept when no key is set
+from agentrefine_jax.http_client import PLACEHOLDER_KEY, describe_api_error, openai_client, redact
 
 
 class APIFatalError(RuntimeError):
@@ -83,7 +85,7 @@ class LLMSettings:
     api_key_env: str = "OPENAI_API_KEY"
     temperature: float = 1.0
     max_tokens: int | None = None
-    timeout: float = 300.0
+    timeout: float = 300.0  # seconds for a whole request (connect + complete reply), per attempt
     # Retries of one request on transient errors, and the backoff schedule between them.
     max_api_retries: int = 6
     backoff_base: float = 1.0
@@ -118,15 +120,13 @@ class ChatClient:
                 "(fine for local servers, rejected by hosted APIs)"
             )
         self._key = key or PLACEHOLDER_KEY
-        self._client = openai.OpenAI(
-            api_key=self._key, base_url=settings.base_url, timeout=settings.timeout, max_retries=0
-        )
+        self._client = openai_client(settings.base_url, self._key, timeout=settings.timeout, max_retries=0)
         self._lock = threading.Lock()
         self.usage = Usage()
         self.retries = 0
 
     def redact(self, text: str) -> str:
-        return text.replace(self._key, "***") if self._key != PLACEHOLDER_KEY else text
+        return redact(text, self._key)
 
     def _backoff(self, attempt: int, hint: float | None) -> float:
         s = self.settings
@@ -150,12 +150,12 @@ class ChatClient:
                 code = e.status_code
                 if code not in (408, 409, 429) and code < 500:
                     raise APIFatalError(
-                        f"HTTP {code} from {s.base_url} (model {s.model!r}): {self.redact(str(e))[:500]}"
+                        f"{describe_api_error(e, self._key)} from {s.base_url} (model {s.model!r})"
                     ) from None
                 hint = _retry_after(e)
                 last = f"HTTP {code}"
             except (openai.APITimeoutError, openai.APIConnectionError) as e:
-                last = type(e).__name__
+                last = describe_api_error(e, self._key)
             except (json.JSONDecodeError, openai.APIResponseValidationError):
                 last = "HTTP 200 with a body that is not JSON"
             else:
@@ -171,7 +171,7 @@ class ChatClient:
                 self.retries += 1
             self._log(f"[synth] {tag}{last}; retry {attempt + 1}/{s.max_api_retries} in {delay:.2f}s")
             self._sleep(delay)
-        raise APITransientError(f"{last} from {s.base_url} persisted through {s.max_api_retries} retries")
+        raise APITransientError(f"{last} (from {s.base_url}, through {s.max_api_retries} retries)")
 
     def _count_usage(self, resp: Any) -> Usage:
         u = getattr(resp, "usage", None)

@@ -126,7 +126,10 @@ def endpoint_model(
     from agentrefine_jax.data.tokenizers import load_tokenizer
 
     tpl = get_template(template, load_tokenizer(template))
-    client = openai.OpenAI(base_url=base_url, api_key=os.environ.get(api_key_env) or "EMPTY", timeout=timeout)
+    from agentrefine_jax.http_client import describe_api_error, openai_client
+
+    key = os.environ.get(api_key_env) or "EMPTY"
+    client = openai_client(base_url, key, timeout=timeout, max_retries=2)  # timeout: whole request
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=8)
 
     def one(messages: list[dict[str, str]]) -> str | Exception:
@@ -134,8 +137,8 @@ def endpoint_model(
             resp = client.chat.completions.create(
                 model=model, messages=messages, temperature=0.0, top_p=1.0, max_tokens=MAX_NEW_TOKENS
             )
-        except openai.APIError as e:  # message carries status and server text, never the key
-            return RuntimeError(f"{type(e).__name__}: {e}")
+        except openai.APIError as e:
+            return RuntimeError(describe_api_error(e, key))  # one line, key redacted, no raw body
         return (
             (resp.choices[0].message.content or "") if resp.choices else RuntimeError("no choices returned")
         )
