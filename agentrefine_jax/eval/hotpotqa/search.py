@@ -23,7 +23,7 @@ import re
 import socket
 import time
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from agentrefine_jax.eval.hotpotqa.scoring import normalize_answer
@@ -114,7 +114,8 @@ class WikipediaBackend:
         self._cache: dict[str, Page | NotFound] = {}
 
     def search(self, entity: str) -> Page | NotFound:
-        key = title_key(entity)
+        # Wikipedia titles are case-sensitive after the first letter: the cache key keeps case.
+        key = " ".join(entity.split())
         if key not in self._cache:
             self._cache[key] = self._search(entity)
         return self._cache[key]
@@ -173,7 +174,10 @@ class WikipediaBackend:
             if not isinstance(doc, dict):
                 raise SearchError(f"Wikipedia API at {self.base_url} sent unexpected JSON")
             return doc
-        raise SearchError(f"Wikipedia API at {self.base_url} failed after {self.retries + 1} tries: {last}")
+        tries = self.retries + 1
+        raise SearchError(
+            f"Wikipedia API at {self.base_url} failed after {tries} attempt{'s' * (tries > 1)}: {last}"
+        )
 
 
 def _extract_sentences(extract: str) -> tuple[str, ...]:
@@ -201,17 +205,25 @@ def _http_get(base_url: str, params: Mapping[str, str], timeout: float) -> tuple
     cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     conn = cls(parts.netloc, timeout=remaining())
     try:
-        conn.request("GET", path, headers={"User-Agent": USER_AGENT, "Accept": "application/json"})
-        sock: socket.socket = conn.sock  # type: ignore[assignment]
-        sock.settimeout(remaining())
-        resp = conn.getresponse()
-        chunks = []
-        while True:
-            sock.settimeout(remaining())
-            chunk = resp.read1(65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
-        return resp.status, b"".join(chunks)
+        return _exchange(conn, path, remaining)
+    except TimeoutError:  # the socket's own timeout fired: it was the overall deadline's remainder
+        raise TimeoutError(f"no complete answer within {timeout:g}s") from None
     finally:
         conn.close()
+
+
+def _exchange(
+    conn: http.client.HTTPConnection, path: str, remaining: Callable[[], float]
+) -> tuple[int, bytes]:
+    """Send the request and read the whole answer, each socket wait bounded by what the deadline leaves."""
+    conn.request("GET", path, headers={"User-Agent": USER_AGENT, "Accept": "application/json"})
+    sock: socket.socket = conn.sock  # type: ignore[assignment]
+    sock.settimeout(remaining())
+    resp = conn.getresponse()
+    chunks = []
+    while True:
+        sock.settimeout(remaining())
+        chunk = resp.read1(65536)
+        if not chunk:
+            return resp.status, b"".join(chunks)
+        chunks.append(chunk)
