@@ -1,4 +1,6 @@
-"""Held-out agent evaluation: ReAct agent loop, offline environments, policies and metrics.
+"""Agent evaluation: one registry of tasks (`registry.py`), each with its episode sources (AgentBoard's
+checkout, built-in simulators), the episode loop, actors (checkpoint, endpoint, oracle, random),
+Best-of-N, perturbations and metrics.
 
 See docs/eval.md. Simulator packages (minigrid, scienceworld, pddlgym, textworld) are imported
 only when their task runs.
@@ -25,15 +27,8 @@ from agentrefine_jax.eval.policies import (
     SamplingParams,
 )
 from agentrefine_jax.eval.react import parse_action
-from agentrefine_jax.eval.runner import (
-    TASK_NAMES,
-    EvalConfig,
-    available_tasks,
-    format_table,
-    make_task,
-    register_task,
-    run_eval,
-)
+from agentrefine_jax.eval.registry import available_tasks, make_task, register_task
+from agentrefine_jax.eval.runner import TASK_NAMES, EvalConfig, format_table, run_eval
 
 __all__ = [
     "PAPER_WEIGHTS",

@@ -1,10 +1,12 @@
-"""`python -m agentrefine_jax.eval`: held-out agent evaluation on offline environments.
+"""`python -m agentrefine_jax.eval`: the one evaluation CLI (see docs/eval.md).
+
+Episode source: AgentBoard's (its episodes, prompts and rules, read from `--agentboard-dir`; the default
+whenever that is given) or built-in (episodes generated from the PyPI simulators).
 
 python -m agentrefine_jax.eval --policy oracle --tasks babyai,pddl --episodes 5 --out oracle.json
-python -m agentrefine_jax.eval --base-url http://127.0.0.1:8000/v1 --model demo --episodes 20 --out r.json
 python -m agentrefine_jax.eval --checkpoint runs/demo --episodes 20 --best-of 4 --perturb --out r.json
-python -m agentrefine_jax.eval --protocol agentboard --agentboard-dir ~/AgentBoard --tasks pddl \
-    --policy oracle --max-steps 200 --out pddl_oracle.json
+python -m agentrefine_jax.eval --agentboard-dir ~/AgentBoard --tasks pddl --policy oracle --max-steps 200
+python -m agentrefine_jax.eval --agentboard-dir ~/AgentBoard --checkpoint runs/x --best-of 4 --temperature 1
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from agentrefine_jax.eval.policies import (
     RandomPolicy,
     SamplingParams,
 )
+from agentrefine_jax.eval.registry import SOURCES, default_tasks
 from agentrefine_jax.eval.runner import TASK_NAMES, EvalConfig, format_table, run_eval
 
 BEST_OF_TEMPERATURE = 0.7
@@ -36,7 +39,8 @@ BEST_OF_TEMPERATURE = 0.7
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="python -m agentrefine_jax.eval",
-        description="Evaluate an agent on offline held-out tasks (BabyAI, ScienceWorld, PDDL, TextWorld).",
+        description="Evaluate an agent on the paper's tasks: AgentBoard's episodes (--agentboard-dir) "
+        "or built-in ones (BabyAI, ScienceWorld, PDDL, TextWorld for Jericho).",
     )
     who = p.add_mutually_exclusive_group(required=True)
     who.add_argument("--checkpoint", help="project checkpoint / run dir or HF model dir (local generation)")
@@ -56,12 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--base-url, the template (llama3|mistral) that counts prompt tokens for history truncation",
     )
     p.add_argument(
-        "--protocol",
-        choices=("ours", "agentboard"),
-        default="ours",
-        help="ours: this project's offline tasks; agentboard: AgentBoard's protocol on --agentboard-dir",
+        "--source",
+        choices=SOURCES,
+        help="episode source: agentboard (AgentBoard's episodes and rules on --agentboard-dir; the default "
+        "when it is given) or builtin (episodes generated from the PyPI simulators; the default otherwise)",
     )
+    # Older spelling of --source (ours = builtin).
+    p.add_argument("--protocol", choices=("ours", "agentboard"), help=argparse.SUPPRESS)
     p.add_argument("--agentboard-dir", help="an AgentBoard checkout with its data in DIR/data")
+    p.add_argument("--name", help="a label for this run, stored as config.name in the results JSON")
     p.add_argument(
         "--all-checkpoints",
         action="store_true",
@@ -81,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tasks",
-        help=f"comma-separated subset of {','.join(TASK_NAMES)} (AgentBoard protocol: of "
-        "alfworld,babyai,sciworld,pddl,jericho; default: all)",
+        help="comma-separated task names (default: the paper's tasks of the source: "
+        f"{','.join(default_tasks('agentboard'))} with --agentboard-dir, else {','.join(TASK_NAMES)}; "
+        "jericho's built-in source is TextWorld games, reported as textworld)",
     )
     p.add_argument(
         "--episodes",
@@ -90,7 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="episodes per task (default 10; AgentBoard protocol: the first N of AgentBoard's list, "
         "default all)",
     )
-    p.add_argument("--best-of", type=int, default=1, help="samples per episode; success if any succeeds")
+    p.add_argument(
+        "--best-of",
+        type=int,
+        default=1,
+        help="samples per episode; success if any succeeds, progress the max (AgentBoard source: the greedy "
+        "run is reported beside it with the difference, the paper's Table 4)",
+    )
     p.add_argument("--perturb", action="store_true", help="also run reworded-action variants (robustness)")
     p.add_argument(
         "--num-perturbations",
@@ -124,7 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--plugin",
         action="append",
         default=[],
-        help="import MODULE first; it may call agentrefine_jax.eval.register_task (e.g. ALFWorld, Jericho)",
+        help="import MODULE first; it may call agentrefine_jax.eval.register_task (repeatable)",
+    )
+    p.add_argument(
+        "--task-option",
+        action="append",
+        default=[],
+        metavar="TASK.KEY=VALUE",
+        help="an option passed (as a string) to TASK's built-in episode source, e.g. hotpotqa.file=dev.json",
     )
     p.add_argument(
         "--prompt-style",
@@ -171,18 +192,39 @@ def make_policy(args: argparse.Namespace) -> Policy:
     return CheckpointPolicy(args.checkpoint, sampling, template=args.template)
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.protocol == "agentboard":
-        from agentrefine_jax.eval.agentboard.cli import run_agentboard
+def source_of(args: argparse.Namespace) -> str:
+    if args.protocol and args.source and {"ours": "builtin"}.get(args.protocol, args.protocol) != args.source:
+        raise ValueError("--protocol and --source disagree")
+    source = args.source or {"ours": "builtin", "agentboard": "agentboard", None: None}[args.protocol]
+    return source or ("agentboard" if args.agentboard_dir else "builtin")
 
+
+def task_options(specs: list[str]) -> dict[str, dict[str, str]]:
+    out: dict[str, dict[str, str]] = {}
+    for spec in specs:
+        key, eq, value = spec.partition("=")
+        task, dot, name = key.partition(".")
+        if not (eq and dot and task and name):
+            raise ValueError(f"--task-option {spec!r}: expected TASK.KEY=VALUE")
+        out.setdefault(task, {})[name] = value
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    source = source_of(args)
+    for module in args.plugin:
+        importlib.import_module(module)
+    if source == "agentboard":
         return run_agentboard(args)
     if args.agentboard_dir or args.context_length or args.log_dir or args.all_checkpoints:
         raise ValueError(
-            "--agentboard-dir/--context-length/--log-dir/--all-checkpoints need --protocol agentboard"
+            "--agentboard-dir/--context-length/--log-dir/--all-checkpoints need the agentboard source"
         )
-    for module in args.plugin:
-        importlib.import_module(module)
-    tasks = tuple(t.strip() for t in (args.tasks or ",".join(TASK_NAMES)).split(",") if t.strip())
+    tasks = tuple(
+        t.strip() for t in (args.tasks or ",".join(default_tasks("builtin"))).split(",") if t.strip()
+    )
+    options = task_options(args.task_option)
+    options.setdefault("sciworld", {}).setdefault("simplification", args.sciworld_simplification)
     own_workdir = args.workdir is None
     # A placeholder until the arguments are known to be good, so a bad call leaves no temp dir behind.
     workdir = args.workdir or "<temporary>"
@@ -197,8 +239,9 @@ def run(args: argparse.Namespace) -> int:
         max_steps=args.max_steps,
         batch_size=batch_size,
         workdir=workdir,
-        task_options={"sciworld": {"simplification": args.sciworld_simplification}},
+        task_options=options,
         prompt_style=args.prompt_style,
+        name=args.name,
     )
     config.validate()
     if args.policy is None and args.best_of > 1:
@@ -214,14 +257,97 @@ def run(args: argparse.Namespace) -> int:
         if own_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     print(format_table(doc), flush=True)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        tmp = args.out + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(doc, f, ensure_ascii=False, indent=1)
-        os.replace(tmp, args.out)
-        log(f"wrote {args.out} ({len(doc['episodes'])} episode transcripts)")
+    _write(args.out, doc, len(doc["episodes"]))
     return 0
+
+
+def run_agentboard(args: argparse.Namespace) -> int:
+    """The AgentBoard source: its episodes, prompts and rules, read from the user's checkout."""
+    from agentrefine_jax.eval.agentboard import runner as ab
+    from agentrefine_jax.eval.agentboard.checkout import Checkout
+    from agentrefine_jax.eval.agentboard.protocol import DEFAULT_MAX_STEPS
+
+    if not args.agentboard_dir:
+        raise ValueError("the agentboard source needs --agentboard-dir DIR (an AgentBoard checkout)")
+    if args.task_option:
+        raise ValueError("--task-option applies to built-in episode sources only")
+    tasks = tuple(
+        t.strip() for t in (args.tasks or ",".join(default_tasks("agentboard"))).split(",") if t.strip()
+    )
+    temperature = args.temperature
+    if args.best_of > 1 and temperature is None:
+        temperature = BEST_OF_TEMPERATURE
+    config = ab.RunConfig(
+        tasks=tasks,
+        max_steps=DEFAULT_MAX_STEPS if args.max_steps is None else args.max_steps,
+        batch_size=args.batch_size or (1 if args.policy else 8),
+        seed=args.seed,
+        log_dir=args.log_dir,
+        limit=args.episodes,
+        perturbations=(5 if args.num_perturbations is None else args.num_perturbations)
+        if args.perturb
+        else 0,
+        best_of=args.best_of,
+        temperature=temperature,
+        top_p=args.top_p,
+        name=args.name,
+    )
+    config.validate()
+    checkout = Checkout(args.agentboard_dir)
+    log = logging.getLogger("agentrefine_jax.eval").info
+    if args.all_checkpoints and not args.checkpoint:
+        raise ValueError("--all-checkpoints needs --checkpoint RUN_DIR")
+    if args.checkpoint and args.all_checkpoints:
+        steps = ab.kept_checkpoints(args.checkpoint)
+        doc = ab.run_checkpoints(
+            checkout,
+            config,
+            steps,
+            lambda path: ab.checkpoint_model(path, args.template, args.context_length),
+            log=log,
+        )
+        print(ab.format_run_table(doc), flush=True)
+        _write(args.out, doc, sum(len(r["result"]["episodes"]) for r in doc["checkpoints"]))
+        return 0
+    model = None
+    if args.checkpoint:
+        model = ab.checkpoint_model(args.checkpoint, args.template, args.context_length)
+    elif args.base_url:
+        if not args.model:
+            raise ValueError("--base-url needs --model")
+        if not args.template or not args.context_length:
+            raise ValueError(
+                "the agentboard source with --base-url needs --template (llama3|mistral) and "
+                "--context-length: history is truncated on the templated prompt's token count"
+            )
+        model = ab.endpoint_model(
+            args.base_url,
+            args.model,
+            args.template,
+            args.context_length,
+            args.api_key_env,
+            args.request_timeout,
+        )
+    try:
+        doc = ab.run(checkout, config, model=model, policy=args.policy, log=log)
+    finally:
+        if model is not None:
+            model.close()
+    print(ab.format_table(doc), flush=True)
+    _write(args.out, doc, len(doc["episodes"]))
+    return 0
+
+
+def _write(out: str | None, doc: dict, episodes: int) -> None:
+    """The results JSON, written to a temporary sibling and renamed into place."""
+    if not out:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    tmp = out + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, ensure_ascii=False, indent=1)
+    os.replace(tmp, out)
+    logging.getLogger("agentrefine_jax.eval").info(f"wrote {out} ({episodes} episode records)")
 
 
 def main(argv: list[str] | None = None) -> int:

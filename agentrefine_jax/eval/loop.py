@@ -12,7 +12,6 @@ import collections
 import dataclasses
 import hashlib
 import logging
-import random
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -20,8 +19,8 @@ from typing import Any
 
 from agentrefine_jax.eval.envs.base import EvalTask, TextEnv
 from agentrefine_jax.eval.perturb import variant_name
-from agentrefine_jax.eval.policies import ActRequest, ContextOverflow, Policy, PolicyError
-from agentrefine_jax.eval.react import FORMAT_ERROR, parse_action
+from agentrefine_jax.eval.policies import ActRequest, ContextOverflow, Policy, PolicyError, ask, is_privileged
+from agentrefine_jax.eval.react import FORMAT_ERROR, format_response, parse_action
 from agentrefine_jax.layout import (
     SYSTEM_PROMPT,
     agentboard_messages,
@@ -81,7 +80,7 @@ class _Running:
         self.job = job
         self.env = env
         self.messages = messages
-        self.rng = random.Random(job.seed)
+        self.actor: Any = None  # a privileged policy's per-episode instance
         self.steps = 0
         self.invalid = 0
         self.format_errors = 0
@@ -98,10 +97,11 @@ class _Running:
         return self.messages
 
 
-def _start(job: EpisodeJob, needs_oracle: bool) -> _Running:
-    env = job.task.make_env(job.spec, job.perturbation, oracle=needs_oracle)
+def _start(job: EpisodeJob, policy: Policy) -> _Running:
+    env = job.task.make_env(job.spec, job.perturbation, oracle=policy.needs_oracle)
     try:
         goal, obs = env.reset()
+        actor = policy.for_episode(job.task, env, job.spec, job.seed) if is_privileged(policy) else None
     except BaseException:
         env.close()
         raise
@@ -111,7 +111,7 @@ def _start(job: EpisodeJob, needs_oracle: bool) -> _Running:
         {"role": "user", "content": first_user_turn(env.instruction, goal, obs)},
     ]
     run = _Running(job, env, messages)
-    run.goal, run.history = goal, [("Observation", obs)]
+    run.goal, run.history, run.actor = goal, [("Observation", obs)], actor
     return run
 
 
@@ -160,17 +160,15 @@ def _error_result(job: EpisodeJob, error: str) -> EpisodeResult:
     )
 
 
-def _ask(policy: Policy, requests: list[ActRequest]) -> list[str | PolicyError]:
-    """Batched call; a batch-level failure is retried per request so one bad episode fails alone."""
-    try:
-        replies = policy.act(requests)
-        if len(replies) != len(requests):
-            raise RuntimeError(f"policy returned {len(replies)} replies for {len(requests)} requests")
-        return replies
-    except Exception as e:  # noqa: BLE001
-        if len(requests) == 1:
-            return [PolicyError(f"{type(e).__name__}: {e}")]
-        return [r for req in requests for r in _ask(policy, [req])]
+def _privileged(policy: Any, runs: list[_Running]) -> list[str | PolicyError]:
+    """Oracle/random: the per-episode policy's action, written as a ReAct turn for the same parser."""
+    out: list[str | PolicyError] = []
+    for run in runs:
+        try:
+            out.append(format_response(policy.thought, run.actor.act(run.env, run.history)))
+        except Exception as e:  # noqa: BLE001 - e.g. the oracle's planner failed: this episode fails alone
+            out.append(PolicyError(f"{type(e).__name__}: {e}"))
+    return out
 
 
 def run_episodes(
@@ -194,15 +192,16 @@ def run_episodes(
         while queue and len(active) < max(1, batch_size):
             idx, job = queue.popleft()
             try:
-                active.append((idx, _start(job, policy.needs_oracle)))
+                active.append((idx, _start(job, policy)))
             except Exception as e:  # noqa: BLE001 - reported per episode, the run goes on
                 done(idx, _error_result(job, f"environment failed to start: {type(e).__name__}: {e}"))
         if not active:
             continue
-        requests = [
-            ActRequest(run.request_messages(), run.env, run.rng, run.job.seed, run.steps) for _, run in active
-        ]
-        replies = _ask(policy, requests)
+        runs = [run for _, run in active]
+        if is_privileged(policy):
+            replies = _privileged(policy, runs)
+        else:
+            replies = ask(policy, [ActRequest(r.request_messages(), r.job.seed, r.steps) for r in runs])
         still: list[tuple[int, _Running]] = []
         for (idx, run), reply in zip(active, replies, strict=True):
             if isinstance(reply, ContextOverflow):

@@ -12,10 +12,11 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-# Problems per held-out task family in the paper's evaluation (AgentBoard): 282 in total.
-# TextWorld games stand in for the 20 Jericho games.
-PAPER_WEIGHTS: dict[str, int] = {"babyai": 112, "sciworld": 90, "pddl": 60, "textworld": 20}
+# The paper's weights live in the registry (TextWorld games stand in for the 20 Jericho games).
+from agentrefine_jax.eval.registry import PAPER_WEIGHTS  # noqa: E402
+
 HELD_OUT = "held_out_average"
+SCHEMA = "agentrefine_jax.eval/1"  # the results JSON layout, docs/eval.md ("Results JSON")
 
 
 def _get(r: Any, key: str) -> Any:

@@ -1,8 +1,10 @@
-"""Policies that answer the agent loop's turns: oracle, random, an OpenAI-compatible endpoint, or a
-local checkpoint. All four implement `Policy`, so the loop, metrics and CLI treat them alike.
+"""The actors that answer the episode loop's turns, for every episode source: a local checkpoint, an
+OpenAI-compatible endpoint, the oracle and the random policy.
 
-The oracle and random policies are privileged (they read the environment through `ActRequest.env`)
-but still answer with a ReAct text turn that goes through the same parser as a model's reply.
+Model actors answer a batch of conversations per call (`act(requests)`); the oracle and random policies are
+privileged (they read the environment) and act per episode, but their action still goes through the
+protocol's reply format and parser like a model's reply. The checkpoint actor is one class with a batched
+`act`, so state kept across turns (e.g. a KV cache per conversation) can live inside it.
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ import random
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from agentrefine_jax.eval.envs.base import TextEnv
-from agentrefine_jax.eval.react import CHECK_VALID_ACTIONS, format_response
+from agentrefine_jax.layout import CHECK_VALID_ACTIONS
 
 # The model's turn ends with its action; a hallucinated next observation is cut here.
 DEFAULT_STOP = ("\nObservation:",)
@@ -30,17 +31,6 @@ class ContextOverflow(PolicyError):
 
 
 @dataclasses.dataclass
-class ActRequest:
-    messages: list[dict[str, str]]
-    env: TextEnv
-    # Per episode-sample stream for policies that sample on the host (random).
-    rng: random.Random
-    # Per episode-sample seed; LLM backends mix in the step number.
-    seed: int
-    step: int
-
-
-@dataclasses.dataclass
 class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
@@ -48,44 +38,86 @@ class SamplingParams:
     stop: tuple[str, ...] = DEFAULT_STOP
 
 
+@dataclasses.dataclass
+class ActRequest:
+    """One conversation a model actor answers."""
+
+    messages: list[dict[str, str]]
+    # Per episode-sample seed; backends mix in the step number.
+    seed: int = 0
+    step: int = 0
+    # None: the actor's own sampling settings.
+    sampling: SamplingParams | None = None
+
+
 class Policy(Protocol):
+    """A model actor: answers a batch of conversations in one call (a batched generate, or concurrent HTTP
+    requests). Privileged policies (oracle, random) instead make one per-episode policy (`for_episode`) that
+    reads the environment: `act(env, history) -> action`."""
+
     name: str
     # Whether environments must prepare reference-solver data (e.g. ScienceWorld gold paths).
     needs_oracle: bool
 
     def act(self, requests: Sequence[ActRequest]) -> list[str | PolicyError]:
-        """One reply per request. Raising fails the whole batch; the loop then retries one by one."""
+        """One reply per request. Raising fails the whole batch; `ask` then retries one by one."""
         ...
 
     def close(self) -> None: ...
 
 
+def ask(policy: Any, requests: list[ActRequest]) -> list[str | Exception]:
+    """A batched call; a batch-level failure is retried per request so one bad episode fails alone."""
+    try:
+        replies = policy.act(requests)
+        if len(replies) != len(requests):
+            raise RuntimeError(f"policy returned {len(replies)} replies for {len(requests)} requests")
+        return replies
+    except Exception as e:  # noqa: BLE001
+        if len(requests) == 1:
+            return [PolicyError(f"{type(e).__name__}: {e}")]
+        return [r for req in requests for r in ask(policy, [req])]
+
+
+def is_privileged(policy: Any) -> bool:
+    return callable(getattr(policy, "for_episode", None))
+
+
 class OraclePolicy:
-    """Replies with the environment's reference solver action (BabyAIBot, gold path, BFS, walkthrough)."""
+    """The task's reference solver (BabyAIBot, gold path, a planner, a walkthrough), made per episode."""
 
     name = "oracle"
     needs_oracle = True
+    thought = "I follow the reference solver."
 
-    def act(self, requests: Sequence[ActRequest]) -> list[str | PolicyError]:
-        return [format_response("I follow the reference solver.", r.env.oracle_action()) for r in requests]
+    def for_episode(self, task: Any, env: Any, spec: Any, seed: int) -> Any:
+        oracle = task.oracle(env)
+        if oracle is None:
+            raise ValueError(f"task {getattr(task, 'name', task)!r} has no offline oracle")
+        return oracle
 
     def close(self) -> None:
         pass
 
 
 class RandomPolicy:
-    """Uniform choice among the currently valid actions (a floor for every metric)."""
+    """Uniform choice among the actions valid now (help commands excluded); one per episode, seeded (a floor
+    for every metric). A task whose help lists templates rather than actions offers `candidate_actions()`."""
 
     name = "random"
     needs_oracle = False
+    thought = "I pick a valid action at random."
 
-    def act(self, requests: Sequence[ActRequest]) -> list[str | PolicyError]:
-        out: list[str | PolicyError] = []
-        for r in requests:
-            valid = r.env.valid_actions()
-            action = r.rng.choice(valid) if valid else CHECK_VALID_ACTIONS
-            out.append(format_response("I pick a valid action at random.", action))
-        return out
+    def __init__(self, seed: int = 0):
+        self.rng = random.Random(seed)
+
+    def for_episode(self, task: Any, env: Any, spec: Any, seed: int) -> RandomPolicy:
+        return RandomPolicy(seed)
+
+    def act(self, env: Any, history: list[tuple[str, str]]) -> str:
+        listing = getattr(env, "candidate_actions", env.valid_actions)()
+        choices = [a for a in listing if "check" not in a.lower()] or listing
+        return self.rng.choice(choices) if choices else CHECK_VALID_ACTIONS
 
     def close(self) -> None:
         pass
@@ -125,7 +157,7 @@ class OpenAIChatPolicy:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, concurrency))
 
     def _one(self, r: ActRequest) -> str | PolicyError:
-        s = self.sampling
+        s = r.sampling or self.sampling
         try:
             resp = self._client.chat.completions.create(
                 model=self.model,
@@ -172,18 +204,18 @@ class CheckpointPolicy:
             from agentrefine_jax.inference.chat import ChatGenerator  # lazy: pulls in JAX and the model
 
             generator = ChatGenerator.from_checkpoint(checkpoint, template=template)
-        self._gen = generator
+        self.generator = generator
         self.name = f"checkpoint:{checkpoint}"
         self.sampling = sampling
 
     def act(self, requests: Sequence[ActRequest]) -> list[str | PolicyError]:
         from agentrefine_jax.inference.chat import ContextOverflowError
 
-        s = self.sampling
+        s = (requests[0].sampling if requests else None) or self.sampling
         seed = (sum(r.seed for r in requests) + max(r.step for r in requests)) % 2**31
         try:
             return list(
-                self._gen.chat(
+                self.generator.chat(
                     [r.messages for r in requests],
                     max_new_tokens=s.max_new_tokens,
                     temperature=s.temperature,

@@ -11,79 +11,26 @@ from typing import Any
 
 from agentrefine_jax.eval.envs.base import EvalTask
 from agentrefine_jax.eval.loop import EpisodeJob, EpisodeResult, job_seed, run_episodes
-from agentrefine_jax.eval.metrics import HELD_OUT, PAPER_WEIGHTS, summarize
+from agentrefine_jax.eval.metrics import HELD_OUT, SCHEMA, summarize
 from agentrefine_jax.eval.perturb import variant_name
 from agentrefine_jax.eval.policies import Policy
+from agentrefine_jax.eval.registry import (
+    available_tasks,
+    default_tasks,
+    display_name,
+    lookup,
+    make_task,
+    register_task,
+    task_weights,
+)
 from agentrefine_jax.layout import check_style
 
-TASK_NAMES = ("babyai", "sciworld", "pddl", "textworld")
+TASK_NAMES = default_tasks("builtin")
 
 
-@dataclasses.dataclass(frozen=True)
-class TaskEntry:
-    # (workdir, **options) -> EvalTask; import the simulator inside, so unused tasks cost nothing.
-    factory: Callable[..., EvalTask]
-    display_name: str
-    # Weight in the held-out average (the paper's problem count); None: reported, not averaged.
-    weight: int | None
-
-
-_REGISTRY: dict[str, TaskEntry] = {}
-
-
-def register_task(
-    name: str, factory: Callable[..., EvalTask], *, display_name: str, weight: int | None = None
-) -> None:
-    """Make a task family available to `run_eval` and the CLI (`--plugin MODULE` imports a module that
-    calls this), e.g. ALFWorld or real Jericho games for users who have their files."""
-    if not name or "," in name:
-        raise ValueError(f"bad task name {name!r}")
-    _REGISTRY[name] = TaskEntry(factory, display_name, weight)
-
-
-def available_tasks() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
-
-
-def task_weights() -> dict[str, int]:
-    return {n: e.weight for n, e in _REGISTRY.items() if e.weight is not None}
-
-
-def _babyai(workdir: str, **options: Any) -> EvalTask:
-    from agentrefine_jax.eval.envs.babyai import BabyAITask
-
-    return BabyAITask(workdir, **options)
-
-
-def _sciworld(workdir: str, **options: Any) -> EvalTask:
-    from agentrefine_jax.eval.envs.sciworld import SciWorldTask
-
-    return SciWorldTask(workdir, **options)
-
-
-def _pddl(workdir: str, **options: Any) -> EvalTask:
-    from agentrefine_jax.eval.envs.pddl import PDDLTask
-
-    return PDDLTask(workdir, **options)
-
-
-def _textworld(workdir: str, **options: Any) -> EvalTask:
-    from agentrefine_jax.eval.envs.textworld import TextWorldTask
-
-    return TextWorldTask(workdir, **options)
-
-
-register_task("babyai", _babyai, display_name="BabyAI", weight=PAPER_WEIGHTS["babyai"])
-register_task("sciworld", _sciworld, display_name="SciWorld", weight=PAPER_WEIGHTS["sciworld"])
-register_task("pddl", _pddl, display_name="PDDL", weight=PAPER_WEIGHTS["pddl"])
-register_task("textworld", _textworld, display_name="TextWorld", weight=PAPER_WEIGHTS["textworld"])
-
-
-def make_task(name: str, workdir: str, **options: Any) -> EvalTask:
-    """Instantiate a registered task family."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown task {name!r}; choose from {', '.join(_REGISTRY)}")
-    return _REGISTRY[name].factory(workdir, **options)
+def canonical_tasks(names: Sequence[str], source: str) -> tuple[str, ...]:
+    """Registered names or aliases -> the names `source`'s results carry (built-in jericho: textworld)."""
+    return tuple(lookup(n, source).result_name(source) for n in names)
 
 
 @dataclasses.dataclass
@@ -101,11 +48,10 @@ class EvalConfig:
     task_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     # agentrefine_jax.layout style: "chat" (multi-turn) or "agentboard" (AgentBoard's single user message).
     prompt_style: str = "chat"
+    name: str | None = None  # a label for the run, stored in the results
 
     def validate(self) -> None:
-        unknown = [t for t in self.tasks if t not in _REGISTRY]
-        if unknown:
-            raise ValueError(f"unknown task(s) {unknown}; choose from {', '.join(_REGISTRY)}")
+        self.tasks = canonical_tasks(self.tasks, "builtin")
         if not self.tasks:
             raise ValueError("no tasks selected")
         for field in ("episodes", "best_of", "batch_size"):
@@ -136,6 +82,9 @@ def run_eval(policy: Policy, config: EvalConfig, log: Callable[[str], None] = pr
             task.close()
     summary = summarize(results, task_weights())
     return {
+        "schema": SCHEMA,
+        "source": "builtin",
+        "agent": policy.name,
         "policy": policy.name,
         "config": {k: v for k, v in dataclasses.asdict(config).items() if k != "workdir"},
         "seconds": round(time.perf_counter() - t0, 1),
@@ -187,7 +136,7 @@ def format_table(doc: dict[str, Any]) -> str:
     """A table like the paper's: success / progress (%) per task and the weighted held-out average."""
     variants = doc["variants"]
     tasks = [t for t in doc["config"]["tasks"] if any(t in v["tasks"] for v in variants.values())]
-    names = {t: _REGISTRY[t].display_name if t in _REGISTRY else t for t in tasks}
+    names = {t: display_name(t) for t in tasks}
     cols = [names[t] for t in tasks] + ["Held-out avg"]
     width = 15
     head = f"{'':<18}" + "".join(f"{c:^{width}}" for c in cols)
@@ -236,7 +185,6 @@ def format_table(doc: dict[str, Any]) -> str:
 __all__ = [
     "TASK_NAMES",
     "EvalConfig",
-    "TaskEntry",
     "available_tasks",
     "format_table",
     "make_task",

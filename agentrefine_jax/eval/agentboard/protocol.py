@@ -16,12 +16,12 @@ Written from the fact sheet (docs/eval.md, "AgentBoard protocol"), not from Agen
 from __future__ import annotations
 
 import dataclasses
-import random
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, Checkout, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import AgentBoardEnv, EpisodeSpec, StepResult
+from agentrefine_jax.eval.policies import RandomPolicy  # noqa: F401 - the one random policy, re-exported
 from agentrefine_jax.layout import agentboard_head, history_lines
 from agentrefine_jax.layout import agentboard_user as user_prompt
 
@@ -192,20 +192,6 @@ class OraclePolicy(Protocol):
     def act(self, env: AgentBoardEnv, history: list[tuple[str, str]]) -> str: ...
 
 
-class RandomPolicy:
-    """Uniform choice among the actions valid now (help commands excluded); seeded per episode.
-
-    A task whose help lists templates rather than actions (ScienceWorld) offers `candidate_actions()`."""
-
-    def __init__(self, seed: int):
-        self.rng = random.Random(seed)
-
-    def act(self, env: AgentBoardEnv, history: list[tuple[str, str]]) -> str:
-        listing = getattr(env, "candidate_actions", env.valid_actions)()
-        choices = [a for a in listing if "check" not in a.lower()] or listing
-        return self.rng.choice(choices) if choices else "check valid actions"
-
-
 # ----------------------------------------------------------------------------------------- episodes
 
 
@@ -225,6 +211,7 @@ class EpisodeLog:
     last_prompt: str | None = None
     dropped_history: int = 0  # most history items dropped for one prompt (truncation)
     end: str = ""  # "done" | "max_steps" | "model_error: ..." | "env_error: ..."
+    sample: int = 0  # Best-of-N sample index
 
     @property
     def grounding(self) -> float:

@@ -9,14 +9,13 @@ BabyAI/ScienceWorld/PDDL/Jericho when complete).
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import inspect
 import json
 import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from agentrefine_jax.eval import registry
 from agentrefine_jax.eval.agentboard.checkout import Checkout
 from agentrefine_jax.eval.agentboard.protocol import (
     DEFAULT_MAX_STEPS,
@@ -24,68 +23,60 @@ from agentrefine_jax.eval.agentboard.protocol import (
     Agent,
     EpisodeLog,
     ModelBackend,
-    RandomPolicy,
     run_episodes,
     vllm_system_suffix,
 )
+from agentrefine_jax.eval.metrics import SCHEMA
+from agentrefine_jax.eval.policies import (
+    ActRequest,
+    CheckpointPolicy,
+    OpenAIChatPolicy,
+    OraclePolicy,
+    RandomPolicy,
+    SamplingParams,
+    ask,
+)
 
-TASKS = ("alfworld", "babyai", "sciworld", "pddl", "jericho")
-HELD_OUT = ("babyai", "sciworld", "pddl", "jericho")
-# AgentBoard's episode counts, for the labelled episode-weighted mean.
-EPISODES = {"alfworld": 134, "babyai": 112, "sciworld": 90, "pddl": 60, "jericho": 20}
 # AgentBoard's own task names (its log file names); ours differ only for ScienceWorld.
 AGENTBOARD_NAMES = {"sciworld": "scienceworld"}
 METRICS = ("success_rate", "progress_rate", "grounding_acc")
 
 
 def make_task(name: str, strict: bool) -> Any:
-    """The task object of `tasks/<name>.py`: its class whose `name` is `name` (constructed with `strict` when
-    it takes that argument: strict = every protocol file is required, as for a model run)."""
-    if name not in TASKS:
-        raise ValueError(f"unknown AgentBoard task {name!r}; choose from {','.join(TASKS)}")
-    try:
-        module = importlib.import_module(f"agentrefine_jax.eval.agentboard.tasks.{name}")
-    except ModuleNotFoundError as e:
-        if e.name and e.name.endswith(f"tasks.{name}"):
-            raise ValueError(f"AgentBoard task {name!r} is not implemented in this build") from None
-        raise ImportError(f"task {name!r} needs {e.name}: pip install -e '.[eval]'") from None
-    for obj in vars(module).values():
-        if (
-            inspect.isclass(obj)
-            and obj.__module__ == module.__name__
-            and getattr(obj, "name", None) == name
-            and callable(getattr(obj, "episodes", None))
-        ):
-            params = inspect.signature(obj).parameters
-            return obj(strict=strict) if "strict" in params else obj()
-    raise ValueError(f"tasks/{name}.py defines no task class named {name!r}")
+    """The registered AgentBoard-source task `name` (strict = every protocol file is required, as for a model
+    run)."""
+    return registry.make_task(name, source="agentboard", strict=strict)
 
 
 # ----------------------------------------------------------------------------------------- model backends
 
 
 class TemplateModel:
-    """A model behind our chat templates: a local checkpoint (ChatGenerator) or an OpenAI-compatible endpoint.
+    """A model actor (a local checkpoint or an OpenAI-compatible endpoint, `eval/policies.py`) answering
+    AgentBoard's (system, user) prompts.
 
     The system message and AgentBoard's single user message go through the model's own chat template (llama3 /
     mistral, as in training); prompt tokens are counted on that templated prompt, as AgentBoard's vLLM path
-    counts the templated prompt of its family-substring templates.
+    counts the templated prompt of its family-substring templates. Decoding is AgentBoard's (greedy, 100 new
+    tokens, no stop string) unless `sampled` made a Best-of-N copy.
     """
 
-    def __init__(
-        self,
-        name: str,
-        template: Any,
-        context_length: int,
-        complete: Callable[[list[list[dict[str, str]]]], list[str | Exception]],
-        closer: Callable[[], None] | None = None,
-    ):
+    def __init__(self, name: str, template: Any, context_length: int, actor: Any):
         self.name = name
         self.template = template
         self.context_length = context_length
         self.max_tokens = MAX_NEW_TOKENS
-        self._complete = complete
-        self._closer = closer
+        self.actor = actor
+        self.sampling = SamplingParams(0.0, 1.0, MAX_NEW_TOKENS, ())
+        self.seed = 0
+        self._calls = 0
+
+    def sampled(self, temperature: float, top_p: float, seed: int) -> TemplateModel:
+        """The same model decoding at `temperature` (Best-of-N samples); every call draws a fresh seed."""
+        twin = TemplateModel(self.name, self.template, self.context_length, self.actor)
+        twin.sampling = SamplingParams(temperature, top_p, MAX_NEW_TOKENS, ())
+        twin.seed = seed
+        return twin
 
     @staticmethod
     def messages(system: str, user: str) -> list[dict[str, str]]:
@@ -95,59 +86,31 @@ class TemplateModel:
         return len(self.template.encode_prompt(self.messages(system, user)))
 
     def generate(self, prompts: Sequence[tuple[str, str]]) -> list[str | Exception]:
-        return self._complete([self.messages(s, u) for s, u in prompts])
+        self._calls += 1
+        seed = (self.seed * 1_000_003 + self._calls) % 2**31
+        return ask(
+            self.actor,
+            [ActRequest(self.messages(s, u), seed + i, 0, self.sampling) for i, (s, u) in enumerate(prompts)],
+        )
 
     def close(self) -> None:
-        if self._closer is not None:
-            self._closer()
+        self.actor.close()
 
 
 def checkpoint_model(path: str, template: str | None, context_length: int | None) -> TemplateModel:
-    from agentrefine_jax.inference.chat import ChatGenerator
-
-    gen = ChatGenerator.from_checkpoint(path, template=template)
-    ctx = context_length or int(gen.model.cfg.max_position_embeddings)
-
-    def complete(convs: list[list[dict[str, str]]]) -> list[str | Exception]:
-        # Greedy, 100 new tokens, no stop string (AgentBoard's vLLM settings); the template's end token stops.
-        return list(gen.chat(convs, max_new_tokens=MAX_NEW_TOKENS, temperature=0.0, top_p=1.0, stop=[]))
-
-    return TemplateModel(f"checkpoint:{path}", gen.template, ctx, complete)
+    actor = CheckpointPolicy(path, SamplingParams(), template=template)
+    ctx = context_length or int(actor.generator.model.cfg.max_position_embeddings)
+    return TemplateModel(actor.name, actor.generator.template, ctx, actor)
 
 
 def endpoint_model(
     base_url: str, model: str, template: str, context_length: int, api_key_env: str, timeout: float
 ) -> TemplateModel:
-    import concurrent.futures
-
-    import openai
-
     from agentrefine_jax.data.templates import get_template
     from agentrefine_jax.data.tokenizers import load_tokenizer
 
-    tpl = get_template(template, load_tokenizer(template))
-    from agentrefine_jax.http_client import describe_api_error, openai_client
-
-    key = os.environ.get(api_key_env) or "EMPTY"
-    client = openai_client(base_url, key, timeout=timeout, max_retries=2)  # timeout: whole request
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=8)
-
-    def one(messages: list[dict[str, str]]) -> str | Exception:
-        try:
-            resp = client.chat.completions.create(
-                model=model, messages=messages, temperature=0.0, top_p=1.0, max_tokens=MAX_NEW_TOKENS
-            )
-        except openai.APIError as e:
-            return RuntimeError(describe_api_error(e, key))  # one line, key redacted, no raw body
-        return (
-            (resp.choices[0].message.content or "") if resp.choices else RuntimeError("no choices returned")
-        )
-
-    def close() -> None:
-        pool.shutdown(wait=True)
-        client.close()
-
-    return TemplateModel(f"openai:{model}", tpl, context_length, lambda c: list(pool.map(one, c)), close)
+    actor = OpenAIChatPolicy(base_url, model, SamplingParams(), api_key_env=api_key_env, timeout=timeout)
+    return TemplateModel(actor.name, get_template(template, load_tokenizer(template)), context_length, actor)
 
 
 # ----------------------------------------------------------------------------------------- metrics
@@ -190,15 +153,17 @@ def task_metrics(logs: Sequence[EpisodeLog]) -> dict[str, Any]:
 
 def held_out_summary(per_task: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Unweighted mean of the four held-out tasks' rates, and the episode-weighted mean (labelled)."""
-    missing = [t for t in HELD_OUT if t not in per_task]
+    missing = [t for t in registry.HELD_OUT_TASKS if t not in per_task]
     if missing:
         return {"missing": missing, "note": "the held-out means need babyai, sciworld, pddl and jericho"}
-    out: dict[str, Any] = {"tasks": list(HELD_OUT)}
-    out["unweighted_mean"] = {m: _mean([per_task[t][m] for t in HELD_OUT]) for m in METRICS[:2]}
-    counts = {t: per_task[t]["episodes"] for t in HELD_OUT}
+    out: dict[str, Any] = {"tasks": list(registry.HELD_OUT_TASKS)}
+    out["unweighted_mean"] = {
+        m: _mean([per_task[t][m] for t in registry.HELD_OUT_TASKS]) for m in METRICS[:2]
+    }
+    counts = {t: per_task[t]["episodes"] for t in registry.HELD_OUT_TASKS}
     total = sum(counts.values())
     out["episode_weighted_mean"] = {
-        m: sum(per_task[t][m] * counts[t] for t in HELD_OUT) / total for m in METRICS[:2]
+        m: sum(per_task[t][m] * counts[t] for t in registry.HELD_OUT_TASKS) / total for m in METRICS[:2]
     } | {
         "weights": counts,
         "label": "weighted by episodes (112/90/60/20 on full sets); not AgentBoard's mean",
@@ -282,13 +247,15 @@ class RunConfig:
     log_dir: str | None = None
     limit: int | None = None  # first N episodes per task (smoke runs; a full run leaves it None)
     perturbations: int = 0  # ALFWorld reworded-action variants to run beside the original (Table 3: 5)
+    best_of: int = 1  # Best-of-N samples per episode beside the greedy run (Table 4)
+    temperature: float | None = None  # of the Best-of-N samples
+    top_p: float = 1.0
+    name: str | None = None  # a label for the run, stored in the results
 
     def validate(self) -> None:
         if not self.tasks:
             raise ValueError("--tasks is empty")
-        for t in self.tasks:
-            if t not in TASKS:
-                raise ValueError(f"unknown AgentBoard task {t!r}; choose from {','.join(TASKS)}")
+        self.tasks = tuple(registry.lookup(t, "agentboard").name for t in self.tasks)
         if self.max_steps < 1:
             raise ValueError("--max-steps must be >= 1")
         if self.batch_size < 1:
@@ -297,6 +264,12 @@ class RunConfig:
             raise ValueError("--episodes must be >= 1")
         if self.perturbations < 0:
             raise ValueError("--num-perturbations must be >= 0")
+        if self.best_of < 1:
+            raise ValueError("--best-of must be >= 1")
+        if self.best_of > 1 and not (self.temperature and self.temperature > 0):
+            raise ValueError("--best-of > 1 needs --temperature > 0 (greedy samples would all be equal)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("--top-p must be in (0, 1]")
         if self.perturbations and "alfworld" not in self.tasks:
             raise ValueError(
                 "AgentBoard perturbations (reworded actions, Table 3) are defined for alfworld only"
@@ -322,18 +295,17 @@ def run(
         if policy == "oracle" and hasattr(task, "gold_paths"):
             task.gold_paths = True  # tasks whose oracle data costs time at load (ScienceWorld) make it now
     episodes = {t.name: t.episodes(checkout) for t in tasks}  # every checkout error before any episode runs
-    if model is not None:
-        agent = Agent(model=model, system_suffix=vllm_system_suffix(checkout))
-    elif policy == "oracle":
-        agent = Agent(policy_for=_oracle_for)
-    else:
-        agent = Agent(policy_for=lambda task, env, spec: RandomPolicy(config.seed * 100003 + spec.index))
+    suffix = vllm_system_suffix(checkout) if model is not None else ""
+    agent = _agent(model, policy, config.seed, suffix)
     writer = LogWriter(config.log_dir) if config.log_dir else None
     doc: dict[str, Any] = {
+        "schema": SCHEMA,
+        "source": "agentboard",
         "protocol": "agentboard",
         "agentboard_dir": str(checkout.root),
         "agent": model.name if model is not None else policy,
         "max_steps": config.max_steps,
+        "config": dataclasses.asdict(config),
         "tasks": {},
         "episodes": [],
     }
@@ -359,6 +331,15 @@ def run(
                 batch_size=config.batch_size,
                 on_done=report,
             )
+            if config.best_of > 1:
+                samples = _samples(task, checkout, specs, logs, model, policy, suffix, config, log)
+                doc.setdefault("best_of", best_of_section(config))["tasks"][task.name] = best_of_metrics(
+                    logs, samples
+                )
+                doc["best_of"]["episodes"] += [
+                    episode_record(x) | {"sample": x.sample, "actions": [t["action"] for t in x.turns]}
+                    for x in samples
+                ]
         finally:
             if callable(getattr(task, "close", None)):
                 task.close()
@@ -377,7 +358,109 @@ def run(
     if notes:
         doc["checkout_notes"] = notes
     doc["held_out"] = held_out_summary(doc["tasks"])
+    if "best_of" in doc:
+        doc["best_of"]["held_out"] = best_of_held_out(doc["best_of"]["tasks"])
     return doc
+
+
+# ----------------------------------------------------------------------------------------- Best-of-N
+
+
+def _agent(model: ModelBackend | None, policy: str | None, seed: int, suffix: str, sample: int = 0) -> Agent:
+    if model is not None:
+        return Agent(model=model, system_suffix=suffix)
+    actor = OraclePolicy() if policy == "oracle" else RandomPolicy()
+    # Sample 0 of a privileged policy is the greedy run itself (same seeds): Best-of-N >= single sample.
+    return Agent(
+        policy_for=lambda task, env, spec: actor.for_episode(
+            task, env, spec, seed * 100003 + spec.index + sample * 7_000_003
+        )
+    )
+
+
+def _samples(
+    task: Any,
+    checkout: Checkout,
+    specs: Sequence[Any],
+    greedy: Sequence[EpisodeLog],
+    model: ModelBackend | None,
+    policy: str | None,
+    suffix: str,
+    config: RunConfig,
+    log: Callable[[str], None],
+) -> list[EpisodeLog]:
+    """`config.best_of` samples of every episode. A model decodes at the temperature and all samples of all
+    episodes share the batched calls; the random policy draws sample k with its own seed (sample 0 = the
+    greedy run's); the oracle is deterministic, so its samples are the greedy run."""
+    n = config.best_of
+    log(f"[agentboard] {task.name}: Best-of-{n}, {len(specs)} episodes x {n} samples")
+    if policy == "oracle":
+        out = [dataclasses.replace(x, sample=k) for k in range(n) for x in greedy]
+    elif model is not None:
+        sampled = model.sampled(float(config.temperature or 0.0), config.top_p, config.seed)
+        jobs = [dataclasses.replace(s, info={**s.info, "sample": k}) for k in range(n) for s in specs]
+        logs = run_episodes(
+            task,
+            checkout,
+            jobs,
+            Agent(model=sampled, system_suffix=suffix),
+            max_steps=config.max_steps,
+            batch_size=config.batch_size,
+        )
+        out = [dataclasses.replace(x, sample=j // len(specs)) for j, x in enumerate(logs)]
+    else:
+        out = []
+        for k in range(n):
+            agent = _agent(None, policy, config.seed, suffix, sample=k)
+            logs = run_episodes(
+                task, checkout, specs, agent, max_steps=config.max_steps, batch_size=config.batch_size
+            )
+            out += [dataclasses.replace(x, sample=k) for x in logs]
+    return out
+
+
+def best_of_section(config: RunConfig) -> dict[str, Any]:
+    return {
+        "n": config.best_of,
+        "temperature": config.temperature,
+        "top_p": config.top_p,
+        "tasks": {},
+        "episodes": [],
+    }
+
+
+def best_of_metrics(greedy: Sequence[EpisodeLog], samples: Sequence[EpisodeLog]) -> dict[str, Any]:
+    """Table 4 for one task: greedy, Best-of-N (success if any sample succeeds, progress the max), their
+    difference, and the mean single-sample rates."""
+    by_episode: dict[int, list[EpisodeLog]] = {}
+    for x in samples:
+        by_episode.setdefault(x.spec.index, []).append(x)
+    n_samples = max(len(v) for v in by_episode.values())
+    best = {
+        "success_rate": _mean([float(any(x.success for x in v)) for v in by_episode.values()]),
+        "progress_rate": _mean([max(x.progress for x in v) for v in by_episode.values()]),
+    }
+    g = task_metrics(greedy)
+    greedy_rates = {m: g[m] for m in METRICS[:2]}
+    per_sample = [task_metrics([x for x in samples if x.sample == k]) for k in range(n_samples)]
+    return {
+        "greedy": greedy_rates,
+        "best_of": best,
+        "delta": {m: best[m] - greedy_rates[m] for m in METRICS[:2]},
+        "sample_mean": {m: _mean([p[m] for p in per_sample]) for m in METRICS[:2]},
+        "per_sample": [{m: p[m] for m in METRICS[:2]} for p in per_sample],
+        "episodes": len(by_episode),
+    }
+
+
+def best_of_held_out(per_task: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The held-out unweighted mean of each Table 4 row, when the four held-out tasks ran."""
+    if any(t not in per_task for t in registry.HELD_OUT_TASKS):
+        return {}
+    return {
+        row: {m: _mean([per_task[t][row][m] for t in registry.HELD_OUT_TASKS]) for m in METRICS[:2]}
+        for row in ("greedy", "best_of", "delta")
+    }
 
 
 def _perturbed(
@@ -419,13 +502,6 @@ def _perturbed(
     return out
 
 
-def _oracle_for(task: Any, env: Any, spec: Any) -> Any:
-    oracle = task.oracle(env)
-    if oracle is None:
-        raise ValueError(f"AgentBoard task {task.name!r} has no offline oracle")
-    return oracle
-
-
 def _pct(x: float | None) -> str:
     return "   -  " if x is None else f"{100 * x:5.1f}%"
 
@@ -456,9 +532,34 @@ def format_table(doc: dict[str, Any]) -> str:
                 f"{name} {m} under reworded actions: original {_pct(r['original'])}, "
                 f"{len(r['perturbations'])} variants mean {_pct(r['mean'])} ± {100 * r['std']:.1f}"
             )
+    bon = doc.get("best_of")
+    if bon:
+        lines += best_of_table(bon)
     for note in doc.get("checkout_notes", []):
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def best_of_table(bon: dict[str, Any]) -> list[str]:
+    """The paper's Table 4 layout: greedy, Best-of-N and their difference, success / progress per task."""
+    names = list(bon["tasks"]) + (["held-out"] if bon.get("held_out") else [])
+    rows = {t: bon["tasks"][t] for t in bon["tasks"]} | (
+        {"held-out": bon["held_out"]} if bon.get("held_out") else {}
+    )
+    label = f"Best-of-{bon['n']}"
+    out = [
+        f"{label} (temperature {bon['temperature']}): success if any sample succeeds, progress the max; "
+        "greedy = the run above",
+        f"{'':<12}" + "".join(f"{n:>18}" for n in names),
+    ]
+    for row, title in (("greedy", "greedy"), ("best_of", label), ("delta", "Δ")):
+        cells = []
+        for n in names:
+            r = rows[n][row]
+            sign = "+" if row == "delta" else ""
+            cells.append(f"{100 * r['success_rate']:{sign}.1f} / {100 * r['progress_rate']:{sign}.1f}")
+        out.append(f"{title:<12}" + "".join(f"{c:>18}" for c in cells))
+    return out
 
 
 # ----------------------------------------------------------------------------------------- run directories

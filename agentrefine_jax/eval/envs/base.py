@@ -179,3 +179,13 @@ class EvalTask(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
+
+    def oracle(self, env: TextEnv) -> EnvOracle:
+        return EnvOracle()
+
+
+class EnvOracle:
+    """The built-in environments' reference solver, as a per-episode policy (`OraclePolicy`)."""
+
+    def act(self, env: TextEnv, history: list[tuple[str, str]]) -> str:
+        return env.oracle_action()
