@@ -102,6 +102,11 @@ class _DeadlineSocket:
     def makefile(self, mode: str = "rb", *args: Any, **kwargs: Any) -> io.BufferedReader:
         return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
 
+    def close(self) -> None:
+        """Nothing: http.client closes a will-close reply's connection once the headers are parsed, while
+        the body is still to be read through `makefile` (a real socket's makefile keeps the descriptor
+        open; ours does not), so `request` closes the real socket itself when the reply is read."""
+
     def __getattr__(self, name: str) -> Any:  # close, shutdown, ... as the real socket
         return getattr(self._sock, name)
 
@@ -191,12 +196,14 @@ def request(
     hdrs += [("Accept-Encoding", "identity"), ("Connection", "close")]
     conn, target, proxy_headers = _connection(parts, min(deadline.left(), connect_timeout or timeout))
     hdrs += proxy_headers
+    raw: socket.socket | None = None
     try:
         try:
             conn.connect()
         except TimeoutError:
             raise RequestTimeout(f"could not connect to {where} within the deadline") from None
-        conn.sock = _DeadlineSocket(conn.sock, deadline)  # type: ignore[assignment]
+        raw = conn.sock
+        conn.sock = _DeadlineSocket(raw, deadline)  # type: ignore[assignment]
         conn.putrequest(method, target, skip_accept_encoding=True)
         for k, v in hdrs:
             conn.putheader(k, v)
@@ -223,6 +230,8 @@ def request(
         raise RequestFailed(f"cannot reach {where}: {e.strerror or e}") from None
     finally:
         conn.close()
+        if raw is not None:
+            raw.close()
 
 
 # ------------------------------------------------------------------ the openai client on top

@@ -181,6 +181,23 @@ def test_request_returns_a_prompt_reply_with_params_and_json():
     assert b"Connection: close" in server.requests[0]
 
 
+@pytest.mark.timeout(60)
+def test_request_reads_a_will_close_body_that_arrives_after_the_headers():
+    # http.client closes a "Connection: close" (or HTTP/1.0) reply's socket once its headers are parsed;
+    # a body still on the way must be read all the same (HTTP/1.0 servers such as http.server do this).
+    def late_body(conn, server):
+        conn.sendall(b"HTTP/1.0 200 OK\r\nConnection: close\r\nContent-Length: 11\r\n\r\n")
+        time.sleep(0.3)
+        conn.sendall(b'{"ok": "x"}')
+
+    server = RawServer(late_body)
+    try:
+        reply = request("GET", server.url + "/late", timeout=5)
+    finally:
+        server.close()
+    assert reply.status == 200 and reply.json() == {"ok": "x"}
+
+
 def test_redact_catches_case_and_near_miss_echoes_only():
     text = (
         f"key {SECRET.upper()} / {SECRET[:-1]} / {SECRET[1:]} / {SECRET[:7]}X{SECRET[8:]} / "
