@@ -17,19 +17,22 @@ distinction ReAct's and LATS's Wikipedia environment draws:
 from __future__ import annotations
 
 import dataclasses
-import http.client
 import json
 import re
-import socket
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from agentrefine_jax import http_client
 from agentrefine_jax.eval.hotpotqa.scoring import normalize_answer
 
 DEFAULT_WIKIPEDIA_URL = "https://en.wikipedia.org/w/api.php"
-USER_AGENT = "agentrefine_jax-hotpotqa/1.0 (HotpotQA agent evaluation; python http.client)"
+# Wikipedia asks API clients to identify themselves.
+HEADERS = {
+    "User-Agent": "agentrefine_jax-hotpotqa/1.0 (HotpotQA agent evaluation)",
+    "Accept": "application/json",
+}
 # ReAct's environment lists at most five similar titles.
 MAX_SIMILAR = 5
 
@@ -158,17 +161,20 @@ class WikipediaBackend:
             if attempt:
                 time.sleep(0.5 * attempt)
             try:
-                status, body = _http_get(self.base_url, params, self.timeout)
-            except (OSError, http.client.HTTPException) as e:
+                # One overall deadline per request (connect, headers and body), whatever the server does.
+                reply = http_client.request(
+                    "GET", self.base_url, params=dict(params), timeout=self.timeout, headers=HEADERS
+                )
+            except (http_client.RequestTimeout, http_client.RequestFailed) as e:
                 last = e
                 continue
-            if status == 429 or status >= 500:
-                last = SearchError(f"HTTP {status}")
+            if reply.status == 429 or reply.status >= 500:
+                last = SearchError(f"HTTP {reply.status}")
                 continue
-            if status != 200:
-                raise SearchError(f"Wikipedia API at {self.base_url} answered HTTP {status}")
+            if reply.status != 200:
+                raise SearchError(f"Wikipedia API at {self.base_url} answered HTTP {reply.status}")
             try:
-                doc = json.loads(body)
+                doc = reply.json()
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise SearchError(f"Wikipedia API at {self.base_url} sent no JSON: {e}") from None
             if not isinstance(doc, dict):
@@ -187,43 +193,3 @@ def _extract_sentences(extract: str) -> tuple[str, ...]:
         line for line in extract.splitlines() if not line.strip().startswith("==") and len(line.split()) > 2
     ]
     return split_sentences("\n".join(lines))
-
-
-def _http_get(base_url: str, params: Mapping[str, str], timeout: float) -> tuple[int, bytes]:
-    """One GET with an overall deadline of `timeout` seconds (connect, send, headers and body)."""
-    deadline = time.monotonic() + timeout
-
-    def remaining() -> float:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"no complete answer within {timeout:g}s")
-        return left
-
-    parts = urllib.parse.urlsplit(base_url)
-    query = urllib.parse.urlencode(params)
-    path = (parts.path or "/") + "?" + (f"{parts.query}&{query}" if parts.query else query)
-    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    conn = cls(parts.netloc, timeout=remaining())
-    try:
-        return _exchange(conn, path, remaining)
-    except TimeoutError:  # the socket's own timeout fired: it was the overall deadline's remainder
-        raise TimeoutError(f"no complete answer within {timeout:g}s") from None
-    finally:
-        conn.close()
-
-
-def _exchange(
-    conn: http.client.HTTPConnection, path: str, remaining: Callable[[], float]
-) -> tuple[int, bytes]:
-    """Send the request and read the whole answer, each socket wait bounded by what the deadline leaves."""
-    conn.request("GET", path, headers={"User-Agent": USER_AGENT, "Accept": "application/json"})
-    sock: socket.socket = conn.sock  # type: ignore[assignment]
-    sock.settimeout(remaining())
-    resp = conn.getresponse()
-    chunks = []
-    while True:
-        sock.settimeout(remaining())
-        chunk = resp.read1(65536)
-        if not chunk:
-            return resp.status, b"".join(chunks)
-        chunks.append(chunk)
