@@ -5,9 +5,10 @@ batch and sequence length, with an AdamW step included. After one warm-up round 
 (compilation excluded), contenders alternate round by round (see `_paired.py`); each round
 times `--steps` steps and the printed ratio is the median of the per-round ratios against
 torch float32, with its min and max, beside the machine load seen.
-  * ours        — agentrefine_jax jitted step, float32, with the trainer's CPU defaults
-                  (train.loss_impl=auto -> fused cross-entropy)
-  * ours_cpu    — ours plus model.cpu_layout=true, model.scan_layers=false (the CPU layout)
+  * ours        — agentrefine_jax jitted step, float32, with the trainer's defaults
+                  (model.cpu_layout=auto -> the CPU layout here; train.loss_impl=auto -> fused
+                  cross-entropy)
+  * ours_tpu    — ours with model.cpu_layout=false (the TPU layout: scanned layers, 4-D dots)
   * ours_remat  — the same with train.loss_impl="remat" (the TPU-style chunked loss)
   * ours_bf16   — ours with bfloat16 compute (float32 params)
   * torch_fp32  — transformers LlamaForCausalLM, eager, float32 (the baseline)
@@ -33,7 +34,7 @@ import _paired  # noqa: E402
 MODEL = dict(vocab=32000, hidden=256, inter=768, layers=4, heads=8, kv=4)
 OURS = {  # contender -> overrides of the trainer defaults
     "ours": {},
-    "ours_cpu": {"cpu_layout": True, "scan_layers": False},
+    "ours_tpu": {"cpu_layout": False},
     "ours_remat": {"loss_impl": "remat"},
     "ours_bf16": {"dtype": "bfloat16"},
 }
@@ -238,7 +239,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument(
         "--contenders",
-        default="ours_cpu,ours,torch_fp32,torch_bf16",
+        default="ours,ours_tpu,torch_fp32,torch_bf16",
         help=f"comma list from {sorted([*OURS, *TORCH])}; torch_fp32 is always included",
     )
     p.add_argument("--no-effective", action="store_true", help="skip the packed-vs-padded pair")

@@ -17,7 +17,8 @@ from agentrefine_jax.models import attention as attn
 # GQA: 4 query heads per kv head. S = 200 is not a multiple of 128, so the splash path's
 # lane padding is exercised as well.
 B, S, H, KVH, D = 2, 200, 8, 2, 16
-CFG = preset("tiny", num_heads=H, num_kv_heads=KVH, head_dim=D, attention_block_size=64)
+# The TPU layout explicitly: on CPU, model.cpu_layout="auto" would take the flat path instead.
+CFG = preset("tiny", num_heads=H, num_kv_heads=KVH, head_dim=D, attention_block_size=64, cpu_layout=False)
 
 
 def _packed() -> tuple[np.ndarray, np.ndarray]:

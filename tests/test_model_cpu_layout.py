@@ -1,4 +1,5 @@
-"""model.cpu_layout computes the same numbers as the default layout (which is HF-checked)."""
+"""model.cpu_layout computes the same numbers as the TPU layout (which is HF-checked), and "auto"
+(the default) is the CPU layout on CPU devices."""
 
 import dataclasses
 
@@ -25,8 +26,9 @@ def test_cpu_layout_matches_default_loss_and_gradients_on_packed_rows():
     }
     out = {}
     for name, cfg in {
-        "default": CFG,
-        "cpu": dataclasses.replace(CFG, cpu_layout=True, scan_layers=False),
+        "default": dataclasses.replace(CFG, cpu_layout=False),
+        "cpu": dataclasses.replace(CFG, cpu_layout=True),
+        "auto": CFG,
     }.items():
         model = create(cfg, seed=2)
         graphdef, params = nnx.graphdef(model), nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -35,6 +37,9 @@ def test_cpu_layout_matches_default_loss_and_gradients_on_packed_rows():
         )
         logits = model(batch["input_ids"], batch["positions"], batch["segment_ids"])
         out[name] = (logits, *grad(params))
+    assert CFG.cpu_layout == "auto"
+    for a, b in zip(jax.tree.leaves(out["auto"]), jax.tree.leaves(out["cpu"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # auto on CPU = the CPU layout
     (l_d, (s_d, n_d), g_d), (l_c, (s_c, n_c), g_c) = out["default"], out["cpu"]
     np.testing.assert_allclose(np.asarray(l_c), np.asarray(l_d), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(float(s_c), float(s_d), rtol=1e-6)
@@ -48,7 +53,7 @@ def test_cpu_layout_is_ignored_when_decoding_with_a_cache():
     from agentrefine_jax.models.llama import init_cache
 
     model = create(dataclasses.replace(CFG, cpu_layout=True), seed=1)
-    ref = create(CFG, seed=1)
+    ref = create(dataclasses.replace(CFG, cpu_layout=False), seed=1)
     ids = jnp.asarray(np.random.RandomState(1).randint(0, 500, (1, 6)), jnp.int32)
     h1, _ = model.forward(ids, cache=init_cache(model.cfg, 1, 8))
     h2, _ = ref.forward(ids, cache=init_cache(ref.cfg, 1, 8))

@@ -107,11 +107,14 @@ def test_scan_remat_and_blocked_attention_agree(loaded: dict) -> None:
     def run(m: llama.Transformer) -> tuple[jax.Array, nnx.State]:
         return m(ids), nnx.grad(loss)(m)
 
-    # Baseline: scanned layers, no remat, one attention block. The variant changes all three
-    # (each compile of forward+backward costs seconds on 2 cores, so one variant carries them).
+    # Baseline: the TPU layout (explicitly: "auto" picks the CPU layout here), scanned layers, no
+    # remat, one attention block. The variant changes all three (each compile of forward+backward
+    # costs seconds on 2 cores, so one variant carries them).
+    model = with_config(model, cpu_layout=False)
     base_logits, base_grads = run(model)
     assert _max_diff(base_logits, F.hf_logits(hf, np.asarray(ids))) <= ATOL
     variant = with_config(model, scan_layers=False, remat_policy="full", attention_block_size=8)
+    assert variant.cfg.cpu_layout is False
     logits, grads = run(variant)
     assert _max_diff(logits, base_logits) <= 1e-5
     leaves, base_leaves = jax.tree.leaves(grads), jax.tree.leaves(base_grads)

@@ -133,7 +133,9 @@ def test_memory_matches_xla_buffer_assignment() -> None:
     from agentrefine_jax.train.step import build_steps
 
     sizes = mesh_of(data=2, fsdp=2, tensor=2)
-    cfg = load_config("demo", [*SMALL, "model.remat_policy=full", "model.attention_block_size=128"])
+    # The planner models the TPU layout; compile that layout here (not the CPU layout "auto" picks).
+    sets = ["model.remat_policy=full", "model.attention_block_size=128", "model.cpu_layout=false"]
+    cfg = load_config("demo", [*SMALL, *sets])
     gb, seq = 16, 512
     mesh = shd.make_mesh(**sizes)
     optimizer, _ = make_optimizer(cfg.optim, 10)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from importlib import metadata
 
 import pytest
 
@@ -58,6 +59,8 @@ def test_plan_compile_json_tiny_on_v5p8() -> None:
     out = json.loads(r.stdout)
     b = out["compiled"]["bytes_per_device"]
     assert b["total"] == b["arguments"] + b["outputs"] - b["aliased"] + b["temp"]
+    # Every figure names the compiler that produced it (memory moves 30-40% between libtpus).
+    assert out["versions"] == {d: metadata.version(d) for d in ("jax", "jaxlib", "libtpu")}
     assert out["topology"] == {**out["topology"], "name": "v5p-8", "chips": 4}
     assert out["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
     assert out["compiled"]["fits"] is True and out["compiled"]["hbm_bytes"] == 95 * T.GiB
@@ -82,6 +85,7 @@ def test_train_compile_only_two_slices() -> None:
     assert "demo train step on v5p-8 x 2 slices (8 chips" in r.stdout
     assert "mesh data=2,fsdp=4,tensor=1" in r.stdout
     assert "-> FITS" in r.stdout and "planner estimate" in r.stdout
+    assert f"(libtpu {metadata.version('libtpu')}, jax {metadata.version('jax')}" in r.stdout
 
 
 @pytest.mark.parametrize(
@@ -115,3 +119,24 @@ def test_cpu_start_is_quiet_with_libtpu_installed() -> None:
     )  # fmt: skip
     assert quiet.returncode == 0 and quiet.stdout.strip() == "cpu"
     assert "TPU" not in quiet.stderr and "E0000" not in quiet.stderr, quiet.stderr
+
+
+def test_cpu_layout_auto_follows_the_step_devices_not_the_host() -> None:
+    """model.cpu_layout="auto": the CPU layout on this host's CPUs, the TPU layout when the step is
+    traced for a TPU slice (an ahead-of-time compile on this same CPU host)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from agentrefine_jax import sharding as shd
+    from agentrefine_jax.models import cpu_layout, preset
+
+    cfg = preset("tiny")
+    assert cfg.cpu_layout == "auto"
+    aot.prepare_tpu_env()
+    axes = ("data", "fsdp", "tensor")
+    tpu = np.asarray(aot.topology_devices(T.get_slice("v5p-8"))).reshape(1, 4, 1)
+    with shd.use_sharding(Mesh(tpu, axes), ()):
+        assert cpu_layout.active(cfg) is False
+    with shd.use_sharding(Mesh(np.asarray(jax.devices("cpu")[:1]).reshape(1, 1, 1), axes), ()):
+        assert cpu_layout.active(cfg) is True

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from agentrefine_jax import sharding as shd
+from agentrefine_jax.models import cpu_layout
 from agentrefine_jax.models.config import ModelConfig
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -92,7 +93,7 @@ def attend(
         return splash_attention(cfg, q, k, v, q_seg)
     if impl == "cudnn":
         return cudnn_attention(cfg, q, k, v, q_seg, q_pos, k_seg, k_pos)
-    return xla_attention(cfg, q, k, v, q_seg, q_pos, k_seg, k_pos, flat=cfg.cpu_layout and not cached)
+    return xla_attention(cfg, q, k, v, q_seg, q_pos, k_seg, k_pos, flat=not cached and cpu_layout.active(cfg))
 
 
 # ----------------------------------------------------------------------------- XLA

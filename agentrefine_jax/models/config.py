@@ -56,9 +56,9 @@ class ModelConfig:
     splash_block_kv: int = 512
     splash_block_kv_compute: int = 512
     # 2-D projections (models/cpu_layout.py) and one-batch-dimension attention dots
-    # (attention.attend_flat): faster on XLA:CPU, same numbers; training (no KV cache) only.
-    # Keep off on TPU.
-    cpu_layout: bool = False
+    # (attention.attend_flat), layers unrolled: faster on XLA:CPU, same numbers; training (no KV
+    # cache) only. "auto" = on when the step's devices are CPUs (models/cpu_layout.active).
+    cpu_layout: bool | str = "auto"
     bos_token_id: int = 128000
     eos_token_ids: tuple[int, ...] = (128001, 128009)
     pad_token_id: int | None = None
@@ -73,6 +73,8 @@ class ModelConfig:
                 raise ValueError(f"{name} must be float32, bfloat16 or float16, got {getattr(self, name)!r}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
+        if self.cpu_layout not in (True, False, "auto"):
+            raise ValueError(f"cpu_layout must be true, false or auto, got {self.cpu_layout!r}")
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
         if self.attention == "cudnn" and self.dtype == "float32":
@@ -110,6 +112,7 @@ NOT_ARCHITECTURE = frozenset(
         "dtype",
         "remat_policy",
         "scan_layers",
+        "cpu_layout",
         "attention_block_size",
         "initializer_range",
         "bos_token_id",

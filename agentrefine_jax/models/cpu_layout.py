@@ -1,4 +1,4 @@
-"""CPU-friendly shapes for the same layer math (`model.cpu_layout=True`).
+"""CPU-friendly shapes for the same layer math (`model.cpu_layout`, "auto" by default).
 
 XLA:CPU runs a dot with one batch dimension (or none) through its fast matmul path, and a
 dot with several batch dimensions, or with 3-D/4-D operands, through slower loops plus
@@ -7,13 +7,29 @@ one-batch-dimension dots over [B*KVH, G*S, D] (`attention.attend_flat`). Same pr
 float32 accumulation: the numbers match the default layout to float32 rounding
 (tests/test_model_cpu_layout.py).
 
-Off the TPU path: a TPU wants the sharded, blocked default layout (sequence sharding, blocked
+The layers also run unrolled rather than under `lax.scan`: XLA:CPU fuses across an unrolled
+stack, and the small models a CPU trains compile quickly either way.
+
+"auto" turns it on exactly when the step's devices are CPUs — the active mesh's, so an
+ahead-of-time compile for a TPU slice on a CPU host still gets the TPU layout. Off the TPU
+path: a TPU wants the sharded, blocked default layout (sequence sharding, blocked
 attention at 8k tokens, scan over many layers); this layout ignores `attention_block_size`.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
+
+
+def active(cfg: Any) -> bool:
+    """Whether `cfg.cpu_layout` ("auto", True or False) applies to the step being traced."""
+    if cfg.cpu_layout == "auto":
+        from agentrefine_jax.models.attention import mesh_platform
+
+        return mesh_platform() == "cpu"
+    return bool(cfg.cpu_layout)
 
 
 def project_in(x: jax.Array, w: jax.Array) -> jax.Array:

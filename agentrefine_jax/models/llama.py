@@ -75,7 +75,7 @@ def layer_forward(
     """One decoder layer on per-layer weights `p` (a slice of DecoderLayers); with `lora_spec`,
     `p["lora"]` holds this layer's adapters and `p["lora_key"]` (optional) its dropout key."""
     dt = jnp.dtype(cfg.dtype)
-    flat = cfg.cpu_layout and kv is None
+    flat = kv is None and cpu_layout.active(cfg)
     proj_in = cpu_layout.project_in if flat else _project_in
     proj_out = cpu_layout.project_out if flat else _project_out
 
@@ -202,10 +202,12 @@ class Transformer(nnx.Module):
                 cfg, p, carry, sin, cos, segment_ids, positions, k_seg, k_pos, kv, index, spec
             )
 
+        # The CPU layout unrolls the layers (models/cpu_layout.py); decoding keeps the scan.
+        scan = cfg.scan_layers and not (cache is None and cpu_layout.active(cfg))
         if cfg.remat_policy != "none":
-            body = jax.checkpoint(body, policy=_REMAT[cfg.remat_policy], prevent_cse=not cfg.scan_layers)
+            body = jax.checkpoint(body, policy=_REMAT[cfg.remat_policy], prevent_cse=not scan)
         kv_stack = None if cache is None else (cache["k"], cache["v"])
-        if cfg.scan_layers:
+        if scan:
             x, new_kv = jax.lax.scan(body, x, (weights, kv_stack))
         else:
             outs = []

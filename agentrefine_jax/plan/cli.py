@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
 
     logs.setup("plan", args)
     if args.compile:
-        return aot.run(args.config, args.overrides, args.topology, args.num_slices, args.json)
+        from agentrefine_jax.train.cli import compile_only
+
+        return compile_only(args.config, args.overrides, args.topology, args.num_slices, args.json, "plan")
     if args.num_slices != 1:
         return fail("plan", "--num-slices goes with --compile")
     chip, devices = args.chip, args.devices

@@ -147,6 +147,20 @@ def compile_train_step(cfg: Any, sl: Slice, num_slices: int = 1) -> dict[str, An
     return _result(sl, num_slices, sizes, compiled.memory_analysis(), seconds, None)
 
 
+def compiler_versions() -> dict[str, str | None]:
+    """The jax, jaxlib and libtpu that produced a figure: the TPU compiler's version moves a
+    step's memory by 30-40% (docs/scale.md), so every reported number carries these."""
+    from importlib import metadata
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {"jax": version("jax"), "jaxlib": version("jaxlib"), "libtpu": version("libtpu")}
+
+
 def _result(
     sl: Slice, num_slices: int, sizes: dict[str, int], mem: Any, seconds: float, error: str | None
 ) -> dict[str, Any]:
@@ -167,6 +181,7 @@ def _result(
         )
         fits = per_device["total"] <= hbm
     out: dict[str, Any] = {
+        "versions": compiler_versions(),
         "topology": {
             "name": sl.name,
             "chips": sl.chips * num_slices,
@@ -213,14 +228,15 @@ def _gib(n: int | None) -> str:
 
 
 def format_check(r: dict[str, Any]) -> str:
-    t, c, b = r["topology"], r["compiled"], r["compiled"]["bytes_per_device"]
+    t, c, b, v = r["topology"], r["compiled"], r["compiled"]["bytes_per_device"], r["versions"]
     mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items())
     slices = f" x {t['num_slices']} slices" if t["num_slices"] > 1 else ""
     verdict = "FITS" if c["fits"] else "DOES NOT FIT"
     lines = [
         f"compile: {r['config']} train step on {t['name']}{slices} ({t['chips']} chips, {t['shape']}, "
         f"mesh {mesh})",
-        f"  XLA TPU compiler    {c['compile_seconds']:.1f} s",
+        f"  XLA TPU compiler    {c['compile_seconds']:.1f} s (libtpu {v['libtpu']}, jax {v['jax']}, "
+        f"jaxlib {v['jaxlib']})",
         "  bytes per device (compiler)",
         f"    arguments         {_gib(b['arguments'])}",
         f"    outputs           {_gib(b['outputs'])}",
@@ -235,36 +251,20 @@ def format_check(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(
-    config: str,
-    overrides: list[str],
-    topology: str | None,
-    num_slices: int,
-    as_json: bool,
-    tool: str = "plan",
-) -> int:
-    """CLI body shared by `plan --compile` and `train --compile-only`: 0 fits, 1 does not, 2 bad input."""
-    import json
+def compile_check(config: str, overrides: list[str], topology: str | None, num_slices: int) -> dict[str, Any]:
+    """`plan --compile` / `train --compile-only` for config `config` on slice `topology`.
 
-    from agentrefine_jax.cli_errors import fail
-    from agentrefine_jax.train.topology import UnknownTopology, get_slice
+    Raises CompileError (or the config loader's errors) for bad input; the CLIs print the report.
+    """
+    from agentrefine_jax.train.topology import get_slice
 
     if not topology:
-        return fail(tool, "--topology is required for the compile check (e.g. --topology v5p-64)")
-    try:
-        sl = get_slice(topology)
-    except UnknownTopology as e:
-        return fail(tool, e)
+        raise CompileError("--topology is required for the compile check (e.g. --topology v5p-64)")
+    sl = get_slice(topology)
     # Compile on this host's CPU backend; libtpu only provides the slice's compiler.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     prepare_tpu_env(sl.name)
     from agentrefine_jax.config import load_config
 
-    try:
-        cfg = load_config(config, overrides)
-        result = check(cfg, sl.name, num_slices, name=config)
-    except (CompileError, FileNotFoundError, KeyError, ValueError, TypeError) as e:
-        return fail(tool, e)
-    print(json.dumps(result, indent=2) if as_json else format_check(result))
-    return 0 if result["compiled"]["fits"] else 1
+    return check(load_config(config, overrides), sl.name, num_slices, name=config)

@@ -75,6 +75,32 @@ def _check_distributed(args: argparse.Namespace) -> str | None:
     return None
 
 
+def compile_only(
+    config: str, overrides: list[str], topology: str | None, num_slices: int, as_json: bool, tool: str
+) -> int:
+    """`train --compile-only` and `plan --compile`: 0 fits, 1 does not, 2 bad input."""
+    import json
+
+    from agentrefine_jax.config import ConfigError
+    from agentrefine_jax.train import aot
+    from agentrefine_jax.train.topology import UnknownTopology
+
+    try:
+        result = aot.compile_check(config, overrides, topology, num_slices)
+    except (
+        aot.CompileError,
+        UnknownTopology,
+        ConfigError,
+        FileNotFoundError,
+        KeyError,
+        ValueError,
+        TypeError,
+    ) as e:
+        return fail(tool, e)
+    print(json.dumps(result, indent=2) if as_json else aot.format_check(result))
+    return 0 if result["compiled"]["fits"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs.setup(TOOL, args)
@@ -82,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from agentrefine_jax.train import aot
 
     if args.compile_only:
-        return aot.run(args.config, args.overrides, args.topology, args.num_slices, args.json, tool=TOOL)
+        return compile_only(args.config, args.overrides, args.topology, args.num_slices, args.json, TOOL)
     if args.topology or args.num_slices != 1 or args.json:
         return fail(TOOL, "--topology, --num-slices and --json go with --compile-only")
     # With libtpu installed but no TPU here, keep its start-up quiet.

@@ -208,6 +208,9 @@ def saved_residuals(model_cfg: Any, batch: int, seq_len: int, loss_chunk: int) -
     from agentrefine_jax.models import abstract
     from agentrefine_jax.train.step import loss_sums
 
+    # Plans are for accelerator chips: trace the TPU layout even on this CPU host, where
+    # model.cpu_layout="auto" would pick the CPU layout (unrolled layers, flat attention).
+    model_cfg = dataclasses.replace(model_cfg, cpu_layout=False)
     graphdef, state = nnx.split(abstract(model_cfg), nnx.Param)
     params = nnx.to_pure_dict(state)
     data = {k: jax.ShapeDtypeStruct((batch, seq_len), jnp.int32) for k in BATCH_KEYS}
