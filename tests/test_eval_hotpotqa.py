@@ -7,12 +7,16 @@ MediaWiki server answering in the action API's JSON shapes (formatversion=2).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -31,14 +35,25 @@ from agentrefine_jax.eval.hotpotqa import (
     load_questions,
     normalize_answer,
 )
-from agentrefine_jax.eval.loop import EpisodeJob, EpisodeResult, job_seed, run_episodes
-from agentrefine_jax.eval.policies import ActRequest, OraclePolicy, Policy, PolicyError
-from agentrefine_jax.eval.react import format_response
 
 pytestmark = pytest.mark.timeout(60)
 
 FIXTURE = Path(__file__).parent / "data" / "hotpotqa_fixture.json"
 RECORDS = json.loads(FIXTURE.read_text(encoding="utf-8"))
+
+
+@contextlib.contextmanager
+def _serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[int]:
+    """A loopback HTTP server for `handler` while the block runs; yields its port."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
 
 
 # ------------------------------------------------------------------------------------------ scoring
@@ -271,48 +286,111 @@ def test_partial_answer_scores_f1_as_progress(tmp_path: Path):
     assert r.progress == pytest.approx(f1_score("140,000 people", "about 140,000")) == pytest.approx(0.5)
 
 
-# ------------------------------------------------------------------------------------------ episodes
+# ------------------------------------------------------------------------------- episodes (the CLI)
 
 
-class AnswerUnknown:
-    """A policy that gives up at once: finish[unknown]."""
+def _cli(args: list[str], tmp_path: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl")}
+    return subprocess.run(
+        [sys.executable, "-m", "agentrefine_jax.eval", "--tasks", "hotpotqa", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
 
-    name = "unknown"
-    needs_oracle = False
 
-    def act(self, requests: Sequence[ActRequest]) -> list[str | PolicyError]:
-        return [format_response("I do not know.", "finish[unknown]") for _ in requests]
+def _results(args: list[str], tmp_path: Path) -> dict:
+    out = tmp_path / "results.json"
+    proc = _cli(
+        ["-q", "--task-option", f"hotpotqa.data={FIXTURE}", "--episodes", "22", "--out", str(out), *args],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(out.read_text(encoding="utf-8"))
 
-    def close(self) -> None:
+
+def test_cli_oracle_scores_em_f1_100(tmp_path: Path):
+    doc = _results(["--policy", "oracle"], tmp_path)
+    metrics = doc["variants"]["original"]["tasks"]["hotpotqa"]
+    assert (metrics["success_rate"], metrics["progress_rate"], metrics["episodes"]) == (1.0, 1.0, 22)
+    questions = {q.id: q for q in load_questions(str(FIXTURE))}
+    for episode in doc["episodes"]:
+        # Each supporting title searched (two, or three for a three-hop question), then the gold answer.
+        q = questions[episode["spec"]["id"]]
+        assert [t["action"] for t in episode["trace"]] == [
+            *(f"search[{t}]" for t in q.supporting_titles),
+            f"finish[{q.answer}]",
+        ]
+        assert episode["termination"] == "success"
+
+
+class AnswerUnknown(BaseHTTPRequestHandler):
+    """An OpenAI-compatible model that always gives up: `finish[unknown]`."""
+
+    prompts: list[str] = []
+
+    def log_message(self, *args: object) -> None:
         pass
 
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).prompts.append(body["messages"][-1]["content"])
+        reply = {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "created": 0,
+            "model": body["model"],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {
+                        "role": "assistant",
+                        "content": "Thought: I do not know.\nAction: finish[unknown]",
+                    },
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
-def _run(task: HotpotQATask, policy: Policy, n: int = 22, seed: int = 0) -> list[EpisodeResult]:
-    jobs = [
-        EpisodeJob(
-            "hotpotqa", task, spec, i, 0, 0, task.default_max_steps, job_seed(seed, "hotpotqa", 0, i, 0)
+
+def test_cli_model_answering_unknown_scores_0(tmp_path: Path):
+    AnswerUnknown.prompts = []
+    with _serving(AnswerUnknown) as port:
+        doc = _results(["--base-url", f"http://127.0.0.1:{port}/v1", "--model", "unknown"], tmp_path)
+    metrics = doc["variants"]["original"]["tasks"]["hotpotqa"]
+    assert (metrics["success_rate"], metrics["progress_rate"], metrics["episodes"]) == (0.0, 0.0, 22)
+    assert {(e["steps"], e["termination"]) for e in doc["episodes"]} == {(1, "env_done")}
+    # The model saw the instruction, the worked examples and its question.
+    assert len(AnswerUnknown.prompts) == 22
+    assert all("search[ENTITY]" in p and "(END OF EXAMPLES)" in p for p in AnswerUnknown.prompts)
+    assert {
+        p.split("Your goal: answer this question: ")[1].split("\n")[0] for p in AnswerUnknown.prompts
+    } == {r["question"] for r in RECORDS}
+
+
+def test_cli_bad_data_is_one_line_exit_2(tmp_path: Path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('[{"_id": "x", "question": "q?"}]', encoding="utf-8")
+    for option, message in (
+        (f"hotpotqa.data={bad}", f"[eval] error: {bad}: question 0 (x): missing or non-text 'answer'"),
+        (f"hotpotqa.data={tmp_path / 'absent.json'}", "[eval] error: no such HotpotQA file"),
+        ("hotpotqa.backend=bing", "[eval] error: unknown HotpotQA search backend 'bing'"),
+    ):
+        proc = _cli(
+            ["--policy", "oracle", "--task-option", f"hotpotqa.data={FIXTURE}", "--task-option", option],
+            tmp_path,
         )
-        for i, spec in enumerate(task.episode_specs(n, seed))
-    ]
-    return run_episodes(jobs, policy, batch_size=4)
-
-
-def test_oracle_scores_100_and_unknown_scores_0(tmp_path: Path):
-    task = HotpotQATask(str(tmp_path), data=str(FIXTURE))
-    oracle = _run(task, OraclePolicy())
-    assert [r.termination for r in oracle] == ["success"] * 22
-    assert all(r.success and r.progress == 1.0 for r in oracle)
-    # Two (or three) searches of the supporting titles, then the answer.
-    first = oracle[0]
-    question = next(q for q in task.questions if q.id == first.spec["id"])
-    assert [t["action"] for t in first.trace] == [
-        *(f"search[{t}]" for t in question.supporting_titles),
-        f"finish[{question.answer}]",
-    ]
-    unknown = _run(task, AnswerUnknown())
-    assert [(r.success, r.progress, r.termination, r.steps) for r in unknown] == [
-        (False, 0.0, "env_done", 1)
-    ] * 22
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(message), proc.stderr
+        assert proc.stdout == ""
 
 
 # ------------------------------------------------------------------------------------------ wikipedia
@@ -424,15 +502,8 @@ class FakeMediaWiki(BaseHTTPRequestHandler):
 def wiki() -> Iterator[str]:
     FakeMediaWiki.log = []
     FakeMediaWiki.fail_next = 0
-    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeMediaWiki)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/w/api.php"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+    with _serving(FakeMediaWiki) as port:
+        yield f"http://127.0.0.1:{port}/w/api.php"
 
 
 def test_wikipedia_backend_against_mediawiki_shapes(wiki: str):
@@ -478,10 +549,22 @@ def test_wikipedia_backend_against_mediawiki_shapes(wiki: str):
 
 
 def test_wikipedia_backend_oracle_episodes(tmp_path: Path, wiki: str):
-    task = HotpotQATask(str(tmp_path), data=str(FIXTURE), backend="wikipedia", wikipedia_url=wiki)
-    results = _run(task, OraclePolicy())
-    assert all(r.success and r.progress == 1.0 for r in results)
+    doc = _results(
+        [
+            "--policy",
+            "oracle",
+            "--task-option",
+            "hotpotqa.backend=wikipedia",
+            "--task-option",
+            f"hotpotqa.wikipedia_url={wiki}",
+        ],
+        tmp_path,
+    )
+    metrics = doc["variants"]["original"]["tasks"]["hotpotqa"]
+    assert (metrics["success_rate"], metrics["progress_rate"]) == (1.0, 1.0)
+    assert any("titles" in q for q in FakeMediaWiki.log)  # the searches went to the loopback API
     # The search observation is the page's first sentences, as from the context backend.
+    task = HotpotQATask(str(tmp_path), data=str(FIXTURE), backend="wikipedia", wikipedia_url=wiki)
     local = _env(HotpotQATask(str(tmp_path), data=str(FIXTURE)), "hq-fixture-01")
     remote = _env(task, "hq-fixture-01")
     for title in ("The Salt Road", "Edith Varley"):
@@ -529,18 +612,9 @@ class Drip(BaseHTTPRequestHandler):
 
 
 def test_wikipedia_request_has_an_overall_deadline():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Drip)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        backend = WikipediaBackend(
-            f"http://127.0.0.1:{server.server_address[1]}/w/api.php", timeout=1.0, retries=0
-        )
+    with _serving(Drip) as port:
+        backend = WikipediaBackend(f"http://127.0.0.1:{port}/w/api.php", timeout=1.0, retries=0)
         t0 = time.monotonic()
         with pytest.raises(SearchError, match="within the 1 s deadline"):
             backend.search("Marrowby")
         assert time.monotonic() - t0 < 2.5
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
