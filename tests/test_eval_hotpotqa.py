@@ -21,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from openai_fixture import chat_completion
 
 from agentrefine_jax.eval.hotpotqa import (
     DataError,
@@ -336,23 +337,7 @@ class AnswerUnknown(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).prompts.append(body["messages"][-1]["content"])
-        reply = {
-            "id": "chatcmpl-1",
-            "object": "chat.completion",
-            "created": 0,
-            "model": body["model"],
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {
-                        "role": "assistant",
-                        "content": "Thought: I do not know.\nAction: finish[unknown]",
-                    },
-                    "finish_reason": "stop",
-                }
-            ],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-        }
+        reply = chat_completion(body["model"], "Thought: I do not know.\nAction: finish[unknown]")
         data = json.dumps(reply).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")

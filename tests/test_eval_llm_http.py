@@ -14,6 +14,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from openai_fixture import chat_completion
 
 from agentrefine_jax.eval.react import FORMAT_ERROR
 
@@ -66,23 +67,7 @@ class ScriptedAgent(BaseHTTPRequestHandler):
                 reply = f"Thought: I take the first valid action.\nAction: {first}"
             else:
                 reply = "Thought: I need the options.\nAction: check valid actions"
-            self._send(
-                200,
-                {
-                    "id": "chatcmpl-1",
-                    "object": "chat.completion",
-                    "created": 0,
-                    "model": body["model"],
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": reply},
-                            "finish_reason": "stop",
-                        }
-                    ],
-                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-                },
-            )
+            self._send(200, chat_completion(body["model"], reply))
         finally:
             with cls.lock:
                 cls.in_flight -= 1
