@@ -267,6 +267,21 @@ def test_context_backend_react_semantics(tmp_path: Path):
     assert r.observation == "Episode finished, reward = 1"
 
 
+def test_valid_actions_come_from_the_question_not_the_context(tmp_path: Path):
+    task = HotpotQATask(str(tmp_path), data=str(FIXTURE))
+    env = _env(task, "hq-fixture-03")  # Were The Lanterns and Glass Harbour formed in the same city?
+    names = ["The Lanterns", "Glass Harbour"]
+    answers = [f"finish[{n}]" for n in names] + ["finish[yes]", "finish[no]"]
+    assert env.valid_actions() == [f"search[{n}]" for n in names] + answers
+    # The listing never names a paragraph the question does not (the gold page is "The Lanterns (band)").
+    listing = env.step("check valid actions")
+    assert (listing.valid, listing.executed) == (True, False)
+    assert "(band)" not in listing.observation and "Quiet Engines" not in listing.observation
+    env.step("search[Glass Harbour]")  # with a page open, lookups too
+    assert env.valid_actions() == [f"search[{n}]" for n in names] + [f"lookup[{n}]" for n in names] + answers
+    assert _env(task, "hq-fixture-20").valid_actions()[0] == "search[The Lanterns]"  # possessive dropped
+
+
 def test_long_page_shows_five_sentences_and_lookup_reaches_the_rest(tmp_path: Path):
     sentences = tuple(f"Sentence {i} about Alder." for i in range(1, 8))
     q = Question("long", "Q?", "Alder", "bridge", "easy", ("Alder",), (("Alder", sentences),))

@@ -39,6 +39,27 @@ START = "Interact with Wikipedia using search[], lookup[], and finish[]."
 INVALID = "Invalid action: {action}. Use search[entity], lookup[keyword] or finish[answer]."
 
 _ACTION = re.compile(r"^(search|lookup|finish)\s*\[(.*)\]$", re.IGNORECASE | re.DOTALL)
+# A name: capitalised words (or numbers), possibly joined by a few lower-case connectors ("Bank of England").
+_NAME = re.compile(r"[A-Z0-9][\w'’.-]*(?:\s+(?:(?:of|the|de|von|van|da)\s+)*[A-Z0-9][\w'’.-]*)*")
+_POSSESSIVE = re.compile(r"(?:['’]s?|\.)$")
+# Capitalised only because they open the question ("Which", "Were The Lanterns ...").
+_QUESTION_WORDS = frozenset(
+    "are can could did do does has have how in is of on was were what when where which who whom whose "
+    "why".split()
+)
+
+
+def question_names(question: str) -> list[str]:
+    """Capitalised spans of a question (its named entities, roughly), in order, without repeats."""
+    out: list[str] = []
+    for match in _NAME.finditer(question):
+        words = _POSSESSIVE.sub("", match.group(0)).split()
+        while words and words[0].lower() in _QUESTION_WORDS:
+            words = words[1:]
+        name = " ".join(words)
+        if name and name not in out:
+            out.append(name)
+    return out
 
 
 class HotpotQAEnv(TextEnv):
@@ -102,8 +123,14 @@ class HotpotQAEnv(TextEnv):
         return f"(Result {i + 1} / {len(hits)}) {hits[i]}"
 
     def _valid_canonical(self) -> list[str]:
-        # The random floor: open any context paragraph or answer yes/no.
-        return [f"search[{title}]" for title, _ in self.question.context] + ["finish[yes]", "finish[no]"]
+        """What "check valid actions" lists and the random policy draws from: searches, lookups (with a
+        page open) and answers built from the names in the question, and yes/no. Never the context's
+        titles: listing them would hand the agent the gold pages the paper's agent had to find."""
+        names = question_names(self.question.question)
+        actions = [f"search[{n}]" for n in names]
+        if self._sentences is not None:
+            actions += [f"lookup[{n}]" for n in names]
+        return actions + [f"finish[{n}]" for n in names] + ["finish[yes]", "finish[no]"]
 
     def _oracle_canonical(self) -> str:
         for title in self.question.supporting_titles:
