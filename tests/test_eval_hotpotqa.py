@@ -341,6 +341,22 @@ def test_cli_oracle_scores_em_f1_100(tmp_path: Path):
         assert episode["termination"] == "success"
 
 
+def test_cli_best_of_n_takes_each_questions_best_em_and_f1(tmp_path: Path):
+    doc = _results(
+        ["--policy", "random", "--best-of", "4", "--temperature", "1.0", "--max-steps", "3"], tmp_path
+    )
+    metrics = doc["variants"]["original"]["tasks"]["hotpotqa"]
+    assert (metrics["episodes"], metrics["samples"]) == (22, 88)
+    best: dict[int, tuple[float, float]] = {}
+    for e in doc["episodes"]:
+        em, f1 = best.get(e["episode"], (0.0, 0.0))
+        best[e["episode"]] = (max(em, float(e["success"])), max(f1, e["progress"]))
+    assert metrics["success_rate"] == pytest.approx(sum(em for em, _ in best.values()) / 22)
+    assert metrics["progress_rate"] == pytest.approx(sum(f1 for _, f1 in best.values()) / 22)
+    assert metrics["success_rate"] >= metrics["first_sample_success_rate"]
+    assert len({tuple(t["action"] for t in e["trace"]) for e in doc["episodes"]}) > 22  # samples differ
+
+
 class AnswerUnknown(BaseHTTPRequestHandler):
     """An OpenAI-compatible model that always gives up: `finish[unknown]`."""
 
