@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentrefine_jax.eval.agentboard.perturb import REWORDINGS, RewordedEnv, reword_prompt, rewording, summary
+from agentrefine_jax.eval.perturb import REWORDINGS, RewordedEnv, reword_prompt, rewording, summary
 
 INSTRUCTION = (
     "Please ensure that any objects ('{obj}') you mention are present.\n"

@@ -1,14 +1,13 @@
-"""The ReAct agent loop, batched across episodes.
+"""The chat protocol (our ReAct layout, for built-in episode sources) on the one loop (`core.run_loop`).
 
 Up to `batch_size` episodes are in flight; every round each active episode contributes its
 conversation, the policy answers all of them at once (one batched generate call, or concurrent HTTP
-requests), and each reply's `Action:` is parsed and executed. Every assistant turn is a step, as in
-AgentBoard: malformed replies and "check valid actions" count toward `max_steps`.
+requests), and each reply's `Action:` is parsed (`react.parse_action`) and executed. Every assistant
+turn is a step, as in AgentBoard: malformed replies and "check valid actions" count toward `max_steps`.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 import logging
@@ -17,6 +16,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from agentrefine_jax.eval.core import run_loop
 from agentrefine_jax.eval.envs.base import EvalTask, TextEnv
 from agentrefine_jax.eval.perturb import variant_name
 from agentrefine_jax.eval.policies import ActRequest, ContextOverflow, Policy, PolicyError, ask, is_privileged
@@ -76,10 +76,14 @@ def job_seed(seed: int, task: str, perturbation: int, episode: int, sample: int)
 
 
 class _Running:
-    def __init__(self, job: EpisodeJob, env: TextEnv, messages: list[dict[str, str]]):
+    """One episode in flight under the chat protocol (`finished` and `result` are set at its end)."""
+
+    def __init__(
+        self, job: EpisodeJob, env: TextEnv | None = None, messages: list[dict[str, str]] | None = None
+    ):
         self.job = job
         self.env = env
-        self.messages = messages
+        self.messages = messages or []
         self.actor: Any = None  # a privileged policy's per-episode instance
         self.steps = 0
         self.invalid = 0
@@ -89,22 +93,57 @@ class _Running:
         # agentboard style: the Observation/Action history the single user message is rebuilt from.
         self.goal = ""
         self.history: list[tuple[str, str]] = []
+        self.finished = False
+        self.result: EpisodeResult | None = None
 
     def request_messages(self) -> list[dict[str, str]]:
         """What the policy sees: the transcript (chat style) or AgentBoard's single-message prompt."""
+        assert self.env is not None
         if self.job.prompt_style == "agentboard":
             return agentboard_messages(SYSTEM_PROMPT, self.env.instruction, self.goal, self.history)
         return self.messages
 
+    def finish(self, termination: str, error: str | None = None) -> None:
+        env = self.env
+        if env is not None:
+            try:
+                env.close()
+            except Exception as e:  # noqa: BLE001 - a failing close must not lose the episode's result
+                log.warning(f"warning: closing {self.job.name} env failed: {e}")
+        job = self.job
+        self.finished = True
+        self.result = EpisodeResult(
+            task=job.name,
+            variant=variant_name(job.perturbation),
+            episode=job.episode,
+            sample=job.sample,
+            spec=job.spec,
+            success=bool(env is not None and env.success),
+            progress=float(env.best_progress) if env is not None else 0.0,
+            steps=self.steps,
+            termination=termination,
+            error=error,
+            invalid_actions=self.invalid,
+            format_errors=self.format_errors,
+            seconds=round(time.perf_counter() - self.t0, 3) if env is not None else 0.0,
+            messages=self.messages,
+            trace=self.trace,
+        )
+
 
 def _start(job: EpisodeJob, policy: Policy) -> _Running:
-    env = job.task.make_env(job.spec, job.perturbation, oracle=policy.needs_oracle)
     try:
-        goal, obs = env.reset()
-        actor = policy.for_episode(job.task, env, job.spec, job.seed) if is_privileged(policy) else None
-    except BaseException:
-        env.close()
-        raise
+        env = job.task.make_env(job.spec, job.perturbation, oracle=policy.needs_oracle)
+        try:
+            goal, obs = env.reset()
+            actor = policy.for_episode(job.task, env, job.spec, job.seed) if is_privileged(policy) else None
+        except BaseException:
+            env.close()
+            raise
+    except Exception as e:  # noqa: BLE001 - reported per episode, the run goes on
+        failed = _Running(job)
+        failed.finish("error", f"environment failed to start: {type(e).__name__}: {e}")
+        return failed
     check_style(job.prompt_style)
     messages = [
         {"role": "system", "content": SYSTEM_PROMPT},
@@ -113,51 +152,6 @@ def _start(job: EpisodeJob, policy: Policy) -> _Running:
     run = _Running(job, env, messages)
     run.goal, run.history, run.actor = goal, [("Observation", obs)], actor
     return run
-
-
-def _finish(run: _Running, termination: str, error: str | None = None) -> EpisodeResult:
-    env = run.env
-    try:
-        env.close()
-    except Exception as e:  # noqa: BLE001 - a failing close must not lose the episode's result
-        log.warning(f"warning: closing {run.job.name} env failed: {e}")
-    return EpisodeResult(
-        task=run.job.name,
-        variant=variant_name(run.job.perturbation),
-        episode=run.job.episode,
-        sample=run.job.sample,
-        spec=run.job.spec,
-        success=bool(env.success),
-        progress=float(env.best_progress),
-        steps=run.steps,
-        termination=termination,
-        error=error,
-        invalid_actions=run.invalid,
-        format_errors=run.format_errors,
-        seconds=round(time.perf_counter() - run.t0, 3),
-        messages=run.messages,
-        trace=run.trace,
-    )
-
-
-def _error_result(job: EpisodeJob, error: str) -> EpisodeResult:
-    return EpisodeResult(
-        job.name,
-        variant_name(job.perturbation),
-        job.episode,
-        job.sample,
-        job.spec,
-        False,
-        0.0,
-        0,
-        "error",
-        error,
-        0,
-        0,
-        0.0,
-        [],
-        [],
-    )
 
 
 def _privileged(policy: Any, runs: list[_Running]) -> list[str | PolicyError]:
@@ -178,52 +172,35 @@ def run_episodes(
     batch_size: int = 8,
     on_result: Callable[[EpisodeResult], None] | None = None,
 ) -> list[EpisodeResult]:
-    """Run every job to completion; results come back in job order."""
-    queue = collections.deque(enumerate(jobs))
-    active: list[tuple[int, _Running]] = []
-    results: dict[int, EpisodeResult] = {}
+    """Run every job to completion (the one loop, `core.run_loop`); results come back in job order."""
 
-    def done(idx: int, result: EpisodeResult) -> None:
-        results[idx] = result
-        if on_result is not None:
-            on_result(result)
-
-    while queue or active:
-        while queue and len(active) < max(1, batch_size):
-            idx, job = queue.popleft()
-            try:
-                active.append((idx, _start(job, policy)))
-            except Exception as e:  # noqa: BLE001 - reported per episode, the run goes on
-                done(idx, _error_result(job, f"environment failed to start: {type(e).__name__}: {e}"))
-        if not active:
-            continue
-        runs = [run for _, run in active]
+    def respond(runs: list[_Running]) -> None:
         if is_privileged(policy):
             replies = _privileged(policy, runs)
         else:
             replies = ask(policy, [ActRequest(r.request_messages(), r.job.seed, r.steps) for r in runs])
-        still: list[tuple[int, _Running]] = []
-        for (idx, run), reply in zip(active, replies, strict=True):
+        for run, reply in zip(runs, replies, strict=True):
             if isinstance(reply, ContextOverflow):
-                done(idx, _finish(run, "context_overflow", str(reply)))
-                continue
-            if isinstance(reply, PolicyError):
+                run.finish("context_overflow", str(reply))
+            elif isinstance(reply, Exception):
                 log.warning(f"{run.job.name} episode {run.job.episode}: policy error: {reply}")
-                done(idx, _finish(run, "error", str(reply)))
-                continue
-            termination = _advance(run, reply)
-            if termination is None:
-                still.append((idx, run))
-            elif termination == "error":
-                done(idx, _finish(run, "error", run.trace[-1].get("error")))
+                run.finish("error", str(reply))
             else:
-                done(idx, _finish(run, termination))
-        active = still
-    return [results[i] for i in range(len(jobs))]
+                termination = _advance(run, reply)
+                if termination is not None:
+                    run.finish(termination, run.trace[-1].get("error") if termination == "error" else None)
+
+    def report(run: _Running) -> None:
+        if on_result is not None and run.result is not None:
+            on_result(run.result)
+
+    runs = run_loop(jobs, lambda job: _start(job, policy), respond, width=batch_size, on_done=report)
+    return [run.result for run in runs if run.result is not None]
 
 
 def _advance(run: _Running, reply: str) -> str | None:
     """Apply one assistant turn; returns a termination reason or None to continue."""
+    assert run.env is not None
     run.messages.append({"role": "assistant", "content": reply})
     run.steps += 1
     action = parse_action(reply)

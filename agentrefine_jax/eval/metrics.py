@@ -10,12 +10,21 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from agentrefine_jax.eval import registry
+
+if TYPE_CHECKING:
+    from agentrefine_jax.eval.agentboard.protocol import EpisodeLog
+
+from agentrefine_jax.eval.perturb import summary
 
 # The paper's weights live in the registry (TextWorld games stand in for the 20 Jericho games).
-from agentrefine_jax.eval.registry import PAPER_WEIGHTS  # noqa: E402
+from agentrefine_jax.eval.registry import PAPER_WEIGHTS
 
 HELD_OUT = "held_out_average"
+AGENTBOARD_METRICS = ("success_rate", "progress_rate", "grounding_acc")
+RATES = AGENTBOARD_METRICS[:2]
 SCHEMA = "agentrefine_jax.eval/1"  # the results JSON layout, docs/eval.md ("Results JSON")
 
 
@@ -86,15 +95,9 @@ def perturbation_summary(variants: Mapping[str, Mapping[str, Any]]) -> dict[str,
     for key in keys:
         entry: dict[str, Any] = {}
         for metric in ("success_rate", "progress_rate"):
-            orig = _metric(variants["original"], key, metric)
             values = [_metric(variants[v], key, metric) for v in perturbed]
-            mean = sum(values) / len(values)
-            std = math.sqrt(sum((x - mean) ** 2 for x in values) / len(values))
-            entry[metric] = {
-                "original": orig,
-                "perturbations": dict(zip(perturbed, values, strict=True)),
-                "mean": mean,
-                "std": std,
+            entry[metric] = summary(_metric(variants["original"], key, metric), values) | {
+                "perturbations": dict(zip(perturbed, values, strict=True))
             }
         out[key] = entry
     return out
@@ -118,3 +121,95 @@ def summarize(results: Sequence[Any], weights: Mapping[str, int] = PAPER_WEIGHTS
 def _mean(values: Iterable[float]) -> float:
     vals = list(values)
     return sum(vals) / len(vals) if vals else math.nan
+
+
+def _mean_or_none(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+# ----------------------------------------------------------------------------------------- AgentBoard source
+
+
+def episode_record(log: EpisodeLog) -> dict[str, Any]:
+    return {
+        "task": log.spec.task,
+        "index": log.spec.index,
+        "id": log.spec.id,
+        "difficulty": log.spec.difficulty,
+        "success": log.success,
+        "progress_rate": log.progress,
+        "grounding_acc": log.grounding,
+        "steps": log.steps,
+        "end": log.end,
+    }
+
+
+def agentboard_task_metrics(logs: Sequence[EpisodeLog]) -> dict[str, Any]:
+    """AgentBoard's per-task metrics; a split with no episode is null (AgentBoard writes 0)."""
+    out: dict[str, Any] = {"episodes": len(logs)}
+    rows = {
+        "success_rate": [float(x.success) for x in logs],
+        "progress_rate": [x.progress for x in logs],
+        "grounding_acc": [x.grounding for x in logs],
+    }
+    for key, values in rows.items():
+        out[key] = _mean_or_none(values)
+    for split in ("easy", "hard"):
+        picked = [x for x in logs if x.spec.difficulty == split]
+        out[f"success_rate_{split}"] = _mean_or_none([float(x.success) for x in picked])
+        out[f"progress_rate_{split}"] = _mean_or_none([x.progress for x in picked])
+    return out
+
+
+def agentboard_held_out(per_task: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Unweighted mean of the four held-out tasks' rates, and the episode-weighted mean (labelled)."""
+    missing = [t for t in registry.HELD_OUT_TASKS if t not in per_task]
+    if missing:
+        return {"missing": missing, "note": "the held-out means need babyai, sciworld, pddl and jericho"}
+    out: dict[str, Any] = {"tasks": list(registry.HELD_OUT_TASKS)}
+    out["unweighted_mean"] = {
+        m: _mean_or_none([per_task[t][m] for t in registry.HELD_OUT_TASKS]) for m in RATES
+    }
+    counts = {t: per_task[t]["episodes"] for t in registry.HELD_OUT_TASKS}
+    total = sum(counts.values())
+    out["episode_weighted_mean"] = {
+        m: sum(per_task[t][m] * counts[t] for t in registry.HELD_OUT_TASKS) / total for m in RATES
+    } | {
+        "weights": counts,
+        "label": "weighted by episodes (112/90/60/20 on full sets); not AgentBoard's mean",
+    }
+    return out
+
+
+def best_of_metrics(greedy: Sequence[EpisodeLog], samples: Sequence[EpisodeLog]) -> dict[str, Any]:
+    """Table 4 for one task: greedy, Best-of-N (success if any sample succeeds, progress the max), their
+    difference, and the mean single-sample rates."""
+    best_by_episode = best_of_n(
+        {"task": x.spec.task, "variant": "original", "episode": x.spec.index} | vars(x) for x in samples
+    ).values()
+    n_samples = 1 + max(x.sample for x in samples)
+    best = {
+        "success_rate": _mean_or_none([b["success"] for b in best_by_episode]),
+        "progress_rate": _mean_or_none([b["progress"] for b in best_by_episode]),
+    }
+    g = agentboard_task_metrics(greedy)
+    greedy_rates = {m: g[m] for m in RATES}
+    per_sample = [agentboard_task_metrics([x for x in samples if x.sample == k]) for k in range(n_samples)]
+    return {
+        "greedy": greedy_rates,
+        "best_of": best,
+        "delta": {m: best[m] - greedy_rates[m] for m in RATES},
+        "sample_mean": {m: _mean_or_none([p[m] for p in per_sample]) for m in RATES},
+        "per_sample": [{m: p[m] for m in RATES} for p in per_sample],
+        "episodes": len(best_by_episode),
+    }
+
+
+def best_of_held_out(per_task: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The held-out unweighted mean of each Table 4 row, when the four held-out tasks ran."""
+    if any(t not in per_task for t in registry.HELD_OUT_TASKS):
+        return {}
+    return {
+        row: {m: _mean_or_none([per_task[t][row][m] for t in registry.HELD_OUT_TASKS]) for m in RATES}
+        for row in ("greedy", "best_of", "delta")
+    }

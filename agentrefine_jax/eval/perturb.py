@@ -1,16 +1,39 @@
-"""Action vocabularies and their rewordings (the paper's robustness study).
+"""Reworded actions, the paper's robustness study (Table 3), for both episode sources.
 
-Every environment declares its actions as `ActionWord`s: a canonical verb phrase the simulator
+Built-in tasks: every environment declares its actions as `ActionWord`s: a canonical verb phrase the simulator
 understands, a usage pattern and a description, plus reworded variants. A `Vocabulary` picks one
 variant per word; the agent only ever sees the surface wording, and its commands are mapped back to
 the canonical phrase before they reach the simulator. Under a perturbation the canonical wording
 of a renamed action is rejected, so a model that ignores the stated action names is caught.
+
+AgentBoard's ALFWorld: reworded candidate actions.
+
+Each rewording changes how some ALFWorld commands are written -- other tokens or another token order, the
+same meaning -- everywhere the agent sees commands: the action list of the instruction (its quoted
+templates), the `Action:` lines of the in-context example, and the `check valid actions` listing. The
+agent's command is mapped back to the game's own wording before it reaches TextWorld, by looking it up among
+the reworded forms of the commands admissible now; a command still in the original wording of a reworded
+action is not accepted (the game answers `Nothing happens.`), so a model that ignores the stated actions is
+caught. Observations, goals and progress (computed on the game's side) are untouched.
+
+The five variants (rules on whole commands; `{o}`/`{r}` are the object and receptacle):
+  1 go-to-move:   `go to {r}` -> `move to {r}`
+  2 take-pickup:  `take {o} from {r}` -> `pick up {o} from {r}`
+  3 put-place:    `put {o} in/on {r}` -> `place {o} in/on {r}`
+  4 use-to:       `clean|heat|cool {o} with|using {r}` -> `use {r} to clean|heat|cool {o}` (token order)
+  5 all:          rules 1-4 together
+Report: the original run beside the five, their mean and population standard deviation (`summary`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from collections.abc import Sequence
+from typing import Any
+
+from agentrefine_jax.eval.core import StepResult
 
 ORIGINAL = 0
 
@@ -102,3 +125,111 @@ def variant_name(perturbation: int) -> str:
 
 def _starts_with_phrase(text: str, phrase: str) -> bool:
     return text == phrase or text.startswith(phrase + " ")
+
+
+# ----------------------------------------------------------------------------------------- ALFWorld
+
+HELP = "check valid actions"
+
+_RULES: dict[str, tuple[str, str]] = {
+    "go-to-move": (r"go to (?P<r>.+)", "move to {r}"),
+    "take-pickup": (r"take (?P<o>.+?) from (?P<r>.+)", "pick up {o} from {r}"),
+    "put-place": (r"put (?P<o>.+?) in/on (?P<r>.+)", "place {o} in/on {r}"),
+    "use-to": (r"(?P<v>clean|heat|cool) (?P<o>.+?) (?:with|using) (?P<r>.+)", "use {r} to {v} {o}"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewording:
+    index: int  # 1..5 (0 is the original wording)
+    name: str
+    rules: tuple[str, ...]  # keys of _RULES
+
+    def surface(self, command: str) -> str:
+        """The command as the agent sees it under this rewording."""
+        for key in self.rules:
+            pattern, template = _RULES[key]
+            m = re.fullmatch(pattern, command)
+            if m:
+                return template.format(**m.groupdict())
+        return command
+
+
+REWORDINGS: tuple[Rewording, ...] = (
+    Rewording(1, "go-to-move", ("go-to-move",)),
+    Rewording(2, "take-pickup", ("take-pickup",)),
+    Rewording(3, "put-place", ("put-place",)),
+    Rewording(4, "use-to", ("use-to",)),
+    Rewording(5, "all", ("go-to-move", "take-pickup", "put-place", "use-to")),
+)
+
+
+def rewording(index: int) -> Rewording:
+    if not 1 <= index <= len(REWORDINGS):
+        raise ValueError(f"perturbation must be 1..{len(REWORDINGS)}, got {index}")
+    return REWORDINGS[index - 1]
+
+
+def reword_prompt(rw: Rewording, instruction: str, examples: Sequence[str]) -> tuple[str, tuple[str, ...]]:
+    """The instruction's quoted command templates and the examples' `Action:` lines, reworded."""
+    instruction = re.sub(r"'([^'\n]+)'", lambda m: f"'{rw.surface(m[1])}'", instruction)
+    reworded = tuple(
+        re.sub(r"(?m)^(Action: )(.+)$", lambda m: m[1] + rw.surface(m[2]), example) for example in examples
+    )
+    return instruction, reworded
+
+
+class RewordedEnv:
+    """An ALFWorld episode whose commands are shown and accepted in a rewording's wording."""
+
+    def __init__(self, env: Any, rw: Rewording):
+        self.env, self.rw = env, rw
+
+    @property
+    def goal(self) -> str:
+        return self.env.goal
+
+    @property
+    def success(self) -> bool:
+        return self.env.success
+
+    def reset(self) -> str:
+        return self.env.reset()
+
+    def _table(self) -> dict[str, str]:
+        return {self.rw.surface(c): c for c in self.env.valid_actions()}
+
+    def valid_actions(self) -> list[str]:
+        return list(self._table())
+
+    def step(self, action: str) -> StepResult:
+        from agentrefine_jax.eval.agentboard.tasks.alfworld import post_process
+
+        action = post_process(action)
+        table = self._table()
+        valid = action in table
+        if action == HELP:
+            result = self.env.step(HELP)  # progress regexes see the game's own listing
+            text = "Choose an action from these valid actions: " + ", ".join(table)
+            return StepResult(text, result.done, result.progress, True)
+        if valid:
+            command = table[action]
+        elif self.rw.surface(action) != action:
+            command = action + " [original wording]"  # never admissible: the game says `Nothing happens.`
+        else:
+            command = action
+        result = self.env.step(command)
+        return StepResult(result.observation, result.done, result.progress, valid)
+
+    def close(self) -> None:
+        self.env.close()
+
+    def __getattr__(self, name: str) -> Any:  # expert plan etc. of the wrapped episode
+        return getattr(self.env, name)
+
+
+def summary(original: float, variants: Sequence[float]) -> dict[str, Any]:
+    """Table 3's layout: the original score, each variant, their mean and population standard deviation."""
+    mean = sum(variants) / len(variants) if variants else math.nan
+    std = math.sqrt(sum((v - mean) ** 2 for v in variants) / len(variants)) if variants else math.nan
+    return {"original": original, "perturbations": list(variants), "mean": mean, "std": std}

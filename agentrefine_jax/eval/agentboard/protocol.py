@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, Checkout, CheckoutError
-from agentrefine_jax.eval.agentboard.tasks.base import AgentBoardEnv, EpisodeSpec, StepResult
+from agentrefine_jax.eval.agentboard.tasks.base import AgentBoardEnv, EpisodeSpec
+from agentrefine_jax.eval.core import StepResult, run_loop
 from agentrefine_jax.eval.policies import RandomPolicy  # noqa: F401 - the one random policy, re-exported
 from agentrefine_jax.layout import agentboard_head, history_lines
 from agentrefine_jax.layout import agentboard_user as user_prompt
@@ -237,6 +238,7 @@ class Episode:
         self.memory: list[tuple[str, str]] = []
         self.finished = False
         self.prompt_set: PromptSet | None = None
+        self.policy: Any = None  # a privileged policy's per-episode instance
 
     def start(self) -> None:
         obs = self.env.reset()
@@ -345,82 +347,62 @@ def run_episodes(
     `wrap_env` and `reword_prompt` apply a perturbation (reworded actions) to every episode's env and prompt.
     """
     setup = AgentBoardTaskSetup(task.check_actions, bool(task.check_inventory))
-    results: dict[int, EpisodeLog] = {}
-    pending = list(enumerate(specs))
-    active: list[tuple[int, Episode, Any]] = []
     width = max(1, batch_size if agent.model is not None else 1)
     width = min(width, getattr(task, "max_in_flight", width))  # e.g. one JVM per ScienceWorld episode
 
-    def finish(i: int, ep: Episode) -> None:
-        results[i] = ep.log
-        if on_done is not None:
-            on_done(ep.log)
-
-    while pending or active:
-        while pending and len(active) < width:
-            i, spec = pending.pop(0)
-            env = task.make_env(checkout, spec)
-            if wrap_env is not None:
-                env = wrap_env(env)
-            ep = Episode(spec, env, setup, max_steps)
-            policy = None
+    def start(spec: EpisodeSpec) -> Episode:
+        env = task.make_env(checkout, spec)
+        if wrap_env is not None:
+            env = wrap_env(env)
+        ep = Episode(spec, env, setup, max_steps)
+        try:
+            if agent.model is not None:
+                ep.prompt_set = load_prompt_set(checkout, task.prompt_file, task.examples_key(spec))
+                if reword_prompt is not None:
+                    ep.prompt_set = reword_prompt(ep.prompt_set)
+            ep.start()
+        except CheckoutError:
+            env.close()
+            raise
+        if agent.policy_for is not None and not ep.finished:
             try:
-                if agent.model is not None:
-                    ep.prompt_set = load_prompt_set(checkout, task.prompt_file, task.examples_key(spec))
-                    if reword_prompt is not None:
-                        ep.prompt_set = reword_prompt(ep.prompt_set)
-                ep.start()
-            except CheckoutError:
-                env.close()
-                raise
-            if agent.policy_for is not None and not ep.finished:
+                ep.policy = agent.policy_for(task, env, spec)
+            except (RuntimeError, OSError, ValueError) as e:  # e.g. the planner found no plan: reported
+                ep.fail(f"policy_error: {e}")
+        return ep
+
+    def respond(active: list[Episode]) -> None:
+        if agent.model is None:
+            for ep in active:
                 try:
-                    policy = agent.policy_for(task, env, spec)
-                except (RuntimeError, OSError, ValueError) as e:  # e.g. the planner found no plan: reported
-                    ep.fail(f"policy_error: {e}")
-            if ep.finished:
-                finish(i, ep)
-            else:
-                active.append((i, ep, policy))
-        if not active:
-            continue
-        if agent.model is not None:
-            batch: list[tuple[str, str]] = []
-            for _, ep, _ in active:
-                assert ep.prompt_set is not None
-                system = ep.prompt_set.system_msg + agent.system_suffix
-                try:
-                    user, dropped = _prompt_for(ep, agent.model, system)
-                except PromptTooLong as e:
-                    ep.fail(f"prompt_too_long: {e}")
-                    user, dropped = "", 0
-                ep.log.dropped_history = max(ep.log.dropped_history, dropped)
-                ep.log.last_prompt = user
-                batch.append((system, user))
-            live = [k for k, (_, ep, _) in enumerate(active) if not ep.finished]
-            replies = agent.model.generate([batch[k] for k in live]) if live else []
-            for k, reply in zip(live, replies, strict=True):
-                ep = active[k][1]
-                if isinstance(reply, Exception):
-                    ep.fail(f"model_error: {type(reply).__name__}: {reply}")
-                    continue
-                _step(ep, parse_action(reply), reply)
-        else:
-            for _, ep, policy in active:
-                try:
-                    reply = policy.act(ep.env, ep.history())
+                    reply = ep.policy.act(ep.env, ep.history())
                 except Exception as e:  # noqa: BLE001 - a policy failure ends this episode, reported
                     ep.fail(f"policy_error: {type(e).__name__}: {e}")
                     continue
                 _step(ep, parse_action(reply), reply)
-        still = []
-        for i, ep, policy in active:
-            if ep.finished:
-                finish(i, ep)
+            return
+        batch: list[tuple[str, str]] = []
+        for ep in active:
+            assert ep.prompt_set is not None
+            system = ep.prompt_set.system_msg + agent.system_suffix
+            try:
+                user, dropped = _prompt_for(ep, agent.model, system)
+            except PromptTooLong as e:
+                ep.fail(f"prompt_too_long: {e}")
+                user, dropped = "", 0
+            ep.log.dropped_history = max(ep.log.dropped_history, dropped)
+            ep.log.last_prompt = user
+            batch.append((system, user))
+        live = [k for k, ep in enumerate(active) if not ep.finished]
+        replies = agent.model.generate([batch[k] for k in live]) if live else []
+        for k, reply in zip(live, replies, strict=True):
+            if isinstance(reply, Exception):
+                active[k].fail(f"model_error: {type(reply).__name__}: {reply}")
             else:
-                still.append((i, ep, policy))
-        active = still
-    return [results[i] for i in range(len(specs))]
+                _step(active[k], parse_action(reply), reply)
+
+    report = None if on_done is None else (lambda ep: on_done(ep.log))
+    return [ep.log for ep in run_loop(specs, start, respond, width=width, on_done=report)]
 
 
 def _step(ep: Episode, action: str, reply: str) -> None:

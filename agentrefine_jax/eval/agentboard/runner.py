@@ -26,7 +26,14 @@ from agentrefine_jax.eval.agentboard.protocol import (
     run_episodes,
     vllm_system_suffix,
 )
-from agentrefine_jax.eval.metrics import SCHEMA
+from agentrefine_jax.eval.metrics import (
+    SCHEMA,
+    best_of_held_out,
+    best_of_metrics,
+    episode_record,
+)
+from agentrefine_jax.eval.metrics import agentboard_held_out as held_out_summary
+from agentrefine_jax.eval.metrics import agentboard_task_metrics as task_metrics
 from agentrefine_jax.eval.policies import (
     ActRequest,
     CheckpointPolicy,
@@ -39,7 +46,6 @@ from agentrefine_jax.eval.policies import (
 
 # AgentBoard's own task names (its log file names); ours differ only for ScienceWorld.
 AGENTBOARD_NAMES = {"sciworld": "scienceworld"}
-METRICS = ("success_rate", "progress_rate", "grounding_acc")
 
 
 def make_task(name: str, strict: bool) -> Any:
@@ -111,64 +117,6 @@ def endpoint_model(
 
     actor = OpenAIChatPolicy(base_url, model, SamplingParams(), api_key_env=api_key_env, timeout=timeout)
     return TemplateModel(actor.name, get_template(template, load_tokenizer(template)), context_length, actor)
-
-
-# ----------------------------------------------------------------------------------------- metrics
-
-
-def _mean(values: Sequence[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
-def episode_record(log: EpisodeLog) -> dict[str, Any]:
-    return {
-        "task": log.spec.task,
-        "index": log.spec.index,
-        "id": log.spec.id,
-        "difficulty": log.spec.difficulty,
-        "success": log.success,
-        "progress_rate": log.progress,
-        "grounding_acc": log.grounding,
-        "steps": log.steps,
-        "end": log.end,
-    }
-
-
-def task_metrics(logs: Sequence[EpisodeLog]) -> dict[str, Any]:
-    """AgentBoard's per-task metrics; a split with no episode is null (AgentBoard writes 0)."""
-    out: dict[str, Any] = {"episodes": len(logs)}
-    rows = {
-        "success_rate": [float(x.success) for x in logs],
-        "progress_rate": [x.progress for x in logs],
-        "grounding_acc": [x.grounding for x in logs],
-    }
-    for key, values in rows.items():
-        out[key] = _mean(values)
-    for split in ("easy", "hard"):
-        picked = [x for x in logs if x.spec.difficulty == split]
-        out[f"success_rate_{split}"] = _mean([float(x.success) for x in picked])
-        out[f"progress_rate_{split}"] = _mean([x.progress for x in picked])
-    return out
-
-
-def held_out_summary(per_task: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Unweighted mean of the four held-out tasks' rates, and the episode-weighted mean (labelled)."""
-    missing = [t for t in registry.HELD_OUT_TASKS if t not in per_task]
-    if missing:
-        return {"missing": missing, "note": "the held-out means need babyai, sciworld, pddl and jericho"}
-    out: dict[str, Any] = {"tasks": list(registry.HELD_OUT_TASKS)}
-    out["unweighted_mean"] = {
-        m: _mean([per_task[t][m] for t in registry.HELD_OUT_TASKS]) for m in METRICS[:2]
-    }
-    counts = {t: per_task[t]["episodes"] for t in registry.HELD_OUT_TASKS}
-    total = sum(counts.values())
-    out["episode_weighted_mean"] = {
-        m: sum(per_task[t][m] * counts[t] for t in registry.HELD_OUT_TASKS) / total for m in METRICS[:2]
-    } | {
-        "weights": counts,
-        "label": "weighted by episodes (112/90/60/20 on full sets); not AgentBoard's mean",
-    }
-    return out
 
 
 # ----------------------------------------------------------------------------------------- logs
@@ -429,40 +377,6 @@ def best_of_section(config: RunConfig) -> dict[str, Any]:
     }
 
 
-def best_of_metrics(greedy: Sequence[EpisodeLog], samples: Sequence[EpisodeLog]) -> dict[str, Any]:
-    """Table 4 for one task: greedy, Best-of-N (success if any sample succeeds, progress the max), their
-    difference, and the mean single-sample rates."""
-    by_episode: dict[int, list[EpisodeLog]] = {}
-    for x in samples:
-        by_episode.setdefault(x.spec.index, []).append(x)
-    n_samples = max(len(v) for v in by_episode.values())
-    best = {
-        "success_rate": _mean([float(any(x.success for x in v)) for v in by_episode.values()]),
-        "progress_rate": _mean([max(x.progress for x in v) for v in by_episode.values()]),
-    }
-    g = task_metrics(greedy)
-    greedy_rates = {m: g[m] for m in METRICS[:2]}
-    per_sample = [task_metrics([x for x in samples if x.sample == k]) for k in range(n_samples)]
-    return {
-        "greedy": greedy_rates,
-        "best_of": best,
-        "delta": {m: best[m] - greedy_rates[m] for m in METRICS[:2]},
-        "sample_mean": {m: _mean([p[m] for p in per_sample]) for m in METRICS[:2]},
-        "per_sample": [{m: p[m] for m in METRICS[:2]} for p in per_sample],
-        "episodes": len(by_episode),
-    }
-
-
-def best_of_held_out(per_task: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The held-out unweighted mean of each Table 4 row, when the four held-out tasks ran."""
-    if any(t not in per_task for t in registry.HELD_OUT_TASKS):
-        return {}
-    return {
-        row: {m: _mean([per_task[t][row][m] for t in registry.HELD_OUT_TASKS]) for m in METRICS[:2]}
-        for row in ("greedy", "best_of", "delta")
-    }
-
-
 def _perturbed(
     task: Any,
     checkout: Checkout,
@@ -473,7 +387,7 @@ def _perturbed(
     log: Callable[[str], None],
 ) -> dict[str, Any]:
     """The task's episodes again under each reworded-action variant; Table 3's original/mean/std layout."""
-    from agentrefine_jax.eval.agentboard import perturb
+    from agentrefine_jax.eval import perturb
     from agentrefine_jax.eval.agentboard.protocol import PromptSet
 
     variants = []

@@ -8,10 +8,10 @@ the step bookkeeping live here so every environment reports them the same way.
 from __future__ import annotations
 
 import abc
-import dataclasses
 from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
 
+from agentrefine_jax.eval.core import StepResult
 from agentrefine_jax.eval.perturb import ActionWord, Vocabulary
 from agentrefine_jax.eval.react import CHECK_VALID_ACTIONS
 
@@ -25,19 +25,6 @@ RENAMED_ACTION = (
 
 # ScienceWorld can list hundreds of applicable commands; the listing is capped to keep prompts bounded.
 MAX_LISTED = 150
-
-
-@dataclasses.dataclass
-class StepResult:
-    observation: str
-    done: bool
-    success: bool
-    # Best-so-far progress in [0, 1] (AgentBoard's progress rate is the max over the episode).
-    progress: float
-    # False when the command was rejected (unknown, renamed or not applicable); no simulator step.
-    valid: bool
-    # True when the command reached the simulator (not "check valid actions" or a rejected one).
-    executed: bool
 
 
 class Outcome(NamedTuple):
@@ -127,11 +114,11 @@ class TextEnv(abc.ABC):
         if self.done:
             raise RuntimeError(f"{self.task}: step() after the episode ended")
         if command.strip().lower() == CHECK_VALID_ACTIONS:
-            return StepResult(self._list_valid(), False, False, self.best_progress, True, False)
+            return StepResult(self._list_valid(), False, self.best_progress, True, executed=False)
         canonical = self.vocab.to_canonical(command)
         if canonical is None:
             return StepResult(
-                RENAMED_ACTION.format(action=command), False, False, self.best_progress, False, False
+                RENAMED_ACTION.format(action=command), False, self.best_progress, False, executed=False
             )
         out = self._step(canonical)
         self.success = self.success or out.success
@@ -139,7 +126,7 @@ class TextEnv(abc.ABC):
         if out.executed:
             self.best_progress = max(self.best_progress, 1.0 if self.success else out.progress)
         return StepResult(
-            out.observation, self.done, self.success, self.best_progress, out.valid, out.executed
+            out.observation, self.done, self.best_progress, out.valid, self.success, out.executed
         )
 
 

@@ -33,7 +33,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA, CheckoutError
-from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec, StepResult
+from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
+from agentrefine_jax.eval.core import StepResult
 
 BASE_CONFIG = "agentboard/environment/alfworld/base_config.yaml"
 LABELS_FILE = "data/alfworld/test.jsonl"

@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA, CheckoutError
-from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec, StepResult
+from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
+from agentrefine_jax.eval.core import StepResult
 
 LEVELS_FILE = "agentboard/environment/babyai_env.py"
 LABELS_FILE = "data/babyai/test.jsonl"

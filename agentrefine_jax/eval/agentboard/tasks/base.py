@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol
 
+from agentrefine_jax.eval.core import StepResult
+
 
 @dataclasses.dataclass(frozen=True)
 class EpisodeSpec:
@@ -15,14 +17,6 @@ class EpisodeSpec:
     id: str  # human-readable id, e.g. "BabyAI-GoToRedBall-v0/1234", "gripper/prob01.pddl"
     difficulty: str  # "easy" | "hard" (from test.jsonl)
     info: dict[str, Any] = dataclasses.field(default_factory=dict)  # task-specific (subgoals, paths, seed...)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepResult:
-    observation: str
-    done: bool  # episode over (AgentBoard's done: success or the game ended)
-    progress: float  # best-so-far progress rate in [0, 1] (monotone)
-    valid: bool  # grounding: was the action valid (AgentBoard's per-task rule)
 
 
 class AgentBoardEnv(Protocol):

@@ -28,7 +28,8 @@ import re
 from typing import Any
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA, CheckoutError
-from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec, StepResult
+from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
+from agentrefine_jax.eval.core import StepResult
 
 ENV_FILE = "agentboard/environment/jericho_env.py"
 LABELS_FILE = "data/jericho/test.jsonl"

@@ -28,7 +28,8 @@ import tempfile
 from typing import Any
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA, Checkout, CheckoutError
-from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec, StepResult
+from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
+from agentrefine_jax.eval.core import StepResult
 
 PDDL_DIR = "agentboard/environment/pddl_env/pddlgym/pddl"
 ENV_FILE = "agentboard/environment/pddl_env/pddl_env.py"

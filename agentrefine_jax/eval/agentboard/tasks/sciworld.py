@@ -20,7 +20,8 @@ import threading
 from typing import Any
 
 from agentrefine_jax.eval.agentboard.checkout import CONFIG_FILE, DATA, Checkout, CheckoutError
-from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec, StepResult
+from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
+from agentrefine_jax.eval.core import StepResult
 
 LABELS = "data/scienceworld/test.jsonl"
 PROMPT_FILE = "agentboard/prompts/VanillaAgent/scienceworld_base.json"

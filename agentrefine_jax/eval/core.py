@@ -1,0 +1,76 @@
+"""What every episode source shares: the step result environments return, and the one episode loop.
+
+The loop is protocol-agnostic: a protocol (our chat layout in `loop.py`, AgentBoard's in
+`agentboard/protocol.py`) says how an episode starts and how a round of replies is obtained and applied
+(prompt assembly, the actor call, parsing, stepping, logging); the loop keeps up to `width` episodes in
+flight so one batched model call answers all of them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    observation: str
+    done: bool  # the episode is over (success or the game ended)
+    progress: float  # best-so-far progress rate in [0, 1] (monotone)
+    valid: bool  # grounding: the action was valid (each task's rule)
+    # Built-in environments report success here; AgentBoard's expose `env.success`.
+    success: bool = False
+    # False when the command never reached the simulator ("check valid actions", a rejected command).
+    executed: bool = True
+
+
+class Running(Protocol):
+    finished: bool
+
+
+E = TypeVar("E", bound=Running)
+
+
+def run_loop(
+    jobs: Sequence[Any],
+    start: Callable[[Any], E],
+    respond: Callable[[list[E]], None],
+    *,
+    width: int,
+    on_done: Callable[[E], None] | None = None,
+) -> list[E]:
+    """Run every job to its end; the finished episodes come back in job order.
+
+    `start(job)` makes a running episode (it may be finished already, e.g. failed to start); each round
+    `respond(active)` answers every active episode together and applies the replies; an episode whose
+    `finished` is then set leaves (`on_done`) and the next job takes its place.
+    """
+    queue = collections.deque(enumerate(jobs))
+    active: list[tuple[int, E]] = []
+    done: dict[int, E] = {}
+
+    def finish(i: int, ep: E) -> None:
+        done[i] = ep
+        if on_done is not None:
+            on_done(ep)
+
+    while queue or active:
+        while queue and len(active) < max(1, width):
+            i, job = queue.popleft()
+            ep = start(job)
+            if ep.finished:
+                finish(i, ep)
+            else:
+                active.append((i, ep))
+        if active:
+            respond([ep for _, ep in active])
+        still = []
+        for i, ep in active:
+            if ep.finished:
+                finish(i, ep)
+            else:
+                still.append((i, ep))
+        active = still
+    return [done[i] for i in range(len(jobs))]
