@@ -323,6 +323,9 @@ def _results(args: list[str], tmp_path: Path) -> dict:
         tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
+    # The table labels the HotpotQA column with its metrics: EM as success, F1 as progress.
+    head, sub = proc.stdout.splitlines()[1:3]
+    assert head.split()[0] == "HotpotQA" and sub.split()[:3] == ["EM", "/", "F1"], proc.stdout
     return json.loads(out.read_text(encoding="utf-8"))
 
 

@@ -132,6 +132,15 @@ def _pct(x: float) -> str:
     return "  n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:5.1f}"
 
 
+def _metric_label(task: str) -> str:
+    """A column's sub-header: the task's registered metric names (HotpotQA: EM / F1), else succ / prog."""
+    try:
+        names = lookup(task).metric_names
+    except ValueError:  # the held-out average, or a task registered by a plug-in no longer loaded
+        names = ("success", "progress")
+    return "succ / prog" if names == ("success", "progress") else " / ".join(names)
+
+
 def format_table(doc: dict[str, Any]) -> str:
     """A table like the paper's: success / progress (%) per task and the weighted held-out average."""
     variants = doc["variants"]
@@ -140,7 +149,7 @@ def format_table(doc: dict[str, Any]) -> str:
     cols = [names[t] for t in tasks] + ["Held-out avg"]
     width = 15
     head = f"{'':<18}" + "".join(f"{c:^{width}}" for c in cols)
-    sub = f"{'':<18}" + "".join(f"{'succ / prog':^{width}}" for _ in cols)
+    sub = f"{'':<18}" + "".join(f"{_metric_label(t):^{width}}" for t in [*tasks, HELD_OUT])
     lines = [f"policy: {doc['policy']}   (success % / progress %)", head, sub]
 
     def row(label: str, values: Sequence[tuple[float, float]]) -> str:
