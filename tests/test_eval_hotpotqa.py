@@ -410,6 +410,11 @@ def test_cli_bad_data_is_one_line_exit_2(tmp_path: Path):
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(message), proc.stderr
         assert proc.stdout == ""
+    proc = _cli(["--policy", "oracle"], tmp_path)  # no data at all
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(
+        "[eval] error: HotpotQA needs its questions: --task-option hotpotqa.data=FILE"
+    )
 
 
 # ------------------------------------------------------------------------------------------ wikipedia

@@ -172,8 +172,8 @@ class HotpotQATask(EvalTask):
         if questions is None:
             if not options.get("data"):
                 raise ValueError(
-                    "HotpotQA needs its questions: the task option data=FILE (official JSON, JSONL, parquet) "
-                    "or data=hf:NAME[:CONFIG[:SPLIT]]"
+                    "HotpotQA needs its questions: --task-option hotpotqa.data=FILE (official JSON, JSONL, "
+                    "parquet) or hotpotqa.data=hf:NAME[:CONFIG[:SPLIT]]"
                 )
             questions = load_questions(str(options["data"]))
         self.questions = list(questions)
