@@ -63,7 +63,7 @@ def _batch_bucket(n: int) -> int:
     return b
 
 
-def _validate(
+def validate_request(
     model: Transformer,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
@@ -191,6 +191,73 @@ def _compiled() -> tuple[Callable, Callable]:
     return prefill, decode
 
 
+@dataclasses.dataclass
+class Stops:
+    """When a row ends: a stop token id (kept as the row's last token) or `should_stop`."""
+
+    ids: tuple[int, ...]
+    should_stop: StopFn | None = None
+
+    @functools.cached_property
+    def array(self) -> jax.Array:
+        slots = max(1, -(-len(self.ids) // _STOP_SLOTS)) * _STOP_SLOTS
+        return jnp.asarray(self.ids + (_NO_STOP,) * (slots - len(self.ids)), jnp.int32)
+
+
+def decode_rows(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    cache: dict[str, jax.Array],
+    logits: jax.Array,
+    positions: Sequence[int],
+    live: Sequence[int],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    stops: Stops,
+    seed: int,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> tuple[dict[int, Generation], dict[str, jax.Array], int]:
+    """Sample up to `max_new_tokens` tokens for the cache rows in `live` from their next-token
+    `logits`; every row's next token goes at `positions[row]`. Rows not in `live` run as filler
+    (their tokens are never read). Returns ({row: Generation}, cache, decode steps taken).
+
+    Every sampled token is fed to the model, so afterwards a live row's cache holds its prompt
+    followed by all of its generated tokens (filler rows and steps after a row ended hold
+    tokens in segment 1 that a cache kept across calls must mask: see `inference/sessions.py`).
+    """
+    batch = logits.shape[0]
+    host_done = np.ones(batch, bool)
+    host_done[list(live)] = False
+    stop_set = set(stops.ids)
+    out: dict[int, list[int]] = {r: [] for r in live}
+    reason = dict.fromkeys(live, "length")
+    chunk = max(1, min(chunk_size, bucket(max_new_tokens)))
+    _, decode = _compiled()
+    base_key, temp, tp = jax.random.key(seed), jnp.float32(temperature), jnp.float32(top_p)
+    cur_pos = jnp.asarray(positions, jnp.int32)
+    steps = 0
+    while steps < max_new_tokens and not host_done.all():
+        n, cache, logits, cur_pos, _, new = decode(
+            graphdef, chunk, temperature == 0.0, state, cache, logits, cur_pos, jnp.asarray(host_done),
+            jnp.int32(steps), jnp.int32(max_new_tokens - steps), base_key, temp, tp, stops.array,
+        )  # fmt: skip
+        n, new = int(n), np.asarray(new)
+        for r in live:  # append this chunk's tokens; a stop token ends the row (and is kept)
+            if host_done[r]:
+                continue
+            for t in new[r, :n].tolist():
+                out[r].append(t)
+                if t in stop_set:
+                    host_done[r], reason[r] = True, "stop"
+                    break
+            if not host_done[r] and stops.should_stop is not None and stops.should_stop(r, out[r]):
+                host_done[r], reason[r] = True, "stop"
+        steps += n
+    return {r: Generation(out[r], reason[r]) for r in live}, cache, steps
+
+
 def generate(
     model: Transformer,
     prompts: Sequence[Sequence[int]],
@@ -209,76 +276,39 @@ def generate(
     stop_token_ids: ids that end a row (kept as its last token); None = the model config's
       eos ids, () = never stop early.
     should_stop: checked on each live row between decode chunks (text-level stops).
-    timings: if given, filled with prefill_s / decode_s wall time and decode_steps (tokens
-      sampled per row, the first one included).
+    timings: if given, filled with prefill_s / decode_s wall time, decode_steps (tokens
+      sampled per row, the first one included) and prefill_tokens (real prompt tokens).
     """
-    _validate(model, prompts, max_new_tokens, temperature, top_p)
+    validate_request(model, prompts, max_new_tokens, temperature, top_p)
     n_rows = len(prompts)
     if max_new_tokens == 0:
         return [Generation([], "length") for _ in range(n_rows)]
     cfg = model.cfg
-    stops = tuple(cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
-    stop_set = set(stops)
-    slots = max(1, -(-len(stops) // _STOP_SLOTS)) * _STOP_SLOTS
-    stop_arr = jnp.asarray(stops + (_NO_STOP,) * (slots - len(stops)), jnp.int32)
+    stops = Stops(tuple(cfg.eos_token_ids if stop_token_ids is None else stop_token_ids), should_stop)
     batch = _batch_bucket(n_rows)
     plen = bucket(max(len(p) for p in prompts))
     new_len = bucket(max_new_tokens)
-    chunk = max(1, min(chunk_size, new_len))
     ids, pos, seg = left_pad(prompts, plen, batch, cfg.pad_token_id or 0)
-    host_done = np.arange(batch) >= n_rows  # filler rows start finished
     graphdef, state = nnx.split(model)
-    prefill, decode = _compiled()
-    base_key = jax.random.key(seed)
-    temp = jnp.float32(temperature)
-    tp = jnp.float32(top_p)
-
-    out: list[list[int]] = [[] for _ in range(n_rows)]
-    reason = ["length"] * n_rows
-
-    def take(new: np.ndarray, count: int) -> None:
-        """Append `count` new tokens per live row; a stop token ends the row (and is kept)."""
-        for r in range(n_rows):
-            if host_done[r]:
-                continue
-            for t in new[r, :count].tolist():
-                out[r].append(t)
-                if t in stop_set:
-                    host_done[r], reason[r] = True, "stop"
-                    break
-            if not host_done[r] and should_stop is not None and should_stop(r, out[r]):
-                host_done[r], reason[r] = True, "stop"
+    prefill, _ = _compiled()
 
     t0 = time.perf_counter()
     logits, cache = prefill(graphdef, plen + new_len, state, ids, pos, seg)
     logits.block_until_ready()
     t1 = time.perf_counter()
-    greedy = temperature == 0.0
-    steps = 0
-    cur_pos = jnp.asarray([len(p) for p in prompts] + [1] * (batch - n_rows), jnp.int32)
-    while steps < max_new_tokens and not host_done.all():
-        n, cache, logits, cur_pos, _, new = decode(
-            graphdef,
-            chunk,
-            greedy,
-            state,
-            cache,
-            logits,
-            cur_pos,
-            jnp.asarray(host_done),
-            jnp.int32(steps),
-            jnp.int32(max_new_tokens - steps),
-            base_key,
-            temp,
-            tp,
-            stop_arr,
-        )
-        n = int(n)
-        take(np.asarray(new), n)
-        steps += n
+    positions = [len(p) for p in prompts] + [1] * (batch - n_rows)
+    gens, _, steps = decode_rows(
+        graphdef, state, cache, logits, positions, range(n_rows), max_new_tokens=max_new_tokens,
+        temperature=temperature, top_p=top_p, stops=stops, seed=seed, chunk_size=chunk_size,
+    )  # fmt: skip
     if timings is not None:
-        timings.update(prefill_s=t1 - t0, decode_s=time.perf_counter() - t1, decode_steps=steps)
-    return [Generation(out[r], reason[r]) for r in range(n_rows)]
+        timings.update(
+            prefill_s=t1 - t0,
+            decode_s=time.perf_counter() - t1,
+            decode_steps=steps,
+            prefill_tokens=sum(len(p) for p in prompts),
+        )
+    return [gens[r] for r in range(n_rows)]
 
 
 def generate_ids(

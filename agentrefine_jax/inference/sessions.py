@@ -1,0 +1,263 @@
+"""KV-cache reuse across the turns of many conversations (agent episodes) decoded together.
+
+An agent's prompt at turn t+1 is its prompt at turn t, its reply and the new observation: with
+`engine.generate` every turn prefills the whole history again. `SessionCache` keeps one cache
+row per conversation ("slot") between calls and prefills only the tokens after the longest
+common prefix with what that row already holds; a history that changed earlier (truncated,
+re-rendered) simply shares a shorter prefix, and the rest of the row is masked out.
+
+Layout. The cache has one write index shared by all rows (the model's cache format). Each call
+appends one block of columns, every row's new tokens right-aligned in it (segment 0 elsewhere),
+then the decode steps append one column each. A row's tokens therefore sit in increasing but
+not contiguous columns; every other column of the row has segment 0, which no real query
+attends (`attention_mask`: equal segments and causal positions), and positions are the row's own
+token positions, so a row computes what it would compute alone. Columns of tokens that are no
+longer part of a row (after the common prefix, an evicted conversation's, filler of rows that
+sat out a call, decode steps after a row ended) are set to segment 0 before each call attends.
+When the columns run out the cache grows to the next power of two (one compile per size); at
+`max_columns` every row starts over (fresh prefills).
+
+Slots are assigned per conversation key; a key seen for the first time takes a free slot, or
+the least recently used one not in the current call ("continuous batching": a finished
+episode's slot goes to the next episode at once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from agentrefine_jax.inference.engine import (
+    PREFILL_BLOCK,
+    Generation,
+    StopFn,
+    Stops,
+    bucket,
+    decode_rows,
+    validate_request,
+)
+from agentrefine_jax.models.llama import Transformer, init_cache
+
+
+@dataclasses.dataclass
+class _Slot:
+    key: Hashable | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)  # the row's tokens, in order
+    columns: list[int] = dataclasses.field(default_factory=list)  # cache column of each token
+    last_used: int = -1
+
+
+def _extend(
+    graphdef: nnx.GraphDef, state: nnx.State, cache: dict, ids: jax.Array, pos: jax.Array, seg: jax.Array
+) -> tuple[jax.Array, dict]:
+    """Append a block of tokens to the cache; next-token logits of each row's last column."""
+    model = nnx.merge(graphdef, state)
+    if ids.shape[1] > PREFILL_BLOCK and not model.cfg.attention_block_size:
+        model.cfg = dataclasses.replace(model.cfg, attention_block_size=PREFILL_BLOCK)
+    hidden, cache = model.forward(ids, pos, seg, cache)
+    return model.logits(hidden[:, -1:])[:, 0], cache
+
+
+def _keep(cache: dict, keep: jax.Array) -> dict:
+    """Segment 0 (never attended) for every column where `keep` is False."""
+    return {**cache, "segment_ids": jnp.where(keep, cache["segment_ids"], 0)}
+
+
+def _grow(cache: dict, columns: int) -> dict:
+    def pad(a: jax.Array, axis: int) -> jax.Array:
+        widths = [(0, 0)] * a.ndim
+        widths[axis] = (0, columns - a.shape[axis])
+        return jnp.pad(a, widths)
+
+    return {
+        "k": pad(cache["k"], 2),
+        "v": pad(cache["v"], 2),
+        "segment_ids": pad(cache["segment_ids"], 1),
+        "positions": pad(cache["positions"], 1),
+        "index": cache["index"],
+    }
+
+
+@functools.cache
+def _programs() -> tuple:
+    return (
+        jax.jit(_extend, static_argnums=0),
+        jax.jit(_keep),
+        jax.jit(_grow, static_argnums=1),
+    )
+
+
+class SessionCache:
+    """Generation for keyed conversations that keeps each one's KV cache between calls.
+
+    `slots`: conversations held at once (the cache's batch); more requests in one call are
+    served `slots` at a time. `max_columns`: cache length at which every row starts over
+    (default: 4x the model's context). `stats` counts prefilled tokens (real ones) and resets.
+    """
+
+    def __init__(self, model: Transformer, slots: int = 8, *, max_columns: int | None = None):
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.model = model
+        self.graphdef, self.state = nnx.split(model)
+        self.slots = [_Slot() for _ in range(slots)]
+        self.max_columns = max_columns or 4 * model.cfg.max_position_embeddings
+        self.cache: dict | None = None
+        self.index = 0  # host copy of cache["index"]
+        self.calls = 0
+        self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "resets": 0}
+
+    # ------------------------------------------------------------------ API
+
+    def generate(
+        self,
+        keys: Sequence[Hashable],
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int = 0,
+        should_stop: StopFn | None = None,
+    ) -> list[Generation]:
+        """Like `engine.generate`, for the conversations named by `keys` (distinct)."""
+        if len(keys) != len(prompts) or len(set(keys)) != len(keys):
+            raise ValueError("generate needs one distinct key per prompt")
+        validate_request(self.model, prompts, max_new_tokens, temperature, top_p)
+        if max_new_tokens == 0:
+            return [Generation([], "length") for _ in prompts]
+        cfg = self.model.cfg
+        stops_ids = tuple(cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        out: list[Generation] = []
+        n = len(self.slots)
+        for lo in range(0, len(prompts), n):
+            part = list(range(lo, min(lo + n, len(prompts))))
+            row_to_req: dict[int, int] = {}  # cache row -> index into `prompts` (filled by _call)
+
+            def stop_fn(row: int, ids: list[int], m: dict[int, int] = row_to_req) -> bool:
+                return should_stop(m[row], ids)  # type: ignore[misc]
+
+            stops = Stops(stops_ids, stop_fn if should_stop is not None else None)
+            out += self._call(
+                [keys[i] for i in part], [list(prompts[i]) for i in part], part, row_to_req,
+                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stops=stops, seed=seed,
+            )  # fmt: skip
+        return out
+
+    def forget(self, key: Hashable) -> None:
+        """Free the slot of a finished conversation (its columns are masked on the next call)."""
+        for slot in self.slots:
+            if slot.key == key:
+                slot.key, slot.tokens, slot.columns, slot.last_used = None, [], [], -1
+
+    # ------------------------------------------------------------------ one batch
+
+    def _assign(self, keys: Sequence[Hashable]) -> list[int]:
+        by_key = {s.key: i for i, s in enumerate(self.slots) if s.key is not None}
+        taken = {by_key[k] for k in keys if k in by_key}
+        rows = []
+        for k in keys:
+            if k in by_key:
+                rows.append(by_key[k])
+                continue
+            free = [i for i, s in enumerate(self.slots) if i not in taken]
+            i = min(free, key=lambda j: (self.slots[j].key is not None, self.slots[j].last_used))
+            self.slots[i] = _Slot(key=k)
+            taken.add(i)
+            rows.append(i)
+        return rows
+
+    def _reset(self) -> None:
+        for slot in self.slots:
+            slot.tokens, slot.columns = [], []
+        self.cache, self.index = None, 0
+        self.stats["resets"] += 1
+
+    def _call(
+        self,
+        keys: list[Hashable],
+        prompts: list[list[int]],
+        req_ids: list[int],
+        row_to_req: dict[int, int],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        stops: Stops,
+        seed: int,
+    ) -> list[Generation]:
+        extend, keep, grow = _programs()
+        self.calls += 1
+        rows = self._assign(keys)
+        row_to_req.update({r: q for r, q in zip(rows, req_ids, strict=True)})
+        for _ in range(2):  # at most one reset: a fresh cache always has room
+            suffixes = []
+            for r, prompt in zip(rows, prompts, strict=True):
+                slot = self.slots[r]
+                common = _common_prefix(slot.tokens, prompt)
+                common = min(common, len(prompt) - 1)  # feed at least one token for its logits
+                del slot.tokens[common:], slot.columns[common:]
+                suffixes.append(prompt[common:])
+            width = bucket(max(len(s) for s in suffixes))
+            need = self.index + width + bucket(max_new_tokens)
+            if need <= self.max_columns:
+                break
+            self._reset()
+        size = 256
+        while size < need:  # powers of two: one compile per size the cache reaches
+            size *= 2
+        if self.cache is None:
+            self.cache = init_cache(self.model.cfg, len(self.slots), size)
+        elif self.cache["segment_ids"].shape[1] < size:
+            self.cache = grow(self.cache, size)
+        # Mask what no row holds any more before anything attends: columns after a common
+        # prefix, an evicted conversation's, and filler written by the previous call's decode.
+        self.cache = keep(self.cache, jnp.asarray(self._live_columns()))
+        start = self.index
+        b = len(self.slots)
+        ids = np.zeros((b, width), np.int32)
+        pos = np.zeros((b, width), np.int32)
+        seg = np.zeros((b, width), np.int32)
+        for r, suffix in zip(rows, suffixes, strict=True):
+            slot, k = self.slots[r], len(suffix)
+            ids[r, width - k :] = suffix
+            pos[r, width - k :] = np.arange(len(slot.tokens), len(slot.tokens) + k)
+            seg[r, width - k :] = 1
+            slot.tokens += suffix
+            slot.columns += range(start + width - k, start + width)
+            slot.last_used = self.calls
+            self.stats["prefill_tokens"] += k
+            self.stats["reused_tokens"] += len(slot.tokens) - k
+        logits, self.cache = extend(self.graphdef, self.state, self.cache, ids, pos, seg)
+        positions = [len(s.tokens) for s in self.slots]
+        gens, self.cache, steps = decode_rows(
+            self.graphdef, self.state, self.cache, logits, positions, rows, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_p=top_p, stops=stops, seed=seed,
+        )  # fmt: skip
+        self.index = start + width + steps
+        for r in rows:  # every sampled token was fed: the row now holds prompt + reply
+            tokens = gens[r].tokens
+            self.slots[r].tokens += tokens
+            self.slots[r].columns += range(start + width, start + width + len(tokens))
+        return [gens[r] for r in rows]
+
+    def _live_columns(self) -> np.ndarray:
+        live = np.zeros(self.cache["segment_ids"].shape, bool)
+        for r, slot in enumerate(self.slots):
+            live[r, slot.columns] = True
+        return live
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

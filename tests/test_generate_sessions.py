@@ -1,0 +1,72 @@
+"""KV-cache reuse across turns (inference/sessions.py): greedy replies equal fresh prefills of the
+same prompts, turn after turn, while only the tokens after the common prefix are prefilled; a
+history rewritten earlier (truncation), eviction by a new conversation and more conversations
+than slots all keep the equality."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hf_fixtures import make_checkpoint
+
+from agentrefine_jax.hf.io import load_hf_model
+from agentrefine_jax.inference.engine import generate
+from agentrefine_jax.inference.sessions import SessionCache
+
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_hf_model(make_checkpoint(tmp_path_factory.mktemp("hf"), "llama", seed=3), dtype="float32")[1]
+
+
+def _turns(model, sessions: SessionCache, keys: list[str], prompts: dict[str, list[int]], rng, turns: int):
+    """Play `turns` agent turns for `keys`: reply, then append reply + a fresh 'observation'."""
+    vocab = model.cfg.vocab_size
+    fresh_tokens = 0
+    for _ in range(turns):
+        batch = [prompts[k] for k in keys]
+        fresh = generate(model, batch, max_new_tokens=NEW, stop_token_ids=())
+        reused = sessions.generate(keys, batch, max_new_tokens=NEW, stop_token_ids=())
+        assert [g.tokens for g in reused] == [g.tokens for g in fresh]
+        fresh_tokens += sum(len(p) for p in batch)
+        for k, g in zip(keys, fresh, strict=True):
+            prompts[k] = prompts[k] + g.tokens + rng.integers(1, vocab, int(rng.integers(3, 20))).tolist()
+    return fresh_tokens
+
+
+def test_greedy_replies_equal_fresh_prefills_and_prefill_only_new_tokens(model) -> None:
+    rng = np.random.default_rng(0)
+    vocab = model.cfg.vocab_size
+    sessions = SessionCache(model, slots=4)
+    prompts = {k: rng.integers(1, vocab, int(rng.integers(20, 60))).tolist() for k in "abc"}
+    fresh_tokens = _turns(model, sessions, list("abc"), prompts, rng, turns=3)
+    # Turn 1 prefills the prompts; later turns only the reply tail and the observation.
+    assert sessions.stats["prefill_tokens"] < fresh_tokens / 2
+    assert sessions.stats["reused_tokens"] > 0 and sessions.stats["resets"] == 0
+
+    # A history rewritten near its start (AgentBoard-style truncation) shares a short prefix only.
+    prompts["a"] = prompts["a"][:5] + prompts["a"][25:]
+    before = sessions.stats["prefill_tokens"]
+    _turns(model, sessions, ["a", "b"], prompts, rng, turns=1)
+    assert sessions.stats["prefill_tokens"] - before >= len(prompts["a"]) - 5 - 40  # 'a' re-prefilled
+
+    # More conversations than slots: served 4 at a time, new keys evict the least recently used.
+    prompts.update({k: rng.integers(1, vocab, int(rng.integers(10, 30))).tolist() for k in "defgh"})
+    _turns(model, sessions, list("cdefgh"), prompts, rng, turns=2)
+
+
+def test_cache_grows_and_restarts_at_its_limit(model) -> None:
+    rng = np.random.default_rng(1)
+    vocab = model.cfg.vocab_size
+    sessions = SessionCache(model, slots=2, max_columns=256)
+    prompts = {k: rng.integers(1, vocab, 100).tolist() for k in "xy"}
+    _turns(model, sessions, ["x", "y"], prompts, rng, turns=5)
+    assert sessions.stats["resets"] >= 1
+
+
+def test_bad_keys_are_refused(model) -> None:
+    sessions = SessionCache(model, slots=2)
+    with pytest.raises(ValueError, match="distinct key"):
+        sessions.generate(["a", "a"], [[1, 2], [3, 4]], max_new_tokens=2)
