@@ -310,24 +310,13 @@ def run_agentboard(args: argparse.Namespace) -> int:
         _write(args.out, doc, sum(len(r["result"]["episodes"]) for r in doc["checkpoints"]))
         return 0
     model = None
-    if args.checkpoint:
-        model = ab.checkpoint_model(args.checkpoint, args.template, args.context_length)
-    elif args.base_url:
-        if not args.model:
-            raise ValueError("--base-url needs --model")
-        if not args.template or not args.context_length:
-            raise ValueError(
-                "the agentboard source with --base-url needs --template (llama3|mistral) and "
-                "--context-length: history is truncated on the templated prompt's token count"
-            )
-        model = ab.endpoint_model(
-            args.base_url,
-            args.model,
-            args.template,
-            args.context_length,
-            args.api_key_env,
-            args.request_timeout,
-        )
+    if not args.policy:
+        actor = make_policy(args)
+        try:
+            model = ab.template_model(actor, args.template, args.context_length)
+        except ValueError:
+            actor.close()
+            raise
     try:
         doc = ab.run(checkout, config, model=model, policy=args.policy, log=log)
     finally:

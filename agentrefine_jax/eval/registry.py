@@ -196,44 +196,38 @@ def _lazy(module: str, cls: str, agentboard: bool = False) -> Callable[..., Any]
 
 
 def _register_builtins() -> None:
-    w = AGENTBOARD_EPISODES
-    register_task(
-        "alfworld",
-        display_name="ALFWorld",
-        agentboard=_lazy("agentboard.tasks.alfworld", "ALFWorldTask", True),
-    )
-    register_task(
-        "babyai",
-        _lazy("envs.babyai", "BabyAITask"),
-        display_name="BabyAI",
-        weight=w["babyai"],
-        agentboard=_lazy("agentboard.tasks.babyai", "BabyAITask", True),
-    )
-    register_task(
-        "sciworld",
-        _lazy("envs.sciworld", "SciWorldTask"),
-        display_name="SciWorld",
-        weight=w["sciworld"],
-        agentboard=_lazy("agentboard.tasks.sciworld", "SciWorldTask", True),
-        aliases=("scienceworld",),
-    )
-    register_task(
-        "pddl",
-        _lazy("envs.pddl", "PDDLTask"),
-        display_name="PDDL",
-        weight=w["pddl"],
-        agentboard=_lazy("agentboard.tasks.pddl", "PddlTask", True),
-    )
-    register_task(
-        "jericho",
-        _lazy("envs.textworld", "TextWorldTask"),
-        display_name="Jericho",
-        weight=w["jericho"],
-        agentboard=_lazy("agentboard.tasks.jericho", "JerichoTask", True),
-        aliases=(JERICHO_STAND_IN,),
-        builtin_name=JERICHO_STAND_IN,
-        builtin_display="TextWorld",
-    )
+    # name, display name, built-in class (envs/), AgentBoard class (agentboard/tasks/) and extra settings.
+    for name, display, builtin, agentboard, extra in (
+        ("alfworld", "ALFWorld", None, "alfworld.ALFWorldTask", {}),
+        ("babyai", "BabyAI", "envs.babyai.BabyAITask", "babyai.BabyAITask", {}),
+        (
+            "sciworld",
+            "SciWorld",
+            "envs.sciworld.SciWorldTask",
+            "sciworld.SciWorldTask",
+            {"aliases": ("scienceworld",)},
+        ),
+        ("pddl", "PDDL", "envs.pddl.PDDLTask", "pddl.PddlTask", {}),
+        (
+            "jericho",
+            "Jericho",
+            "envs.textworld.TextWorldTask",
+            "jericho.JerichoTask",
+            {
+                "aliases": (JERICHO_STAND_IN,),
+                "builtin_name": JERICHO_STAND_IN,
+                "builtin_display": "TextWorld",
+            },
+        ),
+    ):
+        register_task(
+            name,
+            _lazy(*builtin.rsplit(".", 1)) if builtin else None,
+            display_name=display,
+            weight=AGENTBOARD_EPISODES[name] if name in HELD_OUT_TASKS else None,
+            agentboard=_lazy(*f"agentboard.tasks.{agentboard}".rsplit(".", 1), agentboard=True),
+            **extra,
+        )
     # Figure 8 (reported on its own, not in the held-out average): EM as success, F1 as progress.
     register_task(
         "hotpotqa", _lazy("hotpotqa", "HotpotQATask"), display_name="HotpotQA", metric_names=("EM", "F1")

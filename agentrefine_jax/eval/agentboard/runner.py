@@ -37,7 +37,6 @@ from agentrefine_jax.eval.metrics import agentboard_task_metrics as task_metrics
 from agentrefine_jax.eval.policies import (
     ActRequest,
     CheckpointPolicy,
-    OpenAIChatPolicy,
     OraclePolicy,
     RandomPolicy,
     SamplingParams,
@@ -103,20 +102,28 @@ class TemplateModel:
         self.actor.close()
 
 
-def checkpoint_model(path: str, template: str | None, context_length: int | None) -> TemplateModel:
-    actor = CheckpointPolicy(path, SamplingParams(), template=template)
-    ctx = context_length or int(actor.generator.model.cfg.max_position_embeddings)
-    return TemplateModel(actor.name, actor.generator.template, ctx, actor)
-
-
-def endpoint_model(
-    base_url: str, model: str, template: str, context_length: int, api_key_env: str, timeout: float
-) -> TemplateModel:
+def template_model(actor: Any, template: str | None, context_length: int | None) -> TemplateModel:
+    """A model actor under AgentBoard's protocol: a checkpoint counts tokens with its own chat template (its
+    context by default); an endpoint needs the template's name and the context length."""
+    gen = getattr(actor, "generator", None)
+    if gen is not None:
+        ctx = context_length or int(gen.model.cfg.max_position_embeddings)
+        return TemplateModel(actor.name, gen.template, ctx, actor)
     from agentrefine_jax.data.templates import get_template
     from agentrefine_jax.data.tokenizers import load_tokenizer
 
-    actor = OpenAIChatPolicy(base_url, model, SamplingParams(), api_key_env=api_key_env, timeout=timeout)
+    if not template or not context_length:
+        raise ValueError(
+            "the agentboard source with --base-url needs --template (llama3|mistral) and --context-length: "
+            "history is truncated on the templated prompt's token count"
+        )
     return TemplateModel(actor.name, get_template(template, load_tokenizer(template)), context_length, actor)
+
+
+def checkpoint_model(path: str, template: str | None, context_length: int | None) -> TemplateModel:
+    return template_model(
+        CheckpointPolicy(path, SamplingParams(), template=template), template, context_length
+    )
 
 
 # ----------------------------------------------------------------------------------------- logs
