@@ -16,7 +16,7 @@ from agentrefine_jax.synth.convert import convert_file
 from agentrefine_jax.synth.generate import GenerateConfig, run_generate
 from agentrefine_jax.synth.llm import LLMSettings
 from agentrefine_jax.synth.personas import PACKAGED
-from agentrefine_jax.synth.verify import verify_trajectory
+from agentrefine_jax.synth.verify import turn_verdicts, verify_trajectory
 
 
 def _err(msg: str) -> None:
@@ -83,10 +83,11 @@ def cmd_verify(a: argparse.Namespace) -> int:
         return 2
     for n, line in enumerate(lines, start=1):
         result = verify_trajectory(line)
-        rid = None
+        rid, verdicts = None, []
         if result.reason != "invalid_json":
             obj = json.loads(line)
             rid = obj.get("id") if isinstance(obj, dict) else None
+            verdicts = turn_verdicts(obj)
         rows.append(
             {
                 "id": rid,
@@ -95,6 +96,8 @@ def cmd_verify(a: argparse.Namespace) -> int:
                 "reason": result.reason,
                 "detail": result.detail,
                 "line": n,
+                # the judge's per-turn verdicts (analyze judge-agreement compares them with a human's)
+                "turns": verdicts,
             }
         )
         reasons[result.reason] += 1
@@ -170,7 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="Algorithm 1 verdict for every line of a raw JSONL file")
     v.add_argument("--input", required=True)
-    v.add_argument("--out", required=True, help='report JSONL: {"id","ok","verified_turns","reason",...}')
+    v.add_argument(
+        "--out", required=True, help='report JSONL: {"id","ok","verified_turns","reason",...,"turns"}'
+    )
     v.set_defaults(func=cmd_verify)
 
     c = sub.add_parser("convert", help="verified raw trajectories -> canonical chat training JSONL")

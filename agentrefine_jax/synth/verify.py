@@ -179,3 +179,27 @@ def verify_trajectory(obj_or_text: dict[str, Any] | str | bytes) -> VerifyResult
                     False, i, NO_ERROR, "no DM turn flags an error: nothing to learn refinement from"
                 )
     return VerifyResult(True, len(turns), OK, f"{len(turns)} turns, {error_count} flagged error(s)")
+
+
+def turn_verdicts(obj: Any) -> list[dict[str, Any]]:
+    """The judge's verdict on every player turn: `{"turn": i, "needs_refinement": bool}`.
+
+    The DM (the synthesis LLM) judges a player's action by flagging its reply as an error; that
+    flag is the turn's verdict (the paper's Figure 10 compares it with a human's). `i` indexes the
+    raw `turns` list. A player turn without a well-formed DM reply after it has no verdict.
+    """
+    if not isinstance(obj, dict) or not isinstance(obj.get("turns"), list):
+        return []
+    turns = obj["turns"]
+    out = []
+    for i, turn in enumerate(turns[:-1]):
+        nxt = turns[i + 1]
+        if (
+            isinstance(turn, dict)
+            and turn.get("role") == PLAYER
+            and isinstance(nxt, dict)
+            and nxt.get("role") == DM
+            and isinstance(nxt.get("error"), bool)
+        ):
+            out.append({"turn": i, "needs_refinement": nxt["error"]})
+    return out

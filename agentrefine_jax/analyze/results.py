@@ -1,0 +1,237 @@
+"""The one reader of `eval` result JSONs: every layout the eval stage writes becomes a `RunResult`.
+
+`analyze report` and its tables and figures see only `RunResult`; when the eval stage's JSON
+changes, this module is the one place that follows it (the schema is documented in docs/eval.md).
+Rates are fractions in [0, 1], as in the files.
+
+Layouts read:
+
+* our built-in tasks (`python -m agentrefine_jax.eval --policy/--checkpoint/--base-url ...`):
+  `{"policy", "config", "variants": {"original": {"tasks": {...}, "held_out_average"}, "perturbation_k"},
+  "perturbation_summary", "episodes"}`;
+* AgentBoard's protocol (`--protocol agentboard`): `{"protocol": "agentboard", "agent", "tasks",
+  "held_out", "perturbation": {"alfworld": {"variants", ...}}}`, and `--all-checkpoints`'s
+  `{"checkpoints": [...], "best_step"}` (the best checkpoint's result is read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+# The run settings the report groups and plots by (Table 2's ablations, Figure 11's sweeps).
+RUN_KEYS = ("data.loss_on", "data.drop_refinement_data", "data.general_ratio", "data.train_size")
+
+
+class ResultError(ValueError):
+    """A file that is not an eval result (or not one this reader knows): one line for the CLI."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Score:
+    """One task's rates (fractions); None when the run did not measure it."""
+
+    success: float | None
+    progress: float | None
+    episodes: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class QAScore:
+    """HotpotQA-style exact match and token F1 (fractions)."""
+
+    em: float
+    f1: float
+    questions: int | None = None
+
+
+@dataclasses.dataclass
+class RunResult:
+    path: str
+    label: str
+    agent: str  # who acted, as the file names it (policy, endpoint model, checkpoint)
+    protocol: str  # "builtin" | "agentboard"
+    # The headline single-sample scores per task (greedy, or the first sample of a Best-of-N run).
+    tasks: dict[str, Score]
+    single_kind: str = "greedy"  # "greedy" | "first sample"
+    held_out: Score | None = None
+    held_out_note: str = ""
+    best_of: int = 1
+    best_of_tasks: dict[str, Score] = dataclasses.field(default_factory=dict)
+    # task -> [original, perturbation 1, ..., perturbation k]
+    perturbations: dict[str, list[Score]] = dataclasses.field(default_factory=dict)
+    qa: dict[str, QAScore] = dataclasses.field(default_factory=dict)
+    # Training settings of the evaluated checkpoint (flat "data.general_ratio" keys), when known.
+    run_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _num(value: Any) -> float | None:
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return None if math.isnan(float(value)) else float(value)
+
+
+def _score(m: Mapping[str, Any], prefix: str = "") -> Score:
+    eps = m.get("episodes")
+    return Score(
+        _num(m.get(prefix + "success_rate")),
+        _num(m.get(prefix + "progress_rate")),
+        eps if isinstance(eps, int) else None,
+    )
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _run_config(doc: Mapping[str, Any], agent: str) -> dict[str, Any]:
+    """The evaluated checkpoint's training settings: from the file when it records them, else from
+    the run directory the checkpoint path names (its config.json), when it is still there."""
+    for key in ("run_config", "train_config"):
+        if isinstance(doc.get(key), Mapping):
+            return _flatten(doc[key])
+    if isinstance(doc.get("checkpoint"), Mapping) and isinstance(doc["checkpoint"].get("config"), Mapping):
+        return _flatten(doc["checkpoint"]["config"])
+    if not agent.startswith("checkpoint:"):
+        return {}
+    path = pathlib.Path(agent.split(":", 1)[1])
+    for candidate in (path, *path.parents[:3]):
+        cfg = candidate / "config.json"
+        if cfg.is_file():
+            try:
+                return _flatten(json.loads(cfg.read_text(encoding="utf-8")))
+            except (OSError, json.JSONDecodeError):
+                return {}
+    return {}
+
+
+def _read_builtin(doc: Mapping[str, Any], path: str, label: str) -> RunResult:
+    variants = doc["variants"]
+    if not isinstance(variants, Mapping) or "original" not in variants:
+        raise ResultError(f"{path}: eval result without an 'original' variant")
+    original = variants["original"]
+    best_of = int(doc.get("config", {}).get("best_of", 1) or 1)
+    headline = {t: _score(m) for t, m in original["tasks"].items()}
+    agent = str(doc.get("policy", "?"))
+    result = RunResult(path, label, agent, "builtin", headline)
+    if best_of > 1:
+        # Today's eval samples every run of a Best-of-N file; its first sample is the single-sample score.
+        result.best_of = best_of
+        result.best_of_tasks = headline
+        result.tasks = {t: _score(m, "first_sample_") for t, m in original["tasks"].items()}
+        result.single_kind = "first sample"
+    weights = (original.get("held_out_average") or {}).get("weights") or {}
+    if weights:
+        result.held_out = _weighted(result.tasks, weights)
+        result.held_out_note = "paper weights 112/90/60/20 (Jericho's to TextWorld), renormalised"
+    names = sorted((v for v in variants if v != "original"), key=_variant_index)
+    for t in original["tasks"]:
+        if names and all(t in variants[v]["tasks"] for v in names):
+            result.perturbations[t] = [headline[t]] + [_score(variants[v]["tasks"][t]) for v in names]
+    result.run_config = _run_config(doc, agent)
+    return result
+
+
+def _weighted(tasks: Mapping[str, Score], weights: Mapping[str, float]) -> Score:
+    def mean(field: str) -> float | None:
+        values = [(getattr(tasks[t], field), w) for t, w in weights.items() if t in tasks]
+        if not values or any(v is None for v, _ in values):
+            return None
+        return sum(v * w for v, w in values) / sum(w for _, w in values)
+
+    return Score(mean("success"), mean("progress"))
+
+
+def _variant_index(name: str) -> int:
+    tail = name.rsplit("_", 1)[-1]
+    return int(tail) if tail.isdigit() else 10**6
+
+
+def _read_agentboard(doc: Mapping[str, Any], path: str, label: str) -> RunResult:
+    if "checkpoints" in doc:  # --all-checkpoints: the best checkpoint's result
+        best = [r for r in doc["checkpoints"] if r.get("step") == doc.get("best_step")]
+        if not best:
+            raise ResultError(f"{path}: --all-checkpoints result without its best_step's entry")
+        return _read_agentboard(best[0]["result"], path, label)
+    agent = str(doc.get("agent", "?"))
+    result = RunResult(path, label, agent, "agentboard", {t: _score(m) for t, m in doc["tasks"].items()})
+    held = doc.get("held_out") or {}
+    weighted = held.get("episode_weighted_mean")
+    if isinstance(weighted, Mapping):
+        result.held_out = Score(_num(weighted.get("success_rate")), _num(weighted.get("progress_rate")))
+        result.held_out_note = "episode-weighted (112/90/60/20)"
+    for t, p in (doc.get("perturbation") or {}).items():
+        if t in result.tasks:
+            result.perturbations[t] = [result.tasks[t]] + [_score(v) for v in p.get("variants", [])]
+    result.run_config = _run_config(doc, agent)
+    return result
+
+
+def _kind(doc: Any) -> str | None:
+    if not isinstance(doc, Mapping):
+        return None
+    if isinstance(doc.get("variants"), Mapping) and isinstance(doc.get("config"), Mapping):
+        return "builtin"
+    if doc.get("protocol") == "agentboard" and (
+        isinstance(doc.get("tasks"), Mapping) or isinstance(doc.get("checkpoints"), list)
+    ):
+        return "agentboard"
+    return None
+
+
+def read_result(path: str | os.PathLike[str], label: str | None = None) -> RunResult:
+    """Read one eval result file; `label` defaults to the file name without its extension."""
+    path = str(path)
+    label = label or pathlib.Path(path).stem
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise ResultError(f"{path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ResultError(
+            f"{path}: not a JSON document ({e}); expected an eval result (eval --out)"
+        ) from None
+    kind = _kind(doc)
+    if kind is None:
+        keys = sorted(doc)[:8] if isinstance(doc, Mapping) else type(doc).__name__
+        raise ResultError(
+            f"{path}: not an eval result (keys {keys}); expected the JSON `python -m agentrefine_jax.eval "
+            "--out` writes"
+        )
+    try:
+        return _read_builtin(doc, path, label) if kind == "builtin" else _read_agentboard(doc, path, label)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ResultError(
+            f"{path}: eval result with an unexpected layout ({type(e).__name__}: {e})"
+        ) from None
+
+
+def read_results(specs: Sequence[str]) -> list[RunResult]:
+    """`PATH` or `LABEL=PATH` each; labels must be unique (they name the rows)."""
+    out: list[RunResult] = []
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        if not sep or not label or os.path.exists(spec):
+            label, path = "", spec
+        out.append(read_result(path, label or None))
+    seen: dict[str, str] = {}
+    for r in out:
+        if r.label in seen:
+            raise ResultError(
+                f"two results are labelled {r.label!r} ({seen[r.label]}, {r.path}); name them LABEL=PATH"
+            )
+        seen[r.label] = r.path
+    return out
