@@ -20,10 +20,12 @@ import numpy as np
 
 
 def tfidf(texts: Sequence[str]) -> Any:
-    """Sparse [n, vocab] TF-IDF rows (L2-normalised), words of two letters or more, sublinear tf."""
+    """Sparse [n, vocab] TF-IDF rows (L2-normalised): lower-cased words of two letters or more,
+    English stop words left out (shared function words would make every two sources look alike),
+    sublinear tf."""
     from sklearn.feature_extraction.text import TfidfVectorizer
 
-    return TfidfVectorizer(sublinear_tf=True, lowercase=True).fit_transform(texts)
+    return TfidfVectorizer(sublinear_tf=True, stop_words="english").fit_transform(texts)
 
 
 class ModelEmbedder:
