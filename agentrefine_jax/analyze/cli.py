@@ -192,7 +192,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from agentrefine_jax.analyze.report import build_report
     from agentrefine_jax.analyze.results import read_results
 
-    results = read_results(args.results)
+    results = read_results(args.results, args.setting)
     rep = build_report(results, args.out, args.paper_rows)
     print(rep.markdown, end="")
     log.info(f"wrote {', '.join(rep.files)}")
@@ -247,6 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("results", nargs="+", help="eval result JSONs, PATH or LABEL=PATH (LABEL names the row)")
     r.add_argument("--out", required=True, help="output directory (report.md, PNGs)")
     r.add_argument("--paper-rows", action="store_true", help="add the paper's published rows, labelled")
+    r.add_argument(
+        "--setting",
+        action="append",
+        default=[],
+        help="LABEL:KEY=VALUE, a run's training setting when its file does not name its checkpoint "
+        "(e.g. mix20:data.general_ratio=0.2; Table 2 reads data.loss_on / data.drop_refinement_data, "
+        "Figure 11 data.general_ratio / data.train_size)",
+    )
     r.set_defaults(func=cmd_report)
     for command in sub.choices.values():
         logs.add_flags(command)

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # The run settings the report groups and plots by (Table 2's ablations, Figure 11's sweeps).
 RUN_KEYS = ("data.loss_on", "data.drop_refinement_data", "data.general_ratio", "data.train_size")
@@ -98,23 +101,32 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _run_config(doc: Mapping[str, Any], agent: str) -> dict[str, Any]:
     """The evaluated checkpoint's training settings: from the file when it records them, else from
-    the run directory the checkpoint path names (its config.json), when it is still there."""
+    the project checkpoint the agent names (its meta's config), when it is still there."""
     for key in ("run_config", "train_config"):
         if isinstance(doc.get(key), Mapping):
             return _flatten(doc[key])
-    if isinstance(doc.get("checkpoint"), Mapping) and isinstance(doc["checkpoint"].get("config"), Mapping):
-        return _flatten(doc["checkpoint"]["config"])
     if not agent.startswith("checkpoint:"):
         return {}
-    path = pathlib.Path(agent.split(":", 1)[1])
-    for candidate in (path, *path.parents[:3]):
-        cfg = candidate / "config.json"
-        if cfg.is_file():
-            try:
-                return _flatten(json.loads(cfg.read_text(encoding="utf-8")))
-            except (OSError, json.JSONDecodeError):
-                return {}
-    return {}
+    path = agent.split(":", 1)[1]
+    hf_dir = (pathlib.Path(path) / "config.json").is_file() and not _is_run(path)
+    if not os.path.exists(path) or hf_dir:
+        return {}  # moved away, or a Hugging Face directory: no training config to read
+    from agentrefine_jax.checkpoint import read_meta, resolve_checkpoint
+
+    try:
+        root, step = resolve_checkpoint(path)
+        config = read_meta(root, step).get("config")
+    except (FileNotFoundError, ValueError) as e:
+        log.warning(f"{path}: no training config read ({e})")
+        return {}
+    return _flatten(config) if isinstance(config, Mapping) else {}
+
+
+def _is_run(path: str) -> bool:
+    """A training run directory (its config.json is the run's, not a Hugging Face model's)."""
+    from agentrefine_jax.checkpoint import RUN_CHECKPOINTS_SUBDIR
+
+    return (pathlib.Path(path) / RUN_CHECKPOINTS_SUBDIR).is_dir()
 
 
 def _read_builtin(doc: Mapping[str, Any], path: str, label: str) -> RunResult:
@@ -219,8 +231,23 @@ def read_result(path: str | os.PathLike[str], label: str | None = None) -> RunRe
         ) from None
 
 
-def read_results(specs: Sequence[str]) -> list[RunResult]:
-    """`PATH` or `LABEL=PATH` each; labels must be unique (they name the rows)."""
+def parse_setting(spec: str) -> tuple[str, str, Any]:
+    """`LABEL:KEY=VALUE` (e.g. `mix20:data.general_ratio=0.2`); VALUE is read as JSON when it parses."""
+    head, sep, text = spec.partition("=")
+    label, colon, key = head.partition(":")
+    if not sep or not colon or not label or not key:
+        raise ResultError(f"--setting {spec!r}: expected LABEL:KEY=VALUE, e.g. mix20:data.general_ratio=0.2")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = text
+    return label, key, value
+
+
+def read_results(specs: Sequence[str], settings: Sequence[str] = ()) -> list[RunResult]:
+    """`PATH` or `LABEL=PATH` each; labels must be unique (they name the rows). `settings`
+    (`LABEL:KEY=VALUE`) add or override training settings of a run (e.g. one evaluated through an
+    endpoint, whose result file names no checkpoint)."""
     out: list[RunResult] = []
     for spec in specs:
         label, sep, path = spec.partition("=")
@@ -234,4 +261,8 @@ def read_results(specs: Sequence[str]) -> list[RunResult]:
                 f"two results are labelled {r.label!r} ({seen[r.label]}, {r.path}); name them LABEL=PATH"
             )
         seen[r.label] = r.path
+    for label, key, value in map(parse_setting, settings):
+        if label not in seen:
+            raise ResultError(f"--setting for {label!r}: no result has that label ({', '.join(seen)})")
+        next(r for r in out if r.label == label).run_config[key] = value
     return out
