@@ -207,6 +207,46 @@ def test_sweep_and_ablations_from_checkpoint_configs_and_settings(runs, tmp_path
         assert im.size == SIZES["sweep"]
 
 
+def test_agentboard_best_of_n_and_hotpotqa_results(tmp_path, capsys):
+    """AgentBoard's source (greedy, Best-of-3 and Δ recorded by eval) and HotpotQA's EM/F1 (Figure 8)."""
+    from agentboard_fixture import make_checkout
+
+    checkout = make_checkout(tmp_path / "AgentBoard")
+    ab, hq = tmp_path / "ab.json", tmp_path / "hq.json"
+    argv = ["--agentboard-dir", str(checkout), "--tasks", "pddl", "--policy", "random", "--episodes", "3"]
+    assert (
+        eval_main(
+            [*argv, "--best-of", "3", "--temperature", "1.0", "--name", "ab-random", "--out", str(ab), "-q"]
+        )
+        == 0
+    )
+    fixture = pathlib.Path(__file__).parent / "data" / "hotpotqa_fixture.json"
+    argv = ["--tasks", "hotpotqa", "--task-option", f"hotpotqa.data={fixture}", "--policy", "oracle"]
+    assert eval_main([*argv, "--episodes", "6", "--out", str(hq), "-q"]) == 0
+    capsys.readouterr()
+    assert main(["report", str(ab), str(hq), "--out", str(tmp_path / "rep"), "-q"]) == 0
+    t = tables(capsys.readouterr().out)
+    doc = json.loads(ab.read_text())
+    bon = doc["best_of"]["tasks"]["pddl"]
+    t4 = t["Table 4: single sample vs Best-of-N"]
+    assert t4["model"] == ["PDDL"]  # the label is the run's --name
+    assert t4["ab-random greedy"] == [sp(bon["greedy"]["success_rate"], bon["greedy"]["progress_rate"])]
+    assert t4["ab-random Best-of-3"] == [sp(bon["best_of"]["success_rate"], bon["best_of"]["progress_rate"])]
+    assert t4["ab-random Δ"] == [sp(bon["delta"]["success_rate"], bon["delta"]["progress_rate"])]
+    pddl = doc["tasks"]["pddl"]
+    assert t["Table 1: success / progress per task"]["ab-random"] == [
+        sp(pddl["success_rate"], pddl["progress_rate"]),
+        "–",
+    ]
+    metrics = json.loads(hq.read_text())["variants"]["original"]["tasks"]["hotpotqa"]
+    assert t["Figure 8: HotpotQA exact match / F1 (%)"]["hq"] == [
+        pct(metrics["success_rate"]),
+        pct(metrics["progress_rate"]),
+    ]
+    assert t["Figure 8: HotpotQA exact match / F1 (%)"]["hq"] == ["100.0", "100.0"]  # the oracle
+    assert "hq" not in t["Table 1: success / progress per task"]
+
+
 def test_bad_inputs_are_one_line_and_exit_2(runs, tmp_path, capsys):
     verify_report = tmp_path / "verify.jsonl"
     verify_report.write_text('{"id": "a", "ok": true, "turns": []}\n{"id": "b", "ok": false, "turns": []}\n')

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
-# The paper's task columns, in its order.
-TASKS = ("alfworld", "babyai", "sciworld", "pddl", "jericho")
-# Held-out score weights (§4.1 / Table 6: test items per task); ALFWorld is held-in for the baselines.
-HELD_OUT_WEIGHTS = {"babyai": 112, "sciworld": 90, "pddl": 60, "jericho": 20}
+from agentrefine_jax.eval import registry
+
+# The paper's task columns, in its order (the registry owns the tasks and their problem counts).
+TASKS = tuple(registry.AGENTBOARD_EPISODES)
 SOURCE = "Fu et al., AgentRefine (ICLR 2025, arXiv 2501.01702)"
 
 

@@ -44,8 +44,8 @@ def build_report(results: Sequence[RunResult], out_dir: str | pathlib.Path, incl
             else ""
         )
     )
-    sections += ["", "## Table 1: success / progress per task", "", tables.table1(results, include_paper)]
     optional = (
+        ("## Table 1: success / progress per task", tables.table1(results, include_paper)),
         ("## Table 2: ablations", tables.table2(results, include_paper)),
         (
             "## Table 3: perturbations (average and std over the original and every perturbation, "
@@ -60,17 +60,19 @@ def build_report(results: Sequence[RunResult], out_dir: str | pathlib.Path, incl
         if body:
             sections += ["", title, "", body]
 
-    bars = out / "figure1_progress.png"
-    task_cols = tables.task_columns(results)
-    figures.grouped_bars(
-        bars,
-        [tables.display(t) for t in task_cols],
-        {r.label: [r.tasks[t].progress if t in r.tasks else None for t in task_cols] for r in results},
-        "progress rate (%)",
-        "Figure 1: progress per task",
-    )
-    files.append(str(bars))
-    sections += ["", "## Figure 1: progress per task", "", f"![Figure 1]({bars.name})"]
+    with_tasks = [r for r in results if r.tasks]
+    if with_tasks:
+        bars = out / "figure1_progress.png"
+        task_cols = tables.task_columns(with_tasks)
+        figures.grouped_bars(
+            bars,
+            [tables.display(t) for t in task_cols],
+            {r.label: [r.tasks[t].progress if t in r.tasks else None for t in task_cols] for r in with_tasks},
+            "progress rate (%)",
+            "Figure 1: progress per task",
+        )
+        files.append(str(bars))
+        sections += ["", "## Figure 1: progress per task", "", f"![Figure 1]({bars.name})"]
     for key in SWEEP_KEYS:
         points = sweep_points(results, key)
         if len({p[0] for p in points}) < 2:

@@ -1,17 +1,16 @@
 """The one reader of `eval` result JSONs: every layout the eval stage writes becomes a `RunResult`.
 
 `analyze report` and its tables and figures see only `RunResult`; when the eval stage's JSON
-changes, this module is the one place that follows it (the schema is documented in docs/eval.md).
-Rates are fractions in [0, 1], as in the files.
+changes, this module is the one place that follows it. The layout is docs/eval.md's "Results JSON"
+(schema `agentrefine_jax.eval/1`, `source` builtin | agentboard); files written before the schema
+field existed are read too. Rates are fractions in [0, 1], as in the files.
 
-Layouts read:
-
-* our built-in tasks (`python -m agentrefine_jax.eval --policy/--checkpoint/--base-url ...`):
-  `{"policy", "config", "variants": {"original": {"tasks": {...}, "held_out_average"}, "perturbation_k"},
-  "perturbation_summary", "episodes"}`;
-* AgentBoard's protocol (`--protocol agentboard`): `{"protocol": "agentboard", "agent", "tasks",
-  "held_out", "perturbation": {"alfworld": {"variants", ...}}}`, and `--all-checkpoints`'s
-  `{"checkpoints": [...], "best_step"}` (the best checkpoint's result is read).
+* built-in source: `variants.original.tasks.<task>` (Best-of-N rates when `config.best_of > 1`, the
+  first sample's beside them), `variants.perturbation_k`, `held_out_average.weights`;
+* AgentBoard source: `tasks.<task>` (the greedy run), `held_out.episode_weighted_mean`,
+  `best_of.tasks.<task>.{greedy, best_of}` (Table 4), `perturbation.alfworld.variants` (Table 3), and
+  `--all-checkpoints`'s `{checkpoints, best_step}` (the best checkpoint's result is read);
+* tasks scored by exact match / F1 (HotpotQA: EM as success, F1 as progress) go to `qa`, not `tasks`.
 """
 
 from __future__ import annotations
@@ -68,7 +67,9 @@ class RunResult:
     best_of_tasks: dict[str, Score] = dataclasses.field(default_factory=dict)
     # task -> [original, perturbation 1, ..., perturbation k]
     perturbations: dict[str, list[Score]] = dataclasses.field(default_factory=dict)
+    # tasks scored by exact match / F1 (HotpotQA): single-sample, and Best-of-N when best_of > 1
     qa: dict[str, QAScore] = dataclasses.field(default_factory=dict)
+    qa_best_of: dict[str, QAScore] = dataclasses.field(default_factory=dict)
     # Training settings of the evaluated checkpoint (flat "data.general_ratio" keys), when known.
     run_config: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -129,6 +130,31 @@ def _is_run(path: str) -> bool:
     return (pathlib.Path(path) / RUN_CHECKPOINTS_SUBDIR).is_dir()
 
 
+def _is_qa(task: str) -> bool:
+    """A task the registry scores by exact match and F1 (reported as success and progress)."""
+    from agentrefine_jax.eval import registry
+
+    try:
+        return registry.lookup(task).metric_names == ("EM", "F1")
+    except ValueError:  # a plug-in task not loaded here
+        return False
+
+
+def _split_qa(result: RunResult) -> RunResult:
+    for t in [t for t in result.tasks if _is_qa(t)]:
+        s = result.tasks.pop(t)
+        best = result.best_of_tasks.pop(t, None)
+        result.qa[t] = QAScore(s.success, s.progress, s.episodes)  # type: ignore[arg-type]
+        if best is not None:
+            result.qa_best_of[t] = QAScore(best.success, best.progress, best.episodes)  # type: ignore[arg-type]
+        result.perturbations.pop(t, None)
+    return result
+
+
+def _agent(doc: Mapping[str, Any]) -> str:
+    return str(doc.get("agent") or doc.get("policy") or "?")
+
+
 def _read_builtin(doc: Mapping[str, Any], path: str, label: str) -> RunResult:
     variants = doc["variants"]
     if not isinstance(variants, Mapping) or "original" not in variants:
@@ -136,7 +162,7 @@ def _read_builtin(doc: Mapping[str, Any], path: str, label: str) -> RunResult:
     original = variants["original"]
     best_of = int(doc.get("config", {}).get("best_of", 1) or 1)
     headline = {t: _score(m) for t, m in original["tasks"].items()}
-    agent = str(doc.get("policy", "?"))
+    agent = _agent(doc)
     result = RunResult(path, label, agent, "builtin", headline)
     if best_of > 1:
         # Today's eval samples every run of a Best-of-N file; its first sample is the single-sample score.
@@ -144,8 +170,8 @@ def _read_builtin(doc: Mapping[str, Any], path: str, label: str) -> RunResult:
         result.best_of_tasks = headline
         result.tasks = {t: _score(m, "first_sample_") for t, m in original["tasks"].items()}
         result.single_kind = "first sample"
-    weights = (original.get("held_out_average") or {}).get("weights") or {}
-    if weights:
+    weights = {t: w for t, w in ((original.get("held_out_average") or {}).get("weights") or {}).items()}
+    if weights and not all(_is_qa(t) for t in result.tasks):
         result.held_out = _weighted(result.tasks, weights)
         result.held_out_note = "paper weights 112/90/60/20 (Jericho's to TextWorld), renormalised"
     names = sorted((v for v in variants if v != "original"), key=_variant_index)
@@ -153,7 +179,7 @@ def _read_builtin(doc: Mapping[str, Any], path: str, label: str) -> RunResult:
         if names and all(t in variants[v]["tasks"] for v in names):
             result.perturbations[t] = [headline[t]] + [_score(variants[v]["tasks"][t]) for v in names]
     result.run_config = _run_config(doc, agent)
-    return result
+    return _split_qa(result)
 
 
 def _weighted(tasks: Mapping[str, Score], weights: Mapping[str, float]) -> Score:
@@ -177,8 +203,15 @@ def _read_agentboard(doc: Mapping[str, Any], path: str, label: str) -> RunResult
         if not best:
             raise ResultError(f"{path}: --all-checkpoints result without its best_step's entry")
         return _read_agentboard(best[0]["result"], path, label)
-    agent = str(doc.get("agent", "?"))
+    agent = _agent(doc)
     result = RunResult(path, label, agent, "agentboard", {t: _score(m) for t, m in doc["tasks"].items()})
+    bon = doc.get("best_of")
+    if isinstance(bon, Mapping) and bon.get("tasks"):
+        result.best_of = int(bon.get("n", 0)) or 2
+        result.best_of_tasks = {t: _score(m["best_of"]) for t, m in bon["tasks"].items()}
+        # the greedy run of a Best-of-N file is its `tasks`; the Table 4 rows repeat it
+        for t, m in bon["tasks"].items():
+            result.tasks.setdefault(t, _score(m["greedy"]))
     held = doc.get("held_out") or {}
     weighted = held.get("episode_weighted_mean")
     if isinstance(weighted, Mapping):
@@ -188,12 +221,14 @@ def _read_agentboard(doc: Mapping[str, Any], path: str, label: str) -> RunResult
         if t in result.tasks:
             result.perturbations[t] = [result.tasks[t]] + [_score(v) for v in p.get("variants", [])]
     result.run_config = _run_config(doc, agent)
-    return result
+    return _split_qa(result)
 
 
 def _kind(doc: Any) -> str | None:
     if not isinstance(doc, Mapping):
         return None
+    if doc.get("source") in ("builtin", "agentboard") and "schema" in doc:
+        return "agentboard" if doc["source"] == "agentboard" else "builtin"
     if isinstance(doc.get("variants"), Mapping) and isinstance(doc.get("config"), Mapping):
         return "builtin"
     if doc.get("protocol") == "agentboard" and (
@@ -204,9 +239,8 @@ def _kind(doc: Any) -> str | None:
 
 
 def read_result(path: str | os.PathLike[str], label: str | None = None) -> RunResult:
-    """Read one eval result file; `label` defaults to the file name without its extension."""
+    """Read one eval result file; `label` defaults to the run's `--name`, else the file name's stem."""
     path = str(path)
-    label = label or pathlib.Path(path).stem
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
@@ -217,6 +251,12 @@ def read_result(path: str | os.PathLike[str], label: str | None = None) -> RunRe
             f"{path}: not a JSON document ({e}); expected an eval result (eval --out)"
         ) from None
     kind = _kind(doc)
+    name = (
+        doc.get("config", {}).get("name")
+        if isinstance(doc, Mapping) and isinstance(doc.get("config"), Mapping)
+        else None
+    )
+    label = label or (str(name) if name else pathlib.Path(path).stem)
     if kind is None:
         keys = sorted(doc)[:8] if isinstance(doc, Mapping) else type(doc).__name__
         raise ResultError(

@@ -12,23 +12,15 @@ from typing import Any
 
 from agentrefine_jax.analyze import paper
 from agentrefine_jax.analyze.results import RunResult, Score
+from agentrefine_jax.eval import registry
 
-DISPLAY = {
-    "alfworld": "ALFWorld",
-    "babyai": "BabyAI",
-    "sciworld": "SciWorld",
-    "pddl": "PDDL",
-    "jericho": "Jericho",
-    "textworld": "TextWorld",
-    "hotpotqa": "HotpotQA",
-}
 # Column order: the paper's tasks, our TextWorld stand-in right after Jericho, then anything else.
-_ORDER = (*paper.TASKS, "textworld")
+_ORDER = (*paper.TASKS, registry.JERICHO_STAND_IN)
 DASH = "–"
 
 
 def display(task: str) -> str:
-    return DISPLAY.get(task, task)
+    return registry.display_name(task)
 
 
 def pct(x: float | None, digits: int = 1) -> str:
@@ -46,7 +38,7 @@ def cell(s: Score | None) -> str:
 def task_columns(results: Iterable[RunResult], include_paper: bool = False) -> list[str]:
     seen: list[str] = list(paper.TASKS) if include_paper else []
     for r in results:
-        seen += [t for t in r.tasks if t not in seen and t != "hotpotqa"]
+        seen += [t for t in r.tasks if t not in seen]
     return sorted(seen, key=lambda t: (_ORDER.index(t) if t in _ORDER else len(_ORDER), seen.index(t)))
 
 
@@ -72,8 +64,9 @@ def _run_row(label: str, scores: Mapping[str, Score], held: Score | None, tasks:
     return [label, *(cell(scores.get(t)) for t in tasks), cell(held)]
 
 
-def table1(results: Sequence[RunResult], include_paper: bool = False) -> str:
+def table1(results: Sequence[RunResult], include_paper: bool = False) -> str | None:
     """Table 1: success / progress per task per model, and the held-out mean."""
+    results = [r for r in results if r.tasks]  # a HotpotQA-only run has no column here (Figure 8)
     tasks = task_columns(results, include_paper)
     rows = []
     for r in results:
@@ -81,6 +74,8 @@ def table1(results: Sequence[RunResult], include_paper: bool = False) -> str:
         rows.append(_run_row(label, r.tasks, r.held_out, tasks))
     if include_paper:
         rows += [[f"paper: {p.model}", *_paper_cells(p, tasks), DASH] for p in paper.TABLE1]
+    if not rows:
+        return None
     notes = sorted({r.held_out_note for r in results if r.held_out_note})
     text = _markdown(["model", *map(display, tasks), "held-out"], rows)
     if notes:
@@ -198,11 +193,18 @@ def table5() -> str:
 
 
 def figure8(results: Sequence[RunResult], include_paper: bool = False) -> str | None:
-    """Figure 8's numbers: HotpotQA exact match and F1 per model."""
-    runs = [r for r in results if "hotpotqa" in r.qa]
-    if not runs and not include_paper:
+    """Figure 8's numbers: HotpotQA exact match and F1 per model (and Best-of-N beside)."""
+    rows = []
+    for r in results:
+        for task, q in r.qa.items():
+            name = r.label if task == "hotpotqa" else f"{r.label} ({display(task)})"
+            kind = "" if r.best_of == 1 else f" {r.single_kind}"
+            rows.append([f"{name}{kind}", pct(q.em), pct(q.f1)])
+            if task in r.qa_best_of:
+                b = r.qa_best_of[task]
+                rows.append([f"{name} Best-of-{r.best_of}", pct(b.em), pct(b.f1)])
+    if not rows and not include_paper:
         return None
-    rows = [[r.label, pct(r.qa["hotpotqa"].em), pct(r.qa["hotpotqa"].f1)] for r in runs]
     if include_paper:
         rows += [[f"paper: {m}", f"{em:.1f}", f"{f1:.1f}"] for m, (em, f1) in paper.FIGURE8.items()]
     return _markdown(["model", "EM", "F1"], rows)
