@@ -38,12 +38,32 @@ def _pairs(values: Sequence[str], flag: str) -> list[tuple[str, str]]:
     return out
 
 
-def _progress(total: int, desc: str, quiet: bool):  # noqa: ANN202 - a tqdm bar
-    from tqdm import tqdm
+class _Bar:
+    """A tqdm bar on stderr (off with -q), sized by the first update that knows the total."""
 
-    return tqdm(
-        total=total, desc=f"[analyze] {desc}", file=sys.stderr, disable=quiet, mininterval=1.0, leave=False
-    )
+    def __init__(self, desc: str, quiet: bool, total: int | None = None):
+        self.desc, self.quiet, self.bar = f"[analyze] {desc}", quiet, None
+        if total is not None:
+            self._open(total)
+
+    def _open(self, total: int) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(
+            total=total, desc=self.desc, file=sys.stderr, disable=self.quiet, mininterval=1.0, leave=False
+        )
+
+    def update(self, n: int, total: int | None = None) -> None:
+        if self.bar is None:
+            self._open(total or 0)
+        self.bar.update(n)  # type: ignore[union-attr]
+
+    def __enter__(self) -> _Bar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def cmd_diversity(args: argparse.Namespace) -> int:
@@ -74,10 +94,7 @@ def cmd_diversity(args: argparse.Namespace) -> int:
     texts = []
     for label, specs in sources.items():
         fmt = formats.get(label, formats.get("*", "auto"))
-        from agentrefine_jax.data.sources import RecordSet
-
-        total = len(RecordSet(specs))
-        with _progress(min(total, args.max_rows or total), f"reading {label}", args.quiet) as bar:
+        with _Bar(f"reading {label}", args.quiet) as bar:
             st = read_source(
                 label,
                 specs,
@@ -97,7 +114,7 @@ def cmd_diversity(args: argparse.Namespace) -> int:
         texts.append(st)
     if embedder is not None:
         n = sum(len(s.thoughts) + len(s.environments) for s in texts)
-        with _progress(n, "embedding", args.quiet) as bar:
+        with _Bar("embedding", args.quiet, n) as bar:
             emb = div.embed_sources(texts, lambda t: embedder(t, progress=bar.update))
         method = f"model:{args.model} (mean-pooled hidden states, {args.max_tokens} tokens max)"
     else:

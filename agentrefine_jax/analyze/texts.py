@@ -66,7 +66,7 @@ def read_source(
     max_rows: int | None = None,
     max_thoughts: int | None = None,
     seed: int = 0,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> SourceTexts:
     """Read (a seeded sample of) one source's rows and extract its Thoughts and environments."""
     records = RecordSet(list(specs))
@@ -105,7 +105,7 @@ def read_source(
                 else:
                     thoughts.append((row["id"], i, text))
         if progress:
-            progress(len(part))
+            progress(len(part), len(order))  # rows just read, rows this source will read
     if not thoughts:
         raise TextsError(
             f"source {label!r}: no assistant turn with a 'Thought:' in {len(order)} row(s) read "
