@@ -66,9 +66,14 @@ def one_of(*choices: str) -> Check:
     return Check(lambda v: v in choices, f"must be one of {', '.join(choices)}")
 
 
+def _names(v: Any) -> Any:
+    """A list of names given as a list or as one comma-separated string."""
+    return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
+
+
 def subset_of(*choices: str) -> Check:
     def ok(v: Any) -> bool:
-        items = [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
+        items = _names(v)
         return isinstance(items, (tuple, list)) and bool(items) and all(x in choices for x in items)
 
     return Check(ok, f"must be a non-empty subset of {', '.join(choices)}")
@@ -214,11 +219,36 @@ def _warmup(cfg: Any) -> str | None:
 
 
 def _lora_int8(cfg: Any) -> str | None:
+    if not cfg.train.lora.rank and cfg.train.lora.base_dtype == "int8":
+        return "train.lora.base_dtype=int8: needs train.lora.rank >= 1 (only a LoRA run has a frozen base)"
     if cfg.train.lora.rank and cfg.train.lora.base_dtype == "int8":
         try:
             import qwix  # noqa: F401  (the int8 base's quantiser, models/quant.py)
         except ImportError:
             return "train.lora.base_dtype=int8: needs the qwix package (pip install qwix)"
+    return None
+
+
+def _lora_rank(cfg: Any) -> str | None:
+    lc = cfg.train.lora
+    if not lc.rank:
+        return None
+    from agentrefine_jax.models.lora import max_rank  # the projections' shapes (models/params.py)
+
+    targets = _names(lc.targets)
+    cap = max_rank(targets, cfg.model)
+    if lc.rank > cap:
+        return (
+            f"train.lora.rank={lc.rank}: must be <= {cap}, the smallest fan-in/fan-out of the adapted "
+            f"projections ({', '.join(targets)}) of this model"
+        )
+    return None
+
+
+def _context(cfg: Any) -> str | None:
+    n, ctx = cfg.data.max_length, cfg.model.max_position_embeddings
+    if n > ctx:
+        return f"data.max_length={n}: must be <= model.max_position_embeddings={ctx}, the model's context"
     return None
 
 
@@ -228,6 +258,8 @@ CROSS_CHECKS: list[Callable[[Any], str | None]] = [
     _micro_batch,
     _warmup,
     _lora_int8,
+    _lora_rank,
+    _context,
 ]
 
 

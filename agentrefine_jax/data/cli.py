@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import pathlib
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -94,9 +96,20 @@ def _config(args: argparse.Namespace, pack: bool) -> DataConfig:
 log = logging.getLogger("agentrefine_jax.data")
 
 
+def _refuse_input_as_output(records: RecordSet, out: str) -> None:
+    """Writing the dump over one of its inputs would destroy the data it is reading."""
+    target = pathlib.Path(out)
+    for source in records.sources:
+        src = pathlib.Path(source.label)
+        if src.exists() and target.exists() and os.path.samefile(src, target):
+            raise ValueError(f"--out {out} is the input file {source.label}; choose another output path")
+
+
 def cmd_dump(args: argparse.Namespace) -> int:
     cfg = _config(args, pack=not args.no_pack)
-    local = build_data(cfg, "train")
+    records = RecordSet(cfg.train_files)
+    _refuse_input_as_output(records, args.out)
+    local = build_data(cfg, "train", records=records)
     store = local.store
     tok = build_template(cfg).tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0

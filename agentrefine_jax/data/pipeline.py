@@ -123,7 +123,9 @@ _HINT = "check data.format / data.field_map (all skips: python -m agentrefine_ja
 
 
 def _check_skips(cfg: DataConfig, report: DataReport, what: str) -> None:
-    if report.records_in_shard and report.examples == 0:
+    if not report.records_in_shard:  # an empty file (or a split left empty) is no data, not 0% skipped
+        raise DataError(f"no {what} records in {report.sources or 'the inputs'}")
+    if report.examples == 0:
         raise DataError(f"no usable {what} examples: {report.one_line()}; {_HINT}")
     if report.records_in_shard and report.skipped_total > cfg.max_skip_fraction * report.records_in_shard:
         raise DataError(

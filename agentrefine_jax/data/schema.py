@@ -26,6 +26,8 @@ import numbers
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+from agentrefine_jax.unicode_text import lone_surrogate
+
 ROLES = ("system", "user", "assistant")
 CATEGORIES = ("correct", "refinement", "erroneous")  # what `loss_on` may name
 UNTRAINED = "untrained"  # category of `train: false` turns; never in loss_on
@@ -36,6 +38,7 @@ Message = dict[str, Any]
 
 
 TOO_DEEP = "nested too deeply"  # skip reason: JSON deeper than Python's parser recursion limit
+INVALID_UNICODE = "invalid unicode"  # skip reason: a lone surrogate no tokenizer or writer accepts
 
 
 class RowError(ValueError):
@@ -156,6 +159,9 @@ def normalize_row(row: Any, field_map: FieldMap | None, fallback_id: str) -> dic
     """Map one raw row onto the canonical schema and validate it (raises RowError)."""
     if not isinstance(row, Mapping):
         raise RowError("not an object", f"row is {type(row).__name__}, expected a JSON object")
+    bad_text = lone_surrogate(row)
+    if bad_text:
+        raise RowError(INVALID_UNICODE, bad_text)
     fm = field_map or detect_field_map(row)
     if fm.turns not in row:
         raise RowError("missing turns field", f"no {fm.turns!r} field (keys: {sorted(row)[:10]})")

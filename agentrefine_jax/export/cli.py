@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from agentrefine_jax import logs
-from agentrefine_jax.cli_errors import OneLineParser, fail
+from agentrefine_jax.cli_errors import OneLineParser, fail, float_in
 from agentrefine_jax.models.llama import param_count
 
 log = logging.getLogger("agentrefine_jax.export")
@@ -245,8 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("verify", help="compare our forward pass with transformers' on the same inputs")
     c.add_argument("--checkpoint", required=True, help="run dir, checkpoint root (latest step) or step dir")
     c.add_argument("--hf", required=True, help="transformers model directory")
-    c.add_argument("--atol", type=float, help="max |Δlogit| allowed (default: 5e-3 float32, 1.0 bfloat16)")
-    c.add_argument("--kl-tol", type=float, help="mean KL allowed (default: 1e-5 float32, 2e-2 bfloat16)")
+    tolerance = float_in(0, float("inf"))  # a negative tolerance fails every model: a typo
+    c.add_argument(
+        "--atol", type=tolerance, help="max |Δlogit| allowed (default: 5e-3 float32, 1.0 bfloat16)"
+    )
+    c.add_argument("--kl-tol", type=tolerance, help="mean KL allowed (default: 1e-5 float32, 2e-2 bfloat16)")
     c.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype, both sides"
     )

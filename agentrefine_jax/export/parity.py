@@ -142,6 +142,8 @@ def verify(
         compute_dtype=compute_dtype,
         problems=[],
     )
+    if not (result.atol >= 0 and result.kl_tol >= 0):  # NaN fails too
+        raise ValueError(f"tolerances must be >= 0, got atol={result.atol}, kl_tol={result.kl_tol}")
 
     hf_cfg = read_hf_config(hf_dir)
     cfg, model, _ = load_model(checkpoint, mesh=mesh, dtype=compute_dtype)

@@ -10,17 +10,23 @@ Writing gathers one parameter slice (one HF tensor) at a time and writes safeten
 shards of at most `max_shard_bytes`, so host memory holds at most one shard.
 
 Pickle-based weights (`pytorch_model.bin`, `*.pt`, ...) are refused; nothing here ever
-executes code from a checkpoint directory.
+executes code from a checkpoint directory. The directory is untrusted input: weight files must
+stay inside it (an index entry `../x` or a symlink leading out is refused), a safetensors header
+is checked against the file's size before it is read, and only finite floating-point tensors
+are accepted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import math
+import os
 import pathlib
 import re
+import stat
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -31,7 +37,7 @@ import numpy as np
 from flax import nnx
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from agentrefine_jax.checkpoint import abstract_params, as_path, is_url, param_shardings
@@ -242,26 +248,88 @@ def generation_config_dict(cfg: ModelConfig) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ reading
 
 
+# safetensors' own cap on the JSON header; checked before the reader allocates for it.
+_MAX_HEADER_BYTES = 100 * 2**20
+
+
+def _allowed_roots(d: pathlib.Path) -> list[pathlib.Path]:
+    """Where weight files may resolve to: the directory itself, and for a Hugging Face hub cache
+    snapshot (`.../snapshots/<rev>`, whose files are symlinks to `../../blobs/<sha>`) its blobs."""
+    roots = [d.resolve()]
+    here = d.absolute()
+    if here.parent.name == "snapshots":
+        roots.append((here.parent.parent / "blobs").resolve())
+    return roots
+
+
+def _inside(d: pathlib.Path, name: str, what: str) -> pathlib.Path:
+    """`d / name`, refused unless it stays inside `d` after resolving `..` and symlinks."""
+    target = (d / name).resolve()
+    if os.path.isabs(name) or not any(target.is_relative_to(r) for r in _allowed_roots(d)):
+        raise ValueError(
+            f"{what} {name!r} resolves to {target}, outside {d}: refused "
+            "(weights are read only from inside the model directory)"
+        )
+    return d / name
+
+
+def _check_header(path: pathlib.Path) -> None:
+    """A regular file whose 8-byte header length fits in it: no read of a 2**62-byte header, no
+    hang on a device or a pipe named *.safetensors."""
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{path}: not a regular file; a safetensors weight file was expected")
+    with path.open("rb") as f:
+        head = f.read(8)
+    if len(head) < 8:
+        raise ValueError(f"{path}: truncated safetensors file ({st.st_size} bytes, no header)")
+    n = int.from_bytes(head, "little")
+    if n > _MAX_HEADER_BYTES or 8 + n > st.st_size:
+        raise ValueError(
+            f"{path}: corrupt or truncated safetensors file (its header claims {n} bytes, "
+            f"the file has {st.st_size})"
+        )
+
+
+@contextlib.contextmanager
+def open_safetensors(path: pathlib.Path) -> Iterator[Any]:
+    """`safe_open` after the header check; the reader's own errors name the file (one line)."""
+    _check_header(path)
+    try:
+        f = safe_open(path, framework="numpy")
+    except SafetensorError as e:
+        raise ValueError(f"{path}: not a valid safetensors file ({e})") from None
+    with f:
+        yield f
+
+
 def hf_weight_files(hf_dir: str | pathlib.Path) -> dict[pathlib.Path, list[str]]:
-    """{safetensors file: tensor names in it}, from the index when sharded; pickles refused."""
+    """{safetensors file: tensor names in it}, from the index when sharded; pickles refused.
+
+    Every file must lie inside `hf_dir` (see `_inside`) and pass the header check."""
     d = pathlib.Path(hf_dir)
     if not d.is_dir():
         raise FileNotFoundError(f"{d} is not a directory")
     index = d / SAFE_INDEX
     if index.exists():
+        _inside(d, SAFE_INDEX, "the index")
         weight_map = _load_json(index).get("weight_map")
         if not isinstance(weight_map, Mapping) or not weight_map:
             raise ValueError(f"{index} has no weight_map")
         files: dict[pathlib.Path, list[str]] = {}
         for name, fname in weight_map.items():
-            files.setdefault(d / fname, []).append(name)
+            if not isinstance(fname, str) or not fname:
+                raise ValueError(f"{index}: weight_map[{name!r}] is not a file name: {fname!r}")
+            files.setdefault(_inside(d, fname, f"{index.name}: weight_map[{name!r}] ="), []).append(name)
         absent = sorted(str(f.name) for f in files if not f.exists())
         if absent:
             raise FileNotFoundError(f"{index} references missing shard files: {absent}")
+        for f in files:
+            _check_header(f)
         return dict(sorted(files.items()))
     single = d / SAFE_SINGLE
-    if single.exists():
-        with safe_open(single, framework="numpy") as f:
+    if single.exists() or single.is_symlink():
+        with open_safetensors(_inside(d, SAFE_SINGLE, "the weight file")) as f:
             return {single: list(f.keys())}
     pickles = sorted(p.name for p in d.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
@@ -274,6 +342,7 @@ def hf_weight_files(hf_dir: str | pathlib.Path) -> dict[pathlib.Path, list[str]]
 
 
 _SAFE_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+_FLOAT_SAFE_DTYPES = (*_SAFE_DTYPES, "F64")  # what a weight may be stored as (F64 is cast down)
 _PRECISION = {"float32": 3, "float16": 2, "bfloat16": 1}
 EXPORT_DTYPES = ("auto", *NP_DTYPES)
 
@@ -282,7 +351,7 @@ def hf_storage_dtype(hf_dir: str | pathlib.Path) -> str | None:
     """The lowest-precision float dtype among the HF tensors (None if unknown)."""
     found: set[str] = set()
     for path, names in hf_weight_files(hf_dir).items():
-        with safe_open(path, framework="numpy") as f:
+        with open_safetensors(path) as f:
             found.update(_SAFE_DTYPES.get(f.get_slice(n).get_dtype(), "?") for n in names)
     known = [d for d in found if d in _PRECISION]
     return min(known, key=_PRECISION.__getitem__) if known else None
@@ -298,15 +367,78 @@ def resolve_export_dtype(requested: str, *, source_dtype: str | None, param_dtyp
     return requested
 
 
+def _check_dtype(path: pathlib.Path, name: str, dtype: str) -> None:
+    if dtype not in _FLOAT_SAFE_DTYPES:
+        raise ValueError(
+            f"{path.name}: tensor {name} is {dtype}; only floating-point weights "
+            f"({', '.join(_FLOAT_SAFE_DTYPES)}) are supported"
+        )
+
+
+def _check_finite(path: pathlib.Path, name: str, tensor: np.ndarray) -> None:
+    """NaN/Inf anywhere in a weight makes every logit NaN: refuse it by name. Checked in blocks so
+    the boolean temporary stays small next to the tensor."""
+    flat = tensor.reshape(-1)
+    block = 1 << 24
+    for i in range(0, flat.size, block):
+        if not np.isfinite(flat[i : i + block]).all():
+            raise ValueError(f"{path.name}: tensor {name} holds NaN or Inf values")
+
+
 def iter_hf_tensors(hf_dir: str | pathlib.Path) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, array) for every tensor, one at a time, in file order."""
+    """(name, array) for every tensor, one at a time, in file order; each a finite float array."""
     for path, names in hf_weight_files(hf_dir).items():
-        with safe_open(path, framework="numpy") as f:
+        with open_safetensors(path) as f:
             present = set(f.keys())
             for name in names:
                 if name not in present:
                     raise ValueError(f"{path.name} does not contain {name}, which the index places there")
-                yield name, f.get_tensor(name)
+                _check_dtype(path, name, f.get_slice(name).get_dtype())
+                try:
+                    tensor = f.get_tensor(name)
+                except SafetensorError as e:
+                    raise ValueError(f"{path}: cannot read tensor {name} ({e})") from None
+                _check_finite(path, name, tensor)
+                yield name, tensor
+
+
+def check_hf_dir(hf_dir: str | pathlib.Path) -> ModelConfig:
+    """Everything about an HF directory that is known without reading the weights: a supported
+    config.json, safetensors files inside the directory with sound headers, and exactly the
+    expected tensor names, float dtypes and shapes. Raises a one-line ValueError/FileNotFoundError.
+    `load_hf_model` checks the same while it reads; this lets a trainer fail before its data work."""
+    cfg = read_hf_config(hf_dir)
+    seen: set[str] = set()
+    for path, names in hf_weight_files(hf_dir).items():
+        with open_safetensors(path) as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    raise ValueError(f"{path.name} does not contain {name}, which the index places there")
+                sl = f.get_slice(name)
+                _check_dtype(path, name, sl.get_dtype())
+                if _RECOMPUTED_RE.match(name) or (name == "lm_head.weight" and cfg.tie_embeddings):
+                    continue
+                _check_shape(name, tuple(sl.get_shape()), cfg, hf_dir)
+                seen.add(name)
+    _check_complete(params.expected_hf_names(cfg) - seen, hf_dir)
+    return cfg
+
+
+def _check_shape(name: str, shape: tuple[int, ...], cfg: ModelConfig, hf_dir: Any) -> None:
+    try:
+        want = params.hf_shape(name, cfg)
+    except KeyError as e:
+        raise ValueError(f"{hf_dir}: {e.args[0]} (not part of a {cfg.family} model)") from None
+    if shape != want:
+        raise ValueError(f"{name} has shape {shape}, config.json implies {want}")
+
+
+def _check_complete(missing_names: set[str], hf_dir: Any) -> None:
+    missing = sorted(missing_names)
+    if missing:
+        more = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
+        raise ValueError(f"{hf_dir} lacks {len(missing)} tensors: {missing[:10]}{more}")
 
 
 def _set_layer(stacked: jax.Array, piece: jax.Array, index: jax.Array) -> jax.Array:
@@ -374,12 +506,7 @@ def load_hf_model(
             continue
         if name in seen:
             raise ValueError(f"tensor {name} appears twice in {hf_dir}")
-        try:
-            want = params.hf_shape(name, cfg)
-        except KeyError as e:
-            raise ValueError(f"{hf_dir}: {e.args[0]} (not part of a {cfg.family} model)") from None
-        if tuple(tensor.shape) != want:
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, config.json implies {want}")
+        _check_shape(name, tuple(tensor.shape), cfg, hf_dir)
         path, layer, ours = params.hf_to_ours(name, tensor, cfg)
         del tensor
         sh = flat_sh[path]
@@ -395,10 +522,7 @@ def load_hf_model(
         seen.add(name)
         log(f"  [{len(seen)}/{total}] {name} -> {'/'.join(path)}" + ("" if layer is None else f"[{layer}]"))
 
-    missing = sorted(expected - seen)
-    if missing:
-        more = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
-        raise ValueError(f"{hf_dir} lacks {len(missing)} tensors: {missing[:10]}{more}")
+    _check_complete(expected - seen, hf_dir)
     if skipped:
         log(f"skipped {len(skipped)} tensor(s) that are recomputed or tied")
     nnx.replace_by_pure_dict(abs_params, unflatten_dict(arrays))

@@ -17,6 +17,7 @@ from typing import Any
 from agentrefine_jax.inference.engine import generate
 from agentrefine_jax.inference.loading import LoadedModel, load_for_inference
 from agentrefine_jax.models.llama import Transformer
+from agentrefine_jax.unicode_text import lone_surrogate
 
 
 class ContextOverflowError(ValueError):
@@ -92,6 +93,9 @@ class ChatGenerator:
     # ------------------------------------------------------------------ API
 
     def encode(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        bad_text = lone_surrogate(list(messages), "messages")
+        if bad_text:  # the tokenizer would fail deep inside; a ValueError is the caller's 400 / exit 2
+            raise ValueError(bad_text)
         return self.template.encode_prompt(messages)
 
     def complete(

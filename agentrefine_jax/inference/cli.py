@@ -103,7 +103,10 @@ def _messages(args: argparse.Namespace) -> list[dict[str, Any]]:
         msgs = [{"role": "system", "content": args.system}] if args.system else []
         return msgs + [{"role": "user", "content": args.prompt}]
     raw = sys.stdin.read() if args.messages == "-" else open(args.messages, encoding="utf-8").read()
-    msgs = json.loads(raw)
+    try:
+        msgs = json.loads(raw)
+    except RecursionError:
+        raise ValueError(f"{args.messages}: JSON nested deeper than the parser allows") from None
     if not isinstance(msgs, list):
         raise ValueError(f"{args.messages}: expected a JSON list of messages")
     return msgs

@@ -330,8 +330,10 @@ def _handler(service: ChatService) -> type[BaseHTTPRequestHandler]:
             try:
                 try:
                     body = json.loads(raw or b"null")
-                except json.JSONDecodeError as e:
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
                     raise APIError(400, f"request body is not valid JSON: {e}") from None
+                except RecursionError:
+                    raise APIError(400, "request body is JSON nested deeper than the parser allows") from None
                 self._send(200, service.chat_completion(body))
             except APIError as e:
                 self._send(e.status, e.body())

@@ -85,6 +85,17 @@ def shapes(spec: LoraSpec, cfg: ModelConfig) -> dict[str, dict[str, tuple[int, .
     return out
 
 
+def max_rank(targets: Any, cfg: ModelConfig) -> int:
+    """The largest useful rank over `targets`: min(fan-in, fan-out) of the smallest projection
+    (a larger rank adds parameters and memory but no expressiveness)."""
+    ranks = []
+    for t in targets:
+        row = _row(TARGETS[t])
+        own = params.shape(row, cfg, stacked=False)
+        ranks.append(min(math.prod(own[: row.n_in]), math.prod(own[row.n_in :])))
+    return min(ranks)
+
+
 def logical_axes(spec: LoraSpec) -> dict[str, dict[str, tuple[str, ...]]]:
     out = {}
     for name in spec.names:

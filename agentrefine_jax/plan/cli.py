@@ -11,7 +11,7 @@ import argparse
 import json
 
 from agentrefine_jax import logs
-from agentrefine_jax.cli_errors import OneLineParser, fail
+from agentrefine_jax.cli_errors import OneLineParser, fail, int_in
 from agentrefine_jax.train import planner
 from agentrefine_jax.train.topology import HBM_BYTES
 
@@ -29,9 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--devices", type=int, help="total devices (chips); resolves a -1 mesh axis")
     ap.add_argument("--chip", default="v5p", choices=sorted(HBM_BYTES))
     logs.add_flags(ap)
-    ap.add_argument("--global-batch", type=int, help="default: train.global_batch_size")
-    ap.add_argument("--micro-batch", type=int, help="default: train.micro_batch_size (or the global batch)")
-    ap.add_argument("--seq-len", type=int, help="default: data.max_length")
+    ap.add_argument("--global-batch", type=int_in(1), help="default: train.global_batch_size")
+    ap.add_argument(
+        "--micro-batch", type=int_in(1), help="default: train.micro_batch_size (or the global batch)"
+    )
+    ap.add_argument("--seq-len", type=int_in(1), help="default: data.max_length")
     ap.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the step time")
     ap.add_argument(
         "--headroom",

@@ -16,7 +16,7 @@ from agentrefine_jax.synth.convert import convert_file
 from agentrefine_jax.synth.generate import GenerateConfig, run_generate
 from agentrefine_jax.synth.llm import LLMSettings
 from agentrefine_jax.synth.personas import PACKAGED
-from agentrefine_jax.synth.verify import turn_verdicts, verify_trajectory
+from agentrefine_jax.synth.verify import INVALID_UNICODE, UNPARSED, turn_verdicts, verify_trajectory
 
 
 def _err(msg: str) -> None:
@@ -84,7 +84,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     for n, line in enumerate(lines, start=1):
         result = verify_trajectory(line)
         rid, verdicts = None, []
-        if result.reason != "invalid_json":
+        if result.reason not in (*UNPARSED, INVALID_UNICODE):  # else the id may not parse or encode
             obj = json.loads(line)
             rid = obj.get("id") if isinstance(obj, dict) else None
             verdicts = turn_verdicts(obj)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import pathlib
 from collections.abc import Iterable
 from typing import Any
@@ -37,7 +36,7 @@ from agentrefine_jax.layout import (
 )
 from agentrefine_jax.synth import jsonl
 from agentrefine_jax.synth.prompts import script_instruction
-from agentrefine_jax.synth.verify import DM, PLAYER, verify_trajectory
+from agentrefine_jax.synth.verify import DM, PLAYER, LineError, parse_line, verify_trajectory
 
 BAD_ID = "bad_id"
 DUPLICATE_ID = "duplicate_id"
@@ -146,9 +145,9 @@ def convert_lines(lines: Iterable[str], style: str = "chat") -> tuple[list[dict[
             summary.dropped["blank_line"] += 1
             continue
         try:
-            raw = json.loads(line)
-        except json.JSONDecodeError:
-            summary.dropped["invalid_json"] += 1
+            raw = parse_line(line)
+        except LineError as e:
+            summary.dropped[e.reason] += 1
             continue
         try:
             row = to_chat(raw)

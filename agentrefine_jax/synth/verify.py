@@ -23,6 +23,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from agentrefine_jax.unicode_text import lone_surrogate
+
 PLAYER = "player"
 DM = "dm"
 # Required keys and their types per role; a wrong type counts as a missing key because the
@@ -35,6 +37,9 @@ REQUIRED_KEYS: dict[str, dict[str, type]] = {
 # Reason codes (stable: reports and drop summaries are grouped by them).
 OK = "ok"
 INVALID_JSON = "invalid_json"
+JSON_TOO_DEEP = "json_too_deep"  # nested past the parser's recursion limit
+INVALID_UNICODE = "invalid_unicode"  # a lone surrogate: no tokenizer or UTF-8 writer accepts it
+UNPARSED = (INVALID_JSON, JSON_TOO_DEEP)  # reasons for which there is no parsed object
 BAD_SCHEMA = "bad_schema"
 NO_TURNS = "no_turns"
 MISSING_KEYS = "missing_keys"
@@ -129,6 +134,24 @@ def _missing_keys(turn: Any) -> str | None:
     return None
 
 
+class LineError(ValueError):
+    """A JSONL line that does not parse: `reason` is INVALID_JSON or JSON_TOO_DEEP."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+def parse_line(text: str | bytes) -> Any:
+    """json.loads of one raw line; a line the parser rejects or cannot recurse through raises LineError."""
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LineError(INVALID_JSON, f"not valid JSON: {e}") from None
+    except RecursionError:  # e.g. 100k nested brackets: a bad line, not a crash
+        raise LineError(JSON_TOO_DEEP, "JSON nested deeper than the parser allows") from None
+
+
 def verify_trajectory(obj_or_text: dict[str, Any] | str | bytes) -> VerifyResult:
     """Algorithm 1: the verdict, the verified-prefix length and the reason.
 
@@ -136,11 +159,14 @@ def verify_trajectory(obj_or_text: dict[str, Any] | str | bytes) -> VerifyResult
     """
     if isinstance(obj_or_text, (str, bytes)):
         try:
-            obj = json.loads(obj_or_text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return VerifyResult(False, 0, INVALID_JSON, f"not valid JSON: {e}")
+            obj = parse_line(obj_or_text)
+        except LineError as e:
+            return VerifyResult(False, 0, e.reason, e.detail)
     else:
         obj = obj_or_text
+    bad_text = lone_surrogate(obj)
+    if bad_text:
+        return VerifyResult(False, 0, INVALID_UNICODE, bad_text)
     problem = _schema_problem(obj)
     if problem:
         return VerifyResult(False, 0, BAD_SCHEMA, problem)

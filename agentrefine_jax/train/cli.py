@@ -1,7 +1,7 @@
 """Command line for training, including the multi-host (jax.distributed) settings.
 
 Errors follow the house convention (agentrefine_jax.cli_errors): one line on stderr, exit 2 for
-a bad command line or config, exit 1 when training itself stops on an error.
+a bad command line, config or `train.init_from_hf` directory, exit 1 when training itself stops on an error.
 """
 
 from __future__ import annotations
@@ -130,12 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from agentrefine_jax.checkpoint import CheckpointSaveError
-    from agentrefine_jax.train.loop import TrainingError, train
+    from agentrefine_jax.train.loop import TrainingError, TrainingInputError, train
 
     if jax.process_index() != 0:  # one voice per run: the other hosts report only problems
         logging.getLogger(logs.ROOT).setLevel(logging.WARNING)
     try:
         train(cfg)
+    except TrainingInputError as e:
+        return fail(TOOL, e)
     except (TrainingError, CheckpointSaveError) as e:
         fail(TOOL, e)
         return 1

@@ -32,10 +32,16 @@ from agentrefine_jax.train import flops
 from agentrefine_jax.train.hooks import Checkpointing, Evaluate, ExportAtEnd, Hook, MetricsLog, RunState
 from agentrefine_jax.train.metrics import MetricsWriter
 from agentrefine_jax.train.optimizer import make_optimizer
-from agentrefine_jax.train.run_dir import RunPaths, TrainingError, check_resume_config, check_schedule
+from agentrefine_jax.train.run_dir import (
+    RunPaths,
+    TrainingError,
+    TrainingInputError,
+    check_resume_config,
+    check_schedule,
+)
 from agentrefine_jax.train.step import StepFns, build_steps
 
-__all__ = ["EXIT_PREEMPTED", "TrainingError", "build_train_step", "train"]
+__all__ = ["EXIT_PREEMPTED", "TrainingError", "TrainingInputError", "build_train_step", "train"]
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "stopped cleanly, run the same command again"
 log = logging.getLogger("agentrefine_jax.train")
@@ -166,6 +172,8 @@ def train(cfg: Config) -> dict[str, Any]:
     log.info(f"mesh {dict(mesh.shape)} over {jax.device_count()} devices ({pc} processes)")
 
     check_resume_config(paths, cfg)
+    if tc.init_from_hf:
+        check_init_from_hf(cfg)
     # Each process materialises exactly the rows of the global batch its devices hold.
     batch_rows = process_batch_rows(shd.batch_sharding(mesh, cfg.mesh.rules), tc.global_batch_size)
     try:
@@ -328,6 +336,29 @@ def lora_base_reference(cfg: Config) -> dict[str, Any]:
     return ref
 
 
+def check_init_from_hf(cfg: Config) -> None:
+    """`train.init_from_hf` checked from its headers before any data work: a pickle-only or foreign
+    directory, files outside it, corrupt files, wrong names, dtypes or shapes fail in one line."""
+    from agentrefine_jax.hf.io import check_hf_dir
+
+    where = f"train.init_from_hf={cfg.train.init_from_hf}"
+    try:
+        hf_cfg = check_hf_dir(cfg.train.init_from_hf)
+    except (ValueError, FileNotFoundError) as e:
+        raise TrainingInputError(f"{where}: {e}") from None
+    bad = [
+        f"{f}: config {getattr(cfg.model, f)!r} vs checkpoint {getattr(hf_cfg, f)!r}"
+        for f in cfg.model.architecture_diff(hf_cfg)
+    ]
+    if bad:
+        raise TrainingInputError(f"{where} does not match model config: {bad}")
+    if cfg.data.max_length > hf_cfg.max_position_embeddings:
+        raise TrainingInputError(
+            f"data.max_length={cfg.data.max_length} exceeds the context of {where} "
+            f"(max_position_embeddings={hf_cfg.max_position_embeddings})"
+        )
+
+
 def _initial_params(cfg: Config, fns: StepFns, mesh: jax.sharding.Mesh) -> Any:
     if not cfg.train.init_from_hf:
         return fns.init_params(cfg.train.seed)
@@ -337,15 +368,12 @@ def _initial_params(cfg: Config, fns: StepFns, mesh: jax.sharding.Mesh) -> Any:
     from agentrefine_jax.models.quant import storage_dtype
 
     param_dtype = storage_dtype(cfg.train.lora.base_dtype) if fns.lora_spec else cfg.model.param_dtype
-    hf_cfg, model = load_hf_model(
-        cfg.train.init_from_hf, mesh=mesh, rules=cfg.mesh.rules, param_dtype=param_dtype
-    )
-    bad = [
-        f"{f}: config {getattr(cfg.model, f)!r} vs checkpoint {getattr(hf_cfg, f)!r}"
-        for f in cfg.model.architecture_diff(hf_cfg)
-    ]
-    if bad:
-        raise TrainingError(f"train.init_from_hf={cfg.train.init_from_hf} does not match model config: {bad}")
+    try:  # the weights' contents (NaN/Inf) are checked only here, as they are read
+        _, model = load_hf_model(
+            cfg.train.init_from_hf, mesh=mesh, rules=cfg.mesh.rules, param_dtype=param_dtype
+        )
+    except (ValueError, FileNotFoundError) as e:
+        raise TrainingInputError(f"train.init_from_hf={cfg.train.init_from_hf}: {e}") from None
     log.info(f"initialised from {cfg.train.init_from_hf}")
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     if fns.lora_spec:

@@ -390,9 +390,12 @@ def plan(
     rules = cfg.mesh.rules
     mesh = abstract_mesh(mesh_sizes)
     devices = math.prod(mesh_sizes.values())
-    gb = global_batch or cfg.train.global_batch_size
+    for flag, given in (("global batch", global_batch), ("micro batch", micro_batch), ("seq len", seq_len)):
+        if given is not None and given < 1:  # 0 is a value to refuse, not "use the default"
+            raise PlanError(f"{flag} must be >= 1, got {given}")
+    gb = cfg.train.global_batch_size if global_batch is None else global_batch
     micro = micro_batch or cfg.train.micro_batch_size or gb
-    seq = seq_len or cfg.data.max_length
+    seq = cfg.data.max_length if seq_len is None else seq_len
     if gb % micro:
         raise PlanError(f"global batch {gb} is not divisible by micro batch {micro}")
     n_micro = gb // micro

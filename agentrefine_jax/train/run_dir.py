@@ -27,6 +27,11 @@ class TrainingError(RuntimeError):
     """A run stopped for a reason the user must act on (NaN, no loss tokens, bad config)."""
 
 
+class TrainingInputError(TrainingError):
+    """Bad input found after the config loaded (e.g. an unusable `train.init_from_hf` directory):
+    exit 2, as a bad config value."""
+
+
 @dataclasses.dataclass
 class RunPaths:
     root: epath.Path

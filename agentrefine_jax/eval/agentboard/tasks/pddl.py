@@ -207,6 +207,23 @@ def _word_tokens(text: str) -> list[str]:
     return [w for sentence in PunktSentenceTokenizer().tokenize(text) for w in words.tokenize(sentence)]
 
 
+def _unparsable(domain: str, folder: str, error: Exception) -> str:
+    """One line naming the file pddlgym could not parse (its own exceptions name none)."""
+    from pddlgym.parser import PDDLDomainParser, PDDLProblemParser
+
+    culprit = f"{domain} or a problem in {folder}"
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            culprit = domain
+            d = PDDLDomainParser(domain, expect_action_preds=False, operators_as_actions=True)
+            for problem in sorted(str(p) for p in pathlib.Path(folder).glob("*.pddl")):
+                culprit = problem
+                PDDLProblemParser(problem, d.domain_name, d.types, d.predicates, d.actions, d.constants)
+        except Exception:  # noqa: BLE001 - this is the file that fails
+            pass
+    return f"{culprit}: malformed PDDL, pddlgym cannot parse it ({type(error).__name__}: {error})"
+
+
 class PddlEnv:
     """One PDDL problem under AgentBoard's rules (see the module docstring)."""
 
@@ -216,9 +233,12 @@ class PddlEnv:
         self.texts = texts
         core = _pddlgym_core()
         folder = os.path.dirname(episode.info["problem"])
-        self._env = core.PDDLEnv(
-            episode.info["domain"], folder, operators_as_actions=True, dynamic_action_space=True
-        )
+        try:
+            self._env = core.PDDLEnv(
+                episode.info["domain"], folder, operators_as_actions=True, dynamic_action_space=True
+            )
+        except Exception as e:  # noqa: BLE001 - pddlgym's parser reports bad files as Index/Attribute/AssertionError
+            raise CheckoutError(_unparsable(episode.info["domain"], folder, e)) from None
         self._env.fix_problem_index(episode.info["problem_index"])
         self.goal = ""
         self.success = False
