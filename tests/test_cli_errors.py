@@ -122,10 +122,16 @@ def test_print_config_validates():
     ],
 )
 def test_every_cli_answers_a_bad_argument_with_one_line(tool, args, needle, capsys):
+    _assert_one_line_error(run_main(tool, args, capsys), tool, needle)
+
+
+def run_main(tool: str, args: list[str], capsys) -> subprocess.CompletedProcess[str]:
+    """A CLI's `main(args)` in-process, as a finished process: an exception escaping `main` fails the
+    caller's test as it would print a traceback; argparse's SystemExit gives the exit status."""
     main = importlib.import_module(f"agentrefine_jax.{tool}.cli").main
     try:
         code = main(args)
     except SystemExit as e:  # argparse's usage errors
         code = e.code
     out = capsys.readouterr()
-    _assert_one_line_error(subprocess.CompletedProcess(args, code, out.out, out.err), tool, needle)
+    return subprocess.CompletedProcess(args, code, out.out, out.err)

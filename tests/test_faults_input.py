@@ -9,7 +9,6 @@ import would have succeeded.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import pathlib
@@ -24,30 +23,11 @@ import numpy as np
 import pytest
 from hf_fixtures import make_checkpoint
 from safetensors.numpy import load_file, save_file
+from test_cli_errors import _assert_one_line_error as assert_one_line
+from test_cli_errors import run_main
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-
-
-def run_main(tool: str, argv: list[str], capsys) -> tuple[int, str, str]:
-    main = importlib.import_module(f"agentrefine_jax.{tool}.cli").main
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse's usage errors
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def assert_one_line(code: int, err: str, tool: str, *needles: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, (code, err[-2000:])
-    assert "Traceback" not in err
-    assert len(lines) == 1, err
-    assert lines[0].startswith(f"[{tool}] error: "), lines[0]
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 # ------------------------------------------------------------------------------------ HF directories
@@ -181,8 +161,8 @@ def hostile_dir(
 def test_from_hf_refuses_a_hostile_directory_in_one_line(case, hf_dir, elsewhere, tmp_path, capsys):
     d = hostile_dir(hf_dir, elsewhere, tmp_path, case)
     out = tmp_path / "ckpt"
-    code, _, err = run_main("export", ["from-hf", "--hf", str(d), "--out", str(out), "-q"], capsys)
-    assert_one_line(code, err, "export", HOSTILE[case][1])
+    res = run_main("export", ["from-hf", "--hf", str(d), "--out", str(out), "-q"], capsys)
+    assert_one_line(res, "export", HOSTILE[case][1])
     assert not out.exists() or not any(out.iterdir())  # nothing imported
 
 
@@ -202,10 +182,8 @@ def test_weights_inside_the_directory_still_load(hf_dir, tmp_path, capsys):
         shutil.copy(f, blobs / f"sha-{f.name}")
         (snap / f.name).symlink_to(f"../../blobs/sha-{f.name}")
     for i, d in enumerate((sub, snap)):
-        code, _, err = run_main(
-            "export", ["from-hf", "--hf", str(d), "--out", str(tmp_path / f"c{i}"), "-q"], capsys
-        )
-        assert code == 0, err
+        res = run_main("export", ["from-hf", "--hf", str(d), "--out", str(tmp_path / f"c{i}"), "-q"], capsys)
+        assert res.returncode == 0, res.stderr
         assert (tmp_path / f"c{i}" / "0").is_dir()
 
 
@@ -226,8 +204,8 @@ def test_train_init_from_hf_gives_the_same_one_line(case, hf_dir, elsewhere, tmp
     argv = ["--config", "demo", "--set", f"train.run_dir={run}", "--set", f"train.init_from_hf={d}", "-q"]
     argv += ["--set", f"data.train_files={tmp_path / 'absent.jsonl'}"]  # the check comes before any data
     argv += ["--set", "mesh.fsdp=2", "--set", "mesh.tensor=4"]  # the demo's batch of 4 on 8 test devices
-    code, _, err = run_main("train", argv, capsys)
-    line = assert_one_line(code, err, "train", f"train.init_from_hf={d}", HOSTILE[case][1])
+    res = run_main("train", argv, capsys)
+    line = assert_one_line(res, "train", f"train.init_from_hf={d}", HOSTILE[case][1])
     assert "does not match model config" not in line  # the directory itself is named as the fault
     assert not (run / "checkpoints").exists() or not os.listdir(run / "checkpoints")
 
@@ -243,7 +221,7 @@ def test_train_process_refuses_weights_outside_the_directory_before_any_data_wor
     cmd += ["--set", f"data.train_files={tmp_path / 'absent.jsonl'}"]  # reached only if the check came late
     cmd += ["--set", "mesh.fsdp=2", "--set", "mesh.tensor=4"]  # the 8 CPU devices of conftest's XLA_FLAGS
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert_one_line(res.returncode, res.stderr, "train", "resolves to", "outside")
+    assert_one_line(res, "train", "resolves to", "outside")
     assert not (run / "checkpoints").exists() or not os.listdir(run / "checkpoints")
 
 
@@ -258,18 +236,16 @@ SURROGATE_LINE = (
 def test_data_stats_skips_and_counts_a_lone_surrogate_row_naming_it(tmp_path, capsys):
     path = tmp_path / "rows.jsonl"
     path.write_text("\n".join([json.dumps(GOOD), SURROGATE_LINE, json.dumps(GOOD)]) + "\n")
-    code, out, err = run_main("data", ["stats", "--input", str(path), "--json", "-q"], capsys)
-    assert code == 0, err
-    stats = json.loads(out)
+    res = run_main("data", ["stats", "--input", str(path), "--json", "-q"], capsys)
+    assert res.returncode == 0, res.stderr
+    stats = json.loads(res.stdout)
     assert (stats["parsed"], stats["examples"], stats["skipped"]) == (2, 2, {"invalid unicode": 1})
-    code, out, err = run_main("data", ["stats", "--input", str(path), "-q"], capsys)
-    assert code == 0 and "Traceback" not in err
-    assert f"invalid unicode: 1 (e.g. {path}:2) messages[0].content: lone surrogate U+D800" in out
+    res = run_main("data", ["stats", "--input", str(path), "-q"], capsys)
+    assert res.returncode == 0 and "Traceback" not in res.stderr
+    assert f"invalid unicode: 1 (e.g. {path}:2) messages[0].content: lone surrogate U+D800" in res.stdout
     dump = tmp_path / "dump.jsonl"  # dump (and training: the same build_data) skip it too
-    code, _, err = run_main(
-        "data", ["dump", "--input", str(path), "--out", str(dump), "--no-pack", "-q"], capsys
-    )
-    assert code == 0 and len(dump.read_text().splitlines()) == 2
+    res = run_main("data", ["dump", "--input", str(path), "--out", str(dump), "--no-pack", "-q"], capsys)
+    assert res.returncode == 0 and len(dump.read_text().splitlines()) == 2
 
 
 @pytest.fixture(scope="module")
@@ -287,18 +263,16 @@ def test_generate_refuses_a_lone_surrogate_in_one_line(chat_checkpoint, tmp_path
     msgs = tmp_path / "messages.json"
     msgs.write_text('[{"role": "user", "content": "bad \\udfff text"}]')
     base = ["generate", "--checkpoint", str(chat_checkpoint), "--max-new-tokens", "2", "-q"]
-    code, out, err = run_main("inference", [*base, "--messages", str(msgs)], capsys)
-    assert_one_line(code, err, "inference", "messages[0].content: lone surrogate U+DFFF")
-    assert out == ""
+    res = run_main("inference", [*base, "--messages", str(msgs)], capsys)
+    assert_one_line(res, "inference", "messages[0].content: lone surrogate U+DFFF")
+    assert res.stdout == ""
     # An undecodable command-line byte arrives as a surrogate escape (PEP 383): the same refusal.
-    code, _, err = run_main(
-        "inference", [*base, "--prompt", b"caf\xe9".decode("utf-8", "surrogateescape")], capsys
-    )
-    assert_one_line(code, err, "inference", "lone surrogate U+DCE9")
+    res = run_main("inference", [*base, "--prompt", b"caf\xe9".decode("utf-8", "surrogateescape")], capsys)
+    assert_one_line(res, "inference", "lone surrogate U+DCE9")
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100_000 + "]" * 100_000)
-    code, _, err = run_main("inference", [*base, "--messages", str(deep)], capsys)
-    assert_one_line(code, err, "inference", "nested deeper than the parser allows")
+    res = run_main("inference", [*base, "--messages", str(deep)], capsys)
+    assert_one_line(res, "inference", "nested deeper than the parser allows")
 
 
 @pytest.mark.timeout(300)
@@ -359,8 +333,8 @@ def test_synth_verify_and_convert_skip_deep_json_and_surrogates_with_reasons(tmp
     lines = [json.dumps(_raw("ok")), "[" * 100_000 + "]" * 100_000, json.dumps(_raw("bad", "\ud800"))]
     raw.write_text("\n".join(lines) + "\n")
     report = tmp_path / "verify.jsonl"
-    code, _, err = run_main("synth", ["verify", "--input", str(raw), "--out", str(report)], capsys)
-    assert code == 0 and "Traceback" not in err, err
+    res = run_main("synth", ["verify", "--input", str(raw), "--out", str(report)], capsys)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
     rows = [json.loads(line) for line in report.read_text().splitlines()]
     assert [(r["line"], r["reason"]) for r in rows] == [
         (1, "ok"),
@@ -369,10 +343,10 @@ def test_synth_verify_and_convert_skip_deep_json_and_surrogates_with_reasons(tmp
     ]
     assert "turns[0].thought: lone surrogate U+D800" in rows[2]["detail"]
     out, summary = tmp_path / "train.jsonl", tmp_path / "summary.json"
-    code, _, err = run_main(
+    res = run_main(
         "synth", ["convert", "--input", str(raw), "--out", str(out), "--summary", str(summary)], capsys
     )
-    assert code == 0 and "Traceback" not in err, err
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
     assert json.loads(summary.read_text())["dropped"] == {"invalid_unicode": 1, "json_too_deep": 1}
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["ok"]
 
@@ -409,5 +383,5 @@ def test_malformed_agentboard_pddl_is_one_line_naming_the_file(case, tmp_path, c
         "--policy",
         "random",
     ]
-    code, _, err = run_main("eval", [*argv, "-q"], capsys)
-    assert_one_line(code, err, "eval", f"{root / PDDL_DIR / rel}: malformed PDDL")
+    res = run_main("eval", [*argv, "-q"], capsys)
+    assert_one_line(res, "eval", f"{root / PDDL_DIR / rel}: malformed PDDL")

@@ -15,7 +15,9 @@ import sys
 import time
 
 import pytest
-from test_faults_input import GOOD, assert_one_line, run_main
+from test_cli_errors import _assert_one_line_error as assert_one_line
+from test_cli_errors import run_main
+from test_faults_input import GOOD
 
 
 @pytest.mark.parametrize(
@@ -31,9 +33,9 @@ def test_config_refuses_values_that_used_to_be_ignored(overrides, needle, capsys
     argv = ["--config", "demo", "--print-config"]
     for o in overrides:
         argv += ["--set", o]
-    code, out, err = run_main("train", argv, capsys)
-    assert_one_line(code, err, "train", needle)
-    assert out == ""
+    res = run_main("train", argv, capsys)
+    assert_one_line(res, "train", needle)
+    assert res.stdout == ""
 
 
 def test_config_bounds_admit_the_largest_useful_values(capsys):
@@ -52,7 +54,7 @@ def test_train_refuses_a_huge_lora_rank_at_start_up_not_after_minutes(tmp_path):
     res = subprocess.run(
         cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "JAX_PLATFORMS": "cpu"}
     )
-    assert_one_line(res.returncode, res.stderr, "train", "train.lora.rank=100000: must be <= 32")
+    assert_one_line(res, "train", "train.lora.rank=100000: must be <= 32")
     assert time.monotonic() - t0 < 120  # start-up only: no data, no parameters were built
     assert not run.exists()
 
@@ -67,9 +69,9 @@ def test_train_refuses_a_huge_lora_rank_at_start_up_not_after_minutes(tmp_path):
     ],
 )
 def test_plan_refuses_sizes_below_one_instead_of_using_defaults(flags, needle, capsys):
-    code, out, err = run_main("plan", ["--config", "demo", "--mesh", "fsdp=1", *flags], capsys)
-    assert_one_line(code, err, "plan", needle)
-    assert out == ""
+    res = run_main("plan", ["--config", "demo", "--mesh", "fsdp=1", *flags], capsys)
+    assert_one_line(res, "plan", needle)
+    assert res.stdout == ""
 
 
 def test_planner_library_refuses_zero_sizes():
@@ -89,8 +91,8 @@ def test_planner_library_refuses_zero_sizes():
 )
 def test_export_verify_refuses_a_bad_tolerance(flag, value, tmp_path, capsys):
     argv = ["verify", "--checkpoint", str(tmp_path), "--hf", str(tmp_path), flag, value]
-    code, _, err = run_main("export", argv, capsys)
-    assert_one_line(code, err, "export", f"argument {flag}:")
+    res = run_main("export", argv, capsys)
+    assert_one_line(res, "export", f"argument {flag}:")
 
 
 @pytest.mark.parametrize("content", ["", "\n\n  \n"])
@@ -100,9 +102,9 @@ def test_data_refuses_an_input_without_rows(command, content, tmp_path, capsys):
     path.write_text(content)
     out = tmp_path / "out.jsonl"
     argv = [command, "--input", str(path)] + (["--out", str(out)] if command == "dump" else [])
-    code, stdout, err = run_main("data", argv, capsys)
-    assert_one_line(code, err, "data", f"no train records in {path} (0 rows)")
-    assert stdout == "" and not out.exists()
+    res = run_main("data", argv, capsys)
+    assert_one_line(res, "data", f"no train records in {path} (0 rows)")
+    assert res.stdout == "" and not out.exists()
 
 
 def test_data_dump_refuses_to_write_over_its_input(tmp_path, capsys):
@@ -112,6 +114,6 @@ def test_data_dump_refuses_to_write_over_its_input(tmp_path, capsys):
     link = tmp_path / "link.jsonl"
     link.symlink_to(path)
     for out in (path, link):  # the file itself, and the same file under another name
-        code, _, err = run_main("data", ["dump", "--input", str(path), "--out", str(out)], capsys)
-        assert_one_line(code, err, "data", f"--out {out} is the input file {path}")
+        res = run_main("data", ["dump", "--input", str(path), "--out", str(out)], capsys)
+        assert_one_line(res, "data", f"--out {out} is the input file {path}")
         assert path.read_bytes() == before

@@ -349,10 +349,7 @@ EXPORT_DTYPES = ("auto", *NP_DTYPES)
 
 def hf_storage_dtype(hf_dir: str | pathlib.Path) -> str | None:
     """The lowest-precision float dtype among the HF tensors (None if unknown)."""
-    found: set[str] = set()
-    for path, names in hf_weight_files(hf_dir).items():
-        with open_safetensors(path) as f:
-            found.update(_SAFE_DTYPES.get(f.get_slice(n).get_dtype(), "?") for n in names)
+    found = {_SAFE_DTYPES.get(sl.get_dtype(), "?") for _, _, _, sl in _iter_slices(hf_dir)}
     known = [d for d in found if d in _PRECISION]
     return min(known, key=_PRECISION.__getitem__) if known else None
 
@@ -385,21 +382,29 @@ def _check_finite(path: pathlib.Path, name: str, tensor: np.ndarray) -> None:
             raise ValueError(f"{path.name}: tensor {name} holds NaN or Inf values")
 
 
-def iter_hf_tensors(hf_dir: str | pathlib.Path) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, array) for every tensor, one at a time, in file order; each a finite float array."""
+def _iter_slices(hf_dir: str | pathlib.Path) -> Iterator[tuple[pathlib.Path, Any, str, Any]]:
+    """(file, its open reader, tensor name, lazy slice) for every tensor, after the checks on files,
+    headers, the index's placement and the dtype; nothing is read but headers."""
     for path, names in hf_weight_files(hf_dir).items():
         with open_safetensors(path) as f:
             present = set(f.keys())
             for name in names:
                 if name not in present:
                     raise ValueError(f"{path.name} does not contain {name}, which the index places there")
-                _check_dtype(path, name, f.get_slice(name).get_dtype())
-                try:
-                    tensor = f.get_tensor(name)
-                except SafetensorError as e:
-                    raise ValueError(f"{path}: cannot read tensor {name} ({e})") from None
-                _check_finite(path, name, tensor)
-                yield name, tensor
+                sl = f.get_slice(name)
+                _check_dtype(path, name, sl.get_dtype())
+                yield path, f, name, sl
+
+
+def iter_hf_tensors(hf_dir: str | pathlib.Path) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) for every tensor, one at a time, in file order; each a finite float array."""
+    for path, f, name, _ in _iter_slices(hf_dir):
+        try:
+            tensor = f.get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"{path}: cannot read tensor {name} ({e})") from None
+        _check_finite(path, name, tensor)
+        yield name, tensor
 
 
 def check_hf_dir(hf_dir: str | pathlib.Path) -> ModelConfig:
@@ -409,18 +414,11 @@ def check_hf_dir(hf_dir: str | pathlib.Path) -> ModelConfig:
     `load_hf_model` checks the same while it reads; this lets a trainer fail before its data work."""
     cfg = read_hf_config(hf_dir)
     seen: set[str] = set()
-    for path, names in hf_weight_files(hf_dir).items():
-        with open_safetensors(path) as f:
-            present = set(f.keys())
-            for name in names:
-                if name not in present:
-                    raise ValueError(f"{path.name} does not contain {name}, which the index places there")
-                sl = f.get_slice(name)
-                _check_dtype(path, name, sl.get_dtype())
-                if _RECOMPUTED_RE.match(name) or (name == "lm_head.weight" and cfg.tie_embeddings):
-                    continue
-                _check_shape(name, tuple(sl.get_shape()), cfg, hf_dir)
-                seen.add(name)
+    for _, _, name, sl in _iter_slices(hf_dir):
+        if _RECOMPUTED_RE.match(name) or (name == "lm_head.weight" and cfg.tie_embeddings):
+            continue
+        _check_shape(name, tuple(sl.get_shape()), cfg, hf_dir)
+        seen.add(name)
     _check_complete(params.expected_hf_names(cfg) - seen, hf_dir)
     return cfg
 
