@@ -124,3 +124,19 @@ def test_bad_inputs_are_one_line_and_exit_2(files, tmp_path, capsys):
         assert main(["judge-agreement", "--judge", str(j), "--human", str(h)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("[analyze] error:") and message in err[0], err
+
+
+def test_module_entry_point_in_a_process(files, tmp_path):
+    """`python -m agentrefine_jax.analyze` as users run it: a table on stdout; bad input: one line, exit 2."""
+    import subprocess
+    import sys
+
+    _, verdicts, human = files
+    run = [sys.executable, "-m", "agentrefine_jax.analyze", "judge-agreement", "--judge", str(verdicts)]
+    ok = subprocess.run([*run, "--human", str(human)], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "| human: right | 4 | 1 |" in ok.stdout, ok.stderr
+    bad = subprocess.run(
+        [*run, "--human", str(tmp_path / "absent.jsonl")], capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines() == [f"[analyze] error: {tmp_path / 'absent.jsonl'}: no such file"]
