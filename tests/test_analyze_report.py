@@ -264,3 +264,17 @@ def test_bad_inputs_are_one_line_and_exit_2(runs, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("[analyze] error:") and message in err[0], err
     assert not (tmp_path / "o").exists()
+
+
+def test_table3_summary_reproduces_the_papers_averages():
+    """The paper's Table 3 averages are means over the original and the five perturbations (all rows);
+    population std over the same six values gives the cells below (others it does not: see docs)."""
+    from agentrefine_jax.analyze import paper
+    from agentrefine_jax.analyze.tables import paper_style_summary
+
+    for row in paper.TABLE3:
+        for k in (0, 1):
+            mean, std = paper_style_summary([v[k] / 100 for v in (row.original, *row.perturbations)])
+            assert round(100 * mean, 1) == row.average[k], (row.model, k)
+            if (row.model, k) in (("AgentRefine", 0), ("LLaMA3-8B-Instruct", 1)):
+                assert round(100 * std, 2) == row.std[k], (row.model, k)

@@ -115,8 +115,9 @@ def table2(results: Sequence[RunResult], include_paper: bool = False) -> str | N
 
 
 def paper_style_summary(values: Sequence[float | None]) -> tuple[float | None, float | None]:
-    """Table 3's average and std: over the original and every perturbation (the paper's AgentRefine
-    row, 44.8 50.0 51.5 54.5 45.5 44.8 -> 48.5 / 3.73, is the mean and population std of all six)."""
+    """Table 3's average and std over the original and every perturbation. Every published average is
+    the mean of all six values; the population std of the six gives some published stds (AgentRefine's
+    success 3.73, LLaMA-3's progress 0.47) but not others, and the paper does not say how it got them."""
     if not values or any(v is None for v in values):
         return None, None
     mean = sum(values) / len(values)  # type: ignore[arg-type]
