@@ -225,6 +225,35 @@ def test_train_process_refuses_weights_outside_the_directory_before_any_data_wor
     assert not (run / "checkpoints").exists() or not os.listdir(run / "checkpoints")
 
 
+def test_train_names_a_nan_weight_found_while_loading_the_base(tmp_path, capsys):
+    """NaN is only seen when the weights are read (after the data pipeline): still one line and exit 2.
+    The directory holds the demo config's own architecture, so every header check passes first."""
+    from test_generate_chat import numpy_model
+
+    from agentrefine_jax.hf.io import save_hf
+    from agentrefine_jax.models import preset
+
+    cfg = preset("tiny")
+    d = tmp_path / "tiny"
+    save_hf(numpy_model(cfg, seed=0, std=0.02), cfg, d, dtype="float32")
+    _edit_tensor("model.norm.weight", _with_nan)(d, d)
+    run = tmp_path / "run"
+    argv = ["--config", "demo", "-q", "--set", f"train.run_dir={run}", "--set", f"train.init_from_hf={d}"]
+    argv += ["--set", "mesh.fsdp=2", "--set", "mesh.tensor=4", "--set", "train.export_hf_at_end=none"]
+    rows = tmp_path / "rows.jsonl"  # four unpacked rows: one global batch, little tokenizing
+    rows.write_text((json.dumps(GOOD) + "\n") * 4)
+    argv += ["--set", f"data.train_files={rows}", "--set", "data.pack=false"]
+    res = run_main("train", argv, capsys)
+    assert_one_line(res, "train", f"train.init_from_hf={d}", "tensor model.norm.weight holds NaN or Inf")
+    assert not (run / "checkpoints").exists() or not os.listdir(run / "checkpoints")
+
+
+def test_train_mesh_the_devices_cannot_fill_is_one_line(tmp_path, capsys):
+    argv = ["--config", "demo", "-q", "--set", f"train.run_dir={tmp_path / 'run'}", "--set", "mesh.fsdp=3"]
+    res = run_main("train", argv, capsys)
+    assert_one_line(res, "train", "mesh.data/fsdp/tensor: mesh {'data': 1, 'fsdp': 3, 'tensor': 1} needs 3")
+
+
 # ------------------------------------------------------------------------------------ lone surrogates
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}

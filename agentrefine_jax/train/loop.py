@@ -164,7 +164,10 @@ def train(cfg: Config) -> dict[str, Any]:
 
     tc = cfg.train
     paths = RunPaths(tc.run_dir)
-    mesh = shd.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    try:
+        mesh = shd.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    except ValueError as e:  # mesh sizes that this host's devices cannot fill: the config's fault
+        raise TrainingInputError(f"mesh.data/fsdp/tensor: {e}") from None
     pc = jax.process_count()
     if tc.global_batch_size % pc:
         raise TrainingError(f"train.global_batch_size={tc.global_batch_size} not divisible by {pc} processes")
