@@ -48,8 +48,7 @@ def build_report(results: Sequence[RunResult], out_dir: str | pathlib.Path, incl
         ("## Table 1: success / progress per task", tables.table1(results, include_paper)),
         ("## Table 2: ablations", tables.table2(results, include_paper)),
         (
-            "## Table 3: perturbations (average and std over the original and every perturbation, "
-            "as the paper)",
+            "## Table 3: perturbations (average and population std over the original and every perturbation)",
             tables.table3(results, include_paper),
         ),
         ("## Table 4: single sample vs Best-of-N", tables.table4(results, include_paper)),
