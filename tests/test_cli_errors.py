@@ -94,7 +94,7 @@ def test_print_config_validates():
         ("synth", ["verify", "--input", MISSING, "--out", MISSING], "cannot read"),
         ("export", ["verify", "--checkpoint", MISSING], "required: --hf"),
         ("export", ["to-hf", "--checkpoint", MISSING, "--out", MISSING], "does not exist"),
-        ("eval", ["--policy", "oracle", "--tasks", "nosuchtask"], "unknown task(s)"),
+        ("eval", ["--policy", "oracle", "--tasks", "nosuchtask"], "unknown task 'nosuchtask'"),
         ("eval", ["--policy", "oracle", "--episodes", "x"], "invalid int value"),
         ("inference", ["generate", "--checkpoint", MISSING, "--prompt", "hi"], "required: --max-new-tokens"),
         (
