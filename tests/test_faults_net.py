@@ -1,5 +1,11 @@
 """Network faults (issue 23): slow and hostile peers on 127.0.0.1, real sockets, real CLIs.
 
+Server (inference serve): idle, slow-header and short-body connections are closed at the read
+deadline without a thread each (the server's thread count is the oracle; the `serve` process's
+own count under 60 idle connections is checked in test_serve_openai's CLI test); 30+
+concurrent requests are all answered (200, or 503 with Retry-After; never a reset); a chunked
+POST is parsed exactly once (the next request on the same connection is answered normally).
+
 Clients (synth generate, eval --base-url, agentrefine_jax.http_client): a server that trickles one
 byte every half second never trips a per-read timeout; the request deadline must end each attempt
 at `timeout` seconds. A provider that echoes the API key back mangled (upper-cased, one character
@@ -11,6 +17,8 @@ exact bytes on the wire, and the files the CLIs wrote.
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import os
 import pathlib
@@ -21,9 +29,15 @@ import sys
 import threading
 import time
 
+import openai
 import pytest
+from test_generate_chat import CFG, CONVERSATION, numpy_model
 
+from agentrefine_jax.checkpoint import save_model
 from agentrefine_jax.http_client import RequestTimeout, redact, request
+from agentrefine_jax.inference.chat import ChatGenerator
+from agentrefine_jax.inference.http_server import ServerLimits
+from agentrefine_jax.inference.server import ChatService, make_server
 
 SECRET = "sk-test-DO-NOT-LEAK-4f9a2c"
 DEADLINE = 2.0  # the client timeout under test
@@ -288,3 +302,282 @@ def test_a_mangled_key_echo_reaches_neither_stderr_nor_saved_files(tmp_path):
     assert episode["error"].startswith("HTTP 401 (invalid_api_key): Incorrect API key ***"), episode
     for text in (synth.stdout, synth.stderr, evaluation.stdout, evaluation.stderr, _saved_text(tmp_path)):
         assert not _leaks(text)
+
+
+# ------------------------------------------------------------------ the server
+
+READ_TIMEOUT = 1.0  # the server's read deadline in these tests
+TIGHT = ServerLimits(workers=2, queue=2, read_timeout=READ_TIMEOUT)
+CHAT = {"model": "demo-model", "messages": CONVERSATION, "max_tokens": 3, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("serve") / "demo-model"
+    save_model(path, numpy_model(CFG, seed=0, std=0.1), CFG, step=0, tokenizer="llama3", template="llama3")
+    return path
+
+
+@pytest.fixture(scope="module")
+def generator(checkpoint):
+    return ChatGenerator.from_checkpoint(str(checkpoint))
+
+
+@contextlib.contextmanager
+def serving(generator, limits: ServerLimits):
+    """An in-process server; yields (server, port, log lines)."""
+    lines: list[str] = []
+    srv = make_server(ChatService(generator, log=lines.append), "127.0.0.1", 0, limits)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield srv, srv.server_address[1], lines
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        thread.join(timeout=10)
+
+
+class _Unclosable:
+    def __init__(self, fp):
+        self._fp = fp
+
+    def __getattr__(self, name):
+        return getattr(self._fp, name)
+
+    def close(self) -> None:
+        pass
+
+
+class Conn:
+    """A raw client connection that can read several responses off one socket."""
+
+    def __init__(self, port: int, timeout: float = 10):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self._fp = self.sock.makefile("rb")
+
+    def makefile(self, *args, **kwargs):  # for http.client.HTTPResponse, which closes what it gets
+        return _Unclosable(self._fp)
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def response(self) -> tuple[int, dict[str, str], bytes]:
+        resp = http.client.HTTPResponse(self)  # type: ignore[arg-type]
+        resp.begin()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+
+    def at_eof(self, wait: float = 2.0) -> bool:
+        """True when the server closed the connection (nothing more to read) within `wait` s."""
+        self.sock.settimeout(wait)
+        try:
+            return self._fp.read(1) == b""
+        except (TimeoutError, OSError):
+            return False
+
+    def close(self) -> None:
+        self._fp.close()
+        self.sock.close()
+
+
+def _post(body: bytes, *headers: str, path: str = "/v1/chat/completions") -> bytes:
+    head = [f"POST {path} HTTP/1.1", "Host: x", "Content-Type: application/json", *headers]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def _health() -> bytes:
+    return b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def _outcome(sock: socket.socket) -> str | None:
+    """What the server did with a connection that never sent a full request: '503', 'closed'
+    (a read deadline), or None while it is still open."""
+    if not select.select([sock], [], [], 0)[0]:
+        return None
+    try:
+        data = sock.recv(65536)
+    except OSError:  # a reset is a failure of its own kind, not a deadline
+        return "reset"
+    if not data:
+        return "closed"
+    head = data.split(b"\r\n\r\n")[0]
+    return "503" if head.startswith(b"HTTP/1.1 503") and b"\r\nRetry-After: 1" in head else repr(head)
+
+
+def _server_threads() -> int:
+    return sum(t.name.startswith("serve-") for t in threading.enumerate())
+
+
+@pytest.mark.timeout(60)
+def test_idle_and_slow_header_connections_hold_no_thread_for_ever(generator):
+    with serving(generator, TIGHT) as (srv, port, lines):
+        before, pool = threading.active_count(), _server_threads()
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
+        slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+        header = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: " + b"a" * 1000
+        outcome: dict[int, tuple[str, float]] = {}
+        t0, during = time.monotonic(), []
+        for step in range(60):  # slowloris: one header byte per socket every 0.2 s, for 12 s at most
+            for i, s in enumerate(slow):
+                if i + len(idle) not in outcome:
+                    with contextlib.suppress(OSError):
+                        s.sendall(header[step : step + 1])
+            for i, s in enumerate(idle + slow):
+                if i not in outcome and (o := _outcome(s)) is not None:
+                    outcome[i] = (o, time.monotonic() - t0)
+            during.append(threading.active_count())
+            if len(outcome) == 60:
+                break
+            time.sleep(0.2)
+        for s in idle + slow:
+            s.close()
+        c = Conn(port)
+        c.send(_health())
+        status, _, _ = c.response()
+        c.close()
+        after = threading.active_count()
+    kinds = [o for o, _ in outcome.values()]
+    # Every connection was dealt with: 4 (2 workers + 2 queued) closed at their read deadline,
+    # the rest answered 503 at once; no thread was started for any of them.
+    assert len(outcome) == 60 and set(kinds) <= {"503", "closed"}, outcome
+    assert 2 <= kinds.count("closed") <= 4 and kinds.count("503") == srv.rejected >= 56
+    assert max(t for o, t in outcome.values() if o == "closed") <= 2 * READ_TIMEOUT + MARGIN
+    assert max(during) == before == after and pool == TIGHT.workers + 1, (before, during, after)
+    assert status == 200
+    assert any("Request timed out" in line for line in lines)
+
+
+@pytest.mark.timeout(60)
+def test_short_or_trickled_body_gets_408_at_the_deadline(generator):
+    body = json.dumps(CHAT).encode()
+    with serving(generator, ServerLimits(workers=1, queue=1, read_timeout=READ_TIMEOUT)) as (srv, port, _):
+        before = threading.active_count()
+        results = []
+        for trickled in (False, True):
+            c = Conn(port)
+            t0 = time.monotonic()
+            c.send(_post(b"", f"Content-Length: {len(body) + 50}"))
+            if trickled:  # one byte every 0.3 s, never the whole body, until the server answers
+                for b in body:
+                    c.send(bytes([b]))
+                    if select.select([c.sock], [], [], 0.3)[0]:
+                        break
+            else:
+                c.send(body)  # 50 bytes short of its Content-Length
+            status, headers, payload = c.response()
+            results.append((status, time.monotonic() - t0, headers.get("connection"), c.at_eof()))
+            c.close()
+        c = Conn(port)  # the single worker is free again
+        c.send(_health())
+        health, _, _ = c.response()
+        c.close()
+        after = threading.active_count()
+    for status, elapsed, connection, eof in results:
+        assert status == 408 and connection == "close" and eof
+        assert READ_TIMEOUT - 0.05 <= elapsed <= READ_TIMEOUT + MARGIN
+    assert b"not received within 1 s" in payload
+    assert health == 200 and before == after
+
+
+def _chunked(body: bytes) -> bytes:
+    parts = [body[:10], body[10:25], body[25:]]
+    wire = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in parts)
+    return wire + b"0\r\nX-Trailer: t\r\n\r\n"
+
+
+@pytest.mark.timeout(120)
+def test_chunked_post_is_parsed_once(generator):
+    body = json.dumps(CHAT).encode()
+    (expected,) = generator.complete([CONVERSATION], max_new_tokens=3)
+    with serving(generator, ServerLimits(read_timeout=5)) as (_, port, _):
+        c = Conn(port)
+        c.send(_post(_chunked(body), "Transfer-Encoding: chunked") + _health())  # pipelined
+        first, second = c.response(), c.response()
+        c.sock.settimeout(0.5)
+        with pytest.raises(TimeoutError):  # nothing more: the chunks were not parsed as a request
+            c._fp.read(1)
+        c.close()
+        refused = {}
+        for name, wire in {
+            "te+cl": _post(_chunked(body), "Transfer-Encoding: chunked", f"Content-Length: {len(body)}"),
+            "gzip": _post(body, "Transfer-Encoding: gzip, chunked"),
+            "bad size": _post(b"zz\r\n" + body + b"\r\n0\r\n\r\n", "Transfer-Encoding: chunked"),
+            "chunk over its size": _post(
+                b"%x\r\n" % (len(body) - 5) + body + b"\r\n0\r\n\r\n", "Transfer-Encoding: chunked"
+            ),
+        }.items():
+            c = Conn(port)
+            c.send(wire + _health())  # a health check behind it must never be answered
+            status, headers, _ = c.response()
+            refused[name] = (status, headers.get("connection"), c.at_eof())
+            c.close()
+        c = Conn(port)  # a GET with a body: answered, and the body is not taken for a request
+        c.send(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nGET /")
+        get_with_body = c.response()[0], c.at_eof()
+        c.close()
+    status, _, payload = first
+    assert status == 200 and json.loads(payload)["choices"][0]["message"]["content"] == expected.text
+    assert second[0] == 200 and json.loads(second[2])["status"] == "ok"
+    assert refused == {
+        "te+cl": (400, "close", True),
+        "gzip": (501, "close", True),
+        "bad size": (400, "close", True),
+        "chunk over its size": (400, "close", True),
+    }, refused
+    assert get_with_body == (200, True)
+
+
+def _many(port: int, n: int) -> list[tuple[int, dict[str, str], bytes] | str]:
+    """n requests on n connections, released at once; each a response or the error it ended in."""
+    out: list = [None] * n
+    gate = threading.Barrier(n)
+    body = json.dumps({**CHAT, "max_tokens": 2}).encode()
+
+    def one(i: int) -> None:
+        try:
+            gate.wait(timeout=10)
+            c = Conn(port, timeout=60)
+            c.send(_post(body, f"Content-Length: {len(body)}"))
+            out[i] = c.response()
+            c.close()
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            out[i] = f"{type(e).__name__}: {e}"
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_concurrent_requests_are_all_answered(generator):
+    with serving(generator, ServerLimits()) as (_, port, _):
+        warm = _many(port, 1)  # compile once
+        roomy = _many(port, 32)
+    with serving(generator, TIGHT) as (srv, port, _):
+        tight = [r for _ in range(3) for r in _many(port, 30)]
+        # The real client retries the 503s (Retry-After) until all are served.
+        url = f"http://127.0.0.1:{port}/v1"
+        texts: list = [None] * 12
+
+        def ask(i: int) -> None:
+            c = openai.OpenAI(base_url=url, api_key="x", max_retries=8, timeout=60)
+            texts[i] = c.chat.completions.create(**{**CHAT, "max_tokens": 2}).choices[0].message.content
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert warm[0][0] == 200
+    assert [r[0] if isinstance(r, tuple) else r for r in roomy] == [200] * 32
+    assert all(isinstance(r, tuple) for r in tight), [r for r in tight if not isinstance(r, tuple)]
+    statuses = [r[0] for r in tight]
+    assert set(statuses) <= {200, 503} and statuses.count(200) >= 3 * 2, statuses
+    for status, headers, payload in tight:
+        if status == 503:
+            assert headers["retry-after"] == "1" and json.loads(payload)["error"]["code"] == "server_busy"
+    assert srv.rejected >= statuses.count(503)
+    assert texts == [json.loads(warm[0][2])["choices"][0]["message"]["content"]] * 12

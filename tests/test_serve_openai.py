@@ -7,9 +7,12 @@ which is itself checked against transformers in test_generate_hf_parity.py.
 from __future__ import annotations
 
 import os
+import select
+import socket
 import subprocess
 import sys
 import threading
+import time
 
 import openai
 import pytest
@@ -96,12 +99,33 @@ def test_models_and_errors(server):
         client(server, key="wrong").chat.completions.create(model="demo-model", messages=MESSAGES)
 
 
+def _idle_flood(port: int, n: int, wait: float) -> list[str]:
+    """Open n connections that never send a byte; what the server did with each within `wait` s:
+    '503' (answered busy at once), 'closed' (its read deadline), or 'open'."""
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]
+    outcome = ["open"] * n
+    end = time.monotonic() + wait
+    while "open" in outcome and time.monotonic() < end:
+        for i in [i for i, o in enumerate(outcome) if o == "open"]:
+            if select.select([socks[i]], [], [], 0)[0]:
+                data = socks[i].recv(4096)
+                outcome[i] = (
+                    "closed" if not data else ("503" if data.startswith(b"HTTP/1.1 503") else repr(data))
+                )
+        time.sleep(0.05)
+    for s in socks:
+        s.close()
+    return outcome
+
+
 @pytest.mark.timeout(300)
 def test_cli_server_answers_openai_client(checkpoint, generator):
+    """Also (issue 23): 60 idle connections add no thread to the serve process (its /proc task
+    count) and each ends at once (503) or at the 1 s read deadline."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.pop("AGENTREFINE_SERVE_API_KEY", None)
     cmd = [sys.executable, "-m", "agentrefine_jax.inference", "serve", "--checkpoint", str(checkpoint)]
-    cmd += ["--port", "0"]
+    cmd += ["--port", "0", "--workers", "2", "--queue", "2", "--read-timeout", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()  # blocks until the server is listening (or exits)
@@ -111,10 +135,19 @@ def test_cli_server_answers_openai_client(checkpoint, generator):
             model="demo-model", messages=MESSAGES, max_tokens=6, temperature=0
         )
         assert resp.choices[0].message.content == generator.chat([MESSAGES], max_new_tokens=6)[0]
+        tasks_before = len(os.listdir(f"/proc/{proc.pid}/task"))
+        outcome = _idle_flood(int(url.rsplit(":", 1)[1].split("/")[0]), 60, wait=10)
+        tasks_after = len(os.listdir(f"/proc/{proc.pid}/task"))
+        again = client(url, key="unused").models.list()
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    assert proc.returncode == 0, proc.stderr.read()
+    stderr = proc.stderr.read()
+    assert proc.returncode == 0 and "Traceback" not in stderr, stderr
+    assert set(outcome) <= {"503", "closed"} and outcome.count("503") >= 56, outcome
+    # Before the fix each idle connection held a thread (60 connections: +60 threads).
+    assert tasks_after <= tasks_before + 2, (tasks_before, tasks_after)
+    assert [m.id for m in again.data] == ["demo-model"]

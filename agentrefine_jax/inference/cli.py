@@ -26,6 +26,7 @@ from agentrefine_jax import logs
 from agentrefine_jax.cli_errors import OneLineParser, fail, float_in, int_in
 from agentrefine_jax.inference.chat import ChatGenerator
 from agentrefine_jax.inference.engine import generate
+from agentrefine_jax.inference.http_server import ServerLimits
 from agentrefine_jax.inference.loading import load_for_inference
 from agentrefine_jax.inference.server import ChatService, make_server
 from agentrefine_jax.models.llama import param_count
@@ -196,6 +197,22 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         help="env var holding the key clients must send; unset or empty = no authentication",
     )
     p.add_argument("--warmup", action="store_true", help="compile for a short request before serving")
+    d = ServerLimits()
+    p.add_argument(
+        "--workers", type=int_in(1, 1024), default=d.workers, help="connections served at once (thread pool)"
+    )
+    p.add_argument(
+        "--queue",
+        type=int_in(1, 65536),
+        default=d.queue,
+        help="connections waiting for a worker; beyond them: 503 with Retry-After",
+    )
+    p.add_argument(
+        "--read-timeout",
+        type=float_in(0, 3600, lo_open=True),
+        default=d.read_timeout,
+        help="seconds for a whole request (line, headers, body) to arrive; idle connections close after it",
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -216,7 +233,8 @@ def run_serve(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             gen.complete([[{"role": "user", "content": "hi"}]], max_new_tokens=2)
             log.info(f"warm-up compile done in {time.perf_counter() - t0:.1f}s")
-        server = make_server(service, args.host, args.port)
+        limits = ServerLimits(workers=args.workers, queue=args.queue, read_timeout=args.read_timeout)
+        server = make_server(service, args.host, args.port, limits)
     except (ValueError, FileNotFoundError, OSError) as e:
         return fail("inference", e)
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):

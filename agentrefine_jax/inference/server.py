@@ -5,11 +5,12 @@
     openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x").chat.completions.create(
         model=NAME, messages=[...], max_tokens=256, temperature=0.7)
 
-Endpoints: POST /v1/chat/completions, GET /v1/models, GET /health. Requests are handled on
-threads but serialised onto the one model (a lock), so a request never waits on a
-half-finished batch of another. Bound to 127.0.0.1 unless --host says otherwise; when the
-environment variable named by --api-key-env is set, every /v1 request must carry it as a
-Bearer token (the key itself is never logged).
+Endpoints: POST /v1/chat/completions, GET /v1/models, GET /health. Connections are served by
+a fixed pool of threads with read deadlines, a bounded queue and 503s beyond it (see
+inference/http_server.py); requests are serialised onto the one model (a lock), so a request
+never waits on a half-finished batch of another. Bound to 127.0.0.1 unless --host says
+otherwise; when the environment variable named by --api-key-env is set, every /v1 request must
+carry it as a Bearer token (the key itself is never logged).
 """
 
 from __future__ import annotations
@@ -24,10 +25,15 @@ import threading
 import time
 import traceback
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from agentrefine_jax.inference.chat import ChatGenerator, ContextOverflowError
+from agentrefine_jax.inference.http_server import (
+    BoundedRequestHandler,
+    HTTPBodyError,
+    PooledHTTPServer,
+    ServerLimits,
+)
 
 MAX_BODY_BYTES = 16 * 2**20
 MAX_STOP_STRINGS = 4  # as the OpenAI API
@@ -272,9 +278,8 @@ class ChatService:
         }
 
 
-def _handler(service: ChatService) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+def _handler(service: ChatService) -> type[BoundedRequestHandler]:
+    class Handler(BoundedRequestHandler):
         server_version = "agentrefine-serve/0.1"
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
@@ -309,19 +314,14 @@ def _handler(service: ChatService) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:  # noqa: N802 - stdlib naming
             path = self._path()
-            try:
-                length = int(self.headers.get("Content-Length") or 0)
-            except ValueError:
-                length = -1
-            if length < 0:
-                self.close_connection = True
-                self._send(400, APIError(400, "invalid Content-Length header").body())
+            try:  # read exactly once, before anything else: the connection stays in step
+                raw = self.read_body(MAX_BODY_BYTES)
+            except HTTPBodyError as e:
+                self._send(e.status, APIError(e.status, str(e)).body())
                 return
-            if length > MAX_BODY_BYTES:
-                self.close_connection = True
-                self._send(413, APIError(413, f"request body over {MAX_BODY_BYTES} bytes").body())
+            except TimeoutError as e:  # a body shorter than its Content-Length, or trickled
+                self._send(408, APIError(408, str(e)).body())
                 return
-            raw = self.rfile.read(length)
             if path != "/v1/chat/completions":
                 self._send(404, APIError(404, f"no route POST {path}").body())
                 return
@@ -344,8 +344,10 @@ def _handler(service: ChatService) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def make_server(service: ChatService, host: str = "127.0.0.1", port: int = 8000) -> ThreadingHTTPServer:
-    """A bound (not yet serving) HTTP server; port 0 picks a free port (see server.server_address)."""
-    server = ThreadingHTTPServer((host, port), _handler(service))
-    server.daemon_threads = True
-    return server
+def make_server(
+    service: ChatService, host: str = "127.0.0.1", port: int = 8000, limits: ServerLimits | None = None
+) -> PooledHTTPServer:
+    """A bound (not yet serving) HTTP server; port 0 picks a free port (see server.server_address).
+
+    Its worker threads start here; `serve_forever()` accepts, `server_close()` stops them."""
+    return PooledHTTPServer((host, port), _handler(service), limits or ServerLimits(), service.log)
