@@ -31,11 +31,10 @@ import time
 
 import openai
 import pytest
-from test_generate_chat import CFG, CONVERSATION, numpy_model
+import test_serve_openai
+from test_generate_chat import CONVERSATION
 
-from agentrefine_jax.checkpoint import save_model
 from agentrefine_jax.http_client import RequestTimeout, redact, request
-from agentrefine_jax.inference.chat import ChatGenerator
 from agentrefine_jax.inference.http_server import ServerLimits
 from agentrefine_jax.inference.server import ChatService, make_server
 
@@ -309,18 +308,8 @@ def test_a_mangled_key_echo_reaches_neither_stderr_nor_saved_files(tmp_path):
 READ_TIMEOUT = 1.0  # the server's read deadline in these tests
 TIGHT = ServerLimits(workers=2, queue=2, read_timeout=READ_TIMEOUT)
 CHAT = {"model": "demo-model", "messages": CONVERSATION, "max_tokens": 3, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("serve") / "demo-model"
-    save_model(path, numpy_model(CFG, seed=0, std=0.1), CFG, step=0, tokenizer="llama3", template="llama3")
-    return path
-
-
-@pytest.fixture(scope="module")
-def generator(checkpoint):
-    return ChatGenerator.from_checkpoint(str(checkpoint))
+# The tiny served model of test_serve_openai (its fixtures, so a session builds it once).
+checkpoint, generator = test_serve_openai.checkpoint, test_serve_openai.generator
 
 
 @contextlib.contextmanager
