@@ -124,6 +124,19 @@ def _fifo(d: pathlib.Path, outside: pathlib.Path) -> None:
     os.mkfifo(d / WEIGHTS)  # a reader that opens it blocks forever
 
 
+def _config_is(target: str):
+    def mutate(d: pathlib.Path, outside: pathlib.Path) -> None:
+        (d / "config.json").unlink()
+        if target == "fifo":
+            os.mkfifo(d / "config.json")
+        elif target == "deep":
+            (d / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+        else:
+            (d / "config.json").symlink_to(target)
+
+    return mutate
+
+
 EMBED = "model.embed_tokens.weight"
 HOSTILE = {
     "index-parent-traversal": (_index_to(relative=True), "'../../"),
@@ -141,6 +154,9 @@ HOSTILE = {
     "int32-tensor": (_edit_tensor(EMBED, lambda a: a.astype(np.int32)), f"tensor {EMBED} is I32"),
     "nan-weight": (_edit_tensor(EMBED, _with_nan), f"tensor {EMBED} holds NaN or Inf"),
     "inf-weight": (_edit_tensor("model.norm.weight", _with_inf), "tensor model.norm.weight holds NaN or Inf"),
+    "config-dev-zero": (_config_is("/dev/zero"), "config.json is not a regular JSON file"),
+    "config-fifo": (_config_is("fifo"), "config.json is not a regular JSON file"),
+    "config-deep-json": (_config_is("deep"), "config.json is JSON nested deeper than the parser allows"),
     "pickle-only": (_pickle_only, "pickle-based weights ['pytorch_model.bin']"),
     "gpt2-config": (_gpt2_config, "model_type 'gpt2' is not supported"),
     "wrong-shapes": (_wrong_shape, "config.json implies"),

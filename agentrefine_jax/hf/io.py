@@ -69,13 +69,21 @@ def _quiet(_: str) -> None:
 # --------------------------------------------------------------------------- config.json
 
 
+_MAX_JSON_BYTES = 64 * 2**20  # config / index files are kilobytes; /dev/zero or a FIFO is not one
+
+
 def _load_json(path: pathlib.Path) -> dict[str, Any]:
     try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_JSON_BYTES:
+            raise ValueError(f"{path} is not a regular JSON file of at most {_MAX_JSON_BYTES} bytes")
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} not found: not a Hugging Face model directory?") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{path} is JSON nested deeper than the parser allows") from None
 
 
 def _rope_from_hf(c: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
