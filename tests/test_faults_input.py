@@ -172,7 +172,7 @@ def hostile_dir(
     return d
 
 
-@pytest.mark.timeout(120)  # the FIFO case would block forever if it were opened
+@pytest.mark.timeout(120, method="thread")  # a FIFO opened by the reader blocks it in native code
 @pytest.mark.parametrize("case", list(HOSTILE))
 def test_from_hf_refuses_a_hostile_directory_in_one_line(case, hf_dir, elsewhere, tmp_path, capsys):
     d = hostile_dir(hf_dir, elsewhere, tmp_path, case)
