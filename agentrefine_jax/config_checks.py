@@ -87,7 +87,7 @@ MESH_SIZE = Check(lambda v: v == -1 or (_number(v) and v >= 1), "must be -1 (all
 DTYPES = ("float32", "bfloat16", "float16")
 # Closed sets owned by modules too heavy to import here (transformers); tests/test_config.py
 # asserts they equal the owners' constants so the two cannot drift apart.
-TEMPLATES = ("llama3", "mistral")
+TEMPLATES = ("llama3", "mistral", "hf")
 OVERLENGTH_MODES = ("truncate", "drop")
 SCHEDULES = ("cosine", "constant")
 

@@ -22,6 +22,7 @@ headers, [INST] markup, BOS, system or user text.
 from __future__ import annotations
 
 import copy
+import re
 import weakref
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -36,7 +37,7 @@ from agentrefine_jax.data.schema import (
     validate_messages,
 )
 
-TEMPLATES = ("llama3", "mistral")
+TEMPLATES = ("llama3", "mistral", "hf")
 
 # A template renders a conversation as a list of parts: literal token ids, or text to be
 # encoded as plain text. Text parts of many conversations are then encoded in one batch.
@@ -265,7 +266,99 @@ class MistralTemplate(ChatTemplate):
         return []
 
 
-_TEMPLATE_CLASSES = {"llama3": Llama3Template, "mistral": MistralTemplate}
+_SENTINEL = re.compile("\ue000(\\d+)\ue001")
+
+
+class HFDirTemplate(ChatTemplate):
+    """The Jinja `chat_template` a Hugging Face model directory ships (its tokenizer_config.json),
+    for families without a vendor encoder (models/families.py; e.g. Qwen2.5).
+
+    The template is rendered (sandboxed, as transformers does) with each message's content
+    replaced by a sentinel; the text between sentinels is the template's own markup, encoded
+    with its special tokens, while message content is encoded as plain text (a control token
+    typed in a message stays text). Loss mask: a trained assistant message's content and the
+    template's end token after it (the first stop token, e.g. <|im_end|>) — the tokens that
+    rendering the conversation prefix by prefix adds for that message
+    (tests/test_family_qwen2.py checks ids and masks against transformers' apply_chat_template).
+    """
+
+    name = "hf"
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        super().__init__(tokenizer)
+        source = getattr(tokenizer, "chat_template", None)
+        if isinstance(source, dict):
+            source = source.get("default")
+        if not isinstance(source, str) or not source:
+            raise ValueError(
+                "template 'hf': the tokenizer directory has no chat_template (tokenizer_config.json)"
+            )
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        self._jinja = env.from_string(source)
+        self._specials = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        self.stop_token_ids = tuple(int(i) for i in eos)
+        if not self.stop_token_ids:
+            raise ValueError("template 'hf': the tokenizer directory names no eos_token to end a turn")
+        self._backend = tokenizer.backend_tokenizer
+
+    def _markup(self, text: str) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=False).ids if text else []
+
+    def _render_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        from jinja2.exceptions import TemplateError
+
+        marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
+        try:
+            text = self._jinja.render(
+                messages=marked, add_generation_prompt=add_generation_prompt, **self._specials
+            )
+        except TemplateError as e:
+            raise RowError(
+                "chat template", f"the directory's chat_template refused the conversation: {e}"
+            ) from None
+        if [int(i) for i in _SENTINEL.findall(text)] != list(range(len(messages))):
+            raise RowError(
+                "chat template",
+                "the directory's chat_template does not emit each message's content once, in order "
+                "(it transforms or drops content); it cannot be used for training",
+            )
+        return text
+
+    def _render(self, messages: list[dict[str, Any]], train: frozenset[str] | None) -> list[Part]:
+        if any(ch in m["content"] for m in messages for ch in "\ue000\ue001"):
+            raise RowError("chat template", "message text contains the private-use characters U+E000/U+E001")
+        cats = assistant_categories(messages)
+        pieces = _SENTINEL.split(self._render_text(messages, False))
+        parts: list[Part] = [("ids", self._markup(pieces[0]), 0, -1)]
+        stops = set(self.stop_token_ids)
+        for k in range(len(messages)):
+            bit = int(train is not None and cats[k] is not None and cats[k] in train)
+            parts.append(("text", [messages[k]["content"]], bit, k))
+            after = self._markup(pieces[2 * k + 2])
+            # The message's end token belongs to it (and is trained with it); the rest is the
+            # next message's header.
+            cut = next((j + 1 for j, t in enumerate(after) if t in stops), 0)
+            parts.append(("ids", after[:cut], bit, k))
+            parts.append(("ids", after[cut:], 0, k + 1 if k + 1 < len(messages) else k))
+        return parts
+
+    def _generation_header(self, messages: list[dict[str, Any]]) -> list[Part]:
+        plain = self._render_text(messages, False)
+        prompt = self._render_text(messages, True)
+        if not prompt.startswith(plain):
+            raise RowError("chat template", "add_generation_prompt changes earlier turns of the conversation")
+        return [("ids", self._markup(prompt[len(plain) :]), 0, -1)]
+
+
+_TEMPLATE_CLASSES = {"llama3": Llama3Template, "mistral": MistralTemplate, "hf": HFDirTemplate}
 
 
 def get_template(name: str, tokenizer: PreTrainedTokenizerBase) -> ChatTemplate:

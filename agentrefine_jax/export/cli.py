@@ -172,18 +172,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from agentrefine_jax.checkpoint import save_model
     from agentrefine_jax.export.parity import summary, verify
     from agentrefine_jax.hf.io import check_output_dir, load_hf_model, save_hf
-    from agentrefine_jax.models import llama, preset
+    from agentrefine_jax.models import families, llama, preset
 
     out = pathlib.Path(args.out)
     ck_dir, hf_dir = out / "checkpoint", out / "hf"
     check_output_dir(hf_dir)
     cfg = preset(args.preset)
+    tokenizer = families.get(cfg.family).tokenizer
+    if tokenizer == "hf":  # the tokenizer would come from an HF directory the demo does not have
+        raise ValueError(f"preset {args.preset!r} has no built-in tokenizer (family {cfg.family})")
     log.info(
         f"[1/4] creating the {args.preset!r} model "
         f"({cfg.num_layers} layers, hidden {cfg.hidden_size}), seed {args.seed}"
     )
     model = nnx.jit(lambda: llama.create(cfg, args.seed))()
-    tokenizer = "mistral" if cfg.family == "mistral" else "llama3"
     log.info(f"      {param_count(model):,} parameters; saving project checkpoint {ck_dir}")
     save_model(ck_dir, model, cfg, step=0, tokenizer=tokenizer, template=tokenizer)
     log.info(f"[2/4] exporting to Hugging Face format (float32) in {hf_dir}")

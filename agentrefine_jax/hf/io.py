@@ -1,4 +1,4 @@
-"""Read and write Hugging Face Llama / Mistral checkpoints (safetensors only).
+"""Read and write Hugging Face checkpoints of the families in models/families.py (safetensors only).
 
 Reading streams one HF tensor at a time into (possibly sharded) device arrays, so host
 memory holds about one HF tensor (plus its re-laid-out copy) and one device shard at a
@@ -41,7 +41,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from agentrefine_jax.checkpoint import abstract_params, as_path, is_url, param_shardings
-from agentrefine_jax.models import llama, params
+from agentrefine_jax.models import families, llama, params
 from agentrefine_jax.models.config import ModelConfig, RopeScaling
 
 Log = Callable[[str], None]
@@ -50,7 +50,6 @@ SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 _SUPPORTED_ROPE = ("default", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # Tensors some checkpoints carry that are recomputed, not learned: skipped and counted.
@@ -154,13 +153,14 @@ def read_hf_config(
     d = pathlib.Path(hf_dir)
     c = _load_json(d / "config.json")
     family = c.get("model_type")
-    if family not in ("llama", "mistral"):
-        raise ValueError(f"{d}/config.json: model_type {family!r} is not supported (llama, mistral)")
+    if family not in families.FAMILIES:
+        raise ValueError(
+            f"{d}/config.json: model_type {family!r} is not supported ({', '.join(families.FAMILIES)})"
+        )
+    fam = families.get(family)
     if c.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported (silu)")
-    for flag in ("attention_bias", "mlp_bias"):
-        if c.get(flag):
-            raise ValueError(f"{flag}=true is not supported: the model has no bias terms")
+    fam.check_hf(c)
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if key not in c:
             raise ValueError(f"{d}/config.json lacks {key}")
@@ -170,7 +170,7 @@ def read_hf_config(
     gen_path = d / "generation_config.json"
     if gen_path.exists():
         eos += [e for e in _eos_list(_load_json(gen_path).get("eos_token_id")) if e not in eos]
-    window = c.get("sliding_window") if family == "mistral" else None
+    window = c.get("sliding_window") if fam.sliding_window else None
     defaults = ModelConfig()
     return ModelConfig(
         family=family,
@@ -198,8 +198,11 @@ def read_hf_config(
 
 def hf_config_dict(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     """config.json readable by transformers 4 (rope_theta/rope_scaling) and 5 (rope_parameters)."""
-    if cfg.family == "llama" and cfg.sliding_window is not None:
-        raise ValueError("transformers' Llama has no sliding window; export such a model as family 'mistral'")
+    fam = families.get(cfg.family)
+    if cfg.sliding_window is not None and not fam.sliding_window:
+        raise ValueError(
+            f"transformers' {fam.architecture} has no sliding window; export such a model as family 'mistral'"
+        )
     scaling = None
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:
@@ -212,7 +215,7 @@ def hf_config_dict(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
         list(cfg.eos_token_ids) if len(cfg.eos_token_ids) != 1 else cfg.eos_token_ids[0]
     )
     out: dict[str, Any] = {
-        "architectures": [_ARCHITECTURES[cfg.family]],
+        "architectures": [fam.architecture],
         "model_type": cfg.family,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
@@ -237,10 +240,9 @@ def hf_config_dict(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
         "torch_dtype": dtype,
         "dtype": dtype,
     }
-    if cfg.family == "llama":
-        out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-    else:
+    if fam.sliding_window:
         out["sliding_window"] = cfg.sliding_window
+    out.update(fam.hf_constants(cfg))
     return out
 
 

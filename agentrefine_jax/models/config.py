@@ -1,7 +1,8 @@
 """Model configuration and the shipped presets.
 
-One dataclass describes every LLaMA-3 / Mistral variant we support; the model code
-branches only on these fields, never on a family name.
+One dataclass describes every model we support (Llama-3, Mistral, Qwen2.5; the families and
+what differs between them are in models/families.py); the model code branches only on these
+fields and the family's row, never on a family name.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    family: Literal["llama", "mistral"] = "llama"
+    family: str = "llama"  # a row of models/families.py
     vocab_size: int = 128256
     hidden_size: int = 4096
     intermediate_size: int = 14336
@@ -64,6 +65,9 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
+        from agentrefine_jax.models import families  # the table imports this module
+
+        families.get(self.family)  # ValueError naming the supported families
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
@@ -153,6 +157,22 @@ PRESETS: dict[str, ModelConfig] = {
         max_position_embeddings=32768,
         bos_token_id=1,
         eos_token_ids=(2,),
+    ),
+    # Qwen2.5-7B-Instruct's config.json (q/k/v biases come with the family, models/families.py).
+    "qwen2.5_7b": ModelConfig(
+        family="qwen2",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        head_dim=128,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        bos_token_id=151643,
+        eos_token_ids=(151645, 151643),
     ),
     # Small enough to train on two CPU cores in minutes; same architecture as Llama-3.
     # The vocabulary is Llama-3's so the real tokenizer and chat template apply unchanged.

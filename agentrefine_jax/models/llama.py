@@ -35,8 +35,8 @@ _REMAT = {
 
 def _create(rngs: nnx.Rngs, cfg: ModelConfig, row: params.Param) -> nnx.Param:
     shape, dtype = params.shape(row, cfg), jnp.dtype(cfg.param_dtype)
-    if row.init == "ones":
-        value = jnp.ones(shape, dtype)
+    if row.init in ("ones", "zeros"):
+        value = (jnp.ones if row.init == "ones" else jnp.zeros)(shape, dtype)
     else:
         value = jax.nn.initializers.normal(cfg.initializer_range)(rngs.params(), shape, dtype)
     return nnx.Param(value, axes=params.logical_axes(row))
@@ -54,8 +54,9 @@ class DecoderLayers(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        for row in params.LAYER_PARAMS:
-            setattr(self, row.path[1], _create(rngs, cfg, row))
+        for row in params.present(cfg):
+            if row.per_layer:
+                setattr(self, row.path[1], _create(rngs, cfg, row))
 
 
 def layer_forward(
@@ -91,6 +92,8 @@ def layer_forward(
     q = proj(proj_in, h, "wq")
     k = proj(proj_in, h, "wk")
     v = proj(proj_in, h, "wv")
+    if "bq" in p:  # families with q/k/v biases (models/families.py), added before RoPE as in HF
+        q, k, v = (t + p[b].astype(t.dtype) for t, b in ((q, "bq"), (k, "bk"), (v, "bv")))
     q = constrain(rope.apply(q, sin, cos), ("batch", "activation_seq", "activation_heads", None))
     k = constrain(rope.apply(k, sin, cos), ("batch", "activation_seq", "activation_kv_heads", None))
     v = constrain(v, ("batch", "activation_seq", "activation_kv_heads", None))
@@ -189,7 +192,7 @@ class Transformer(nnx.Module):
             k_seg = jax.lax.dynamic_update_slice_in_dim(cache["segment_ids"], segment_ids, index, axis=1)
             k_pos = jax.lax.dynamic_update_slice_in_dim(cache["positions"], positions, index, axis=1)
 
-        weights: dict[str, Any] = {name: getattr(self.layers, name)[...] for name in _LAYER_PARAMS}
+        weights: dict[str, Any] = {name: getattr(self.layers, name)[...] for name in params.layer_names(cfg)}
         spec = None
         if adapters is not None:
             spec, weights["lora"], key = adapters
@@ -228,9 +231,6 @@ class Transformer(nnx.Module):
                 "index": index + s,
             }
         return hidden, new_cache
-
-
-_LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = None) -> Cache:

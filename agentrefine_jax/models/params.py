@@ -29,10 +29,13 @@ class Param:
     hf: str  # transformers' name; "{i}" stands for the layer index
     dims: tuple[str, ...]  # our shape (without the layers axis) in `ModelConfig` dimension names
     axes: tuple[str, ...]  # logical axis names, same order as `dims`
-    kind: Literal["linear", "copy"]  # linear: [*in, *out] <-> HF [out, in]; copy: same layout
+    # linear: [*in, *out] <-> HF [out, in]; copy: same layout; flat: ours [*dims] <-> HF [prod(dims)]
+    kind: Literal["linear", "copy", "flat"]
     n_in: int = 1  # linear: how many leading `dims` are the input side
-    init: Literal["normal", "ones"] = "normal"
-    untied_only: bool = False  # absent when the output projection is tied to the embedding
+    init: Literal["normal", "ones", "zeros"] = "normal"
+    # Presence rule (None = always): "untied" = only when the output projection is not tied to
+    # the embedding; "qkv_bias" = only in families with q/k/v biases (models/families.py).
+    when: Literal["untied", "qkv_bias"] | None = None
 
     @property
     def per_layer(self) -> bool:
@@ -51,13 +54,16 @@ TABLE: tuple[Param, ...] = (
     Param(("layers", "wq"),         _L + "self_attn.q_proj.weight",           _QKV,                               ("embed", "heads", "head_dim"),         "linear"),
     Param(("layers", "wk"),         _L + "self_attn.k_proj.weight",           _KV,                                ("embed", "kv_heads", "head_dim"),      "linear"),
     Param(("layers", "wv"),         _L + "self_attn.v_proj.weight",           _KV,                                ("embed", "kv_heads", "head_dim"),      "linear"),
+    Param(("layers", "bq"),         _L + "self_attn.q_proj.bias",             ("heads", "head_dim"),              ("heads", "head_dim"),                  "flat", init="zeros", when="qkv_bias"),
+    Param(("layers", "bk"),         _L + "self_attn.k_proj.bias",             ("kv_heads", "head_dim"),           ("kv_heads", "head_dim"),               "flat", init="zeros", when="qkv_bias"),
+    Param(("layers", "bv"),         _L + "self_attn.v_proj.bias",             ("kv_heads", "head_dim"),           ("kv_heads", "head_dim"),               "flat", init="zeros", when="qkv_bias"),
     Param(("layers", "wo"),         _L + "self_attn.o_proj.weight",           ("heads", "head_dim", "hidden"),    ("heads", "head_dim", "embed"),         "linear", n_in=2),
     Param(("layers", "mlp_norm"),   _L + "post_attention_layernorm.weight",   ("hidden",),                        ("norm",),                              "copy", init="ones"),
     Param(("layers", "w_gate"),     _L + "mlp.gate_proj.weight",              ("hidden", "mlp"),                  ("embed", "mlp"),                       "linear"),
     Param(("layers", "w_up"),       _L + "mlp.up_proj.weight",                ("hidden", "mlp"),                  ("embed", "mlp"),                       "linear"),
     Param(("layers", "w_down"),     _L + "mlp.down_proj.weight",              ("mlp", "hidden"),                  ("mlp", "embed"),                       "linear"),
     Param(("final_norm",),          "model.norm.weight",                      ("hidden",),                        ("norm",),                              "copy", init="ones"),
-    Param(("lm_head",),             "lm_head.weight",                         ("hidden", "vocab"),                ("embed", "vocab"),                     "linear", untied_only=True),
+    Param(("lm_head",),             "lm_head.weight",                         ("hidden", "vocab"),                ("embed", "vocab"),                     "linear", when="untied"),
 )
 # fmt: on
 BY_PATH: dict[Path, Param] = {p.path: p for p in TABLE}
@@ -78,9 +84,25 @@ def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
     }
 
 
+def holds(p: Param, cfg: ModelConfig) -> bool:
+    """Whether a model under `cfg` holds row `p` (its presence rule)."""
+    from agentrefine_jax.models import families
+
+    if p.when == "untied":
+        return not cfg.tie_embeddings
+    if p.when == "qkv_bias":
+        return families.get(cfg.family).qkv_bias
+    return True
+
+
 def present(cfg: ModelConfig) -> tuple[Param, ...]:
-    """The rows a model under `cfg` holds (no lm_head when tied)."""
-    return tuple(p for p in TABLE if not (p.untied_only and cfg.tie_embeddings))
+    """The rows a model under `cfg` holds, in table order (e.g. no lm_head when tied)."""
+    return tuple(p for p in TABLE if holds(p, cfg))
+
+
+def layer_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """Names of the per-layer parameters a model under `cfg` holds (what the forward pass reads)."""
+    return tuple(p.path[1] for p in present(cfg) if p.per_layer)
 
 
 def shape(p: Param, cfg: ModelConfig, *, stacked: bool = True) -> tuple[int, ...]:
@@ -98,6 +120,8 @@ def hf_shape_of(p: Param, cfg: ModelConfig) -> tuple[int, ...]:
     own = shape(p, cfg, stacked=False)
     if p.kind == "copy":
         return own
+    if p.kind == "flat":
+        return (math.prod(own),)
     return (math.prod(own[p.n_in :]), math.prod(own[: p.n_in]))
 
 
@@ -148,6 +172,8 @@ def hf_to_ours(name: str, tensor: np.ndarray, cfg: ModelConfig) -> tuple[Path, i
     p, layer = lookup_hf(name)
     if p.kind == "copy":
         return p.path, layer, tensor
+    if p.kind == "flat":
+        return p.path, layer, tensor.reshape(shape(p, cfg, stacked=False))
     return p.path, layer, tensor.T.reshape(shape(p, cfg, stacked=False))
 
 
@@ -155,6 +181,8 @@ def ours_to_hf(p: Param, array: np.ndarray, layer: int | None = None) -> tuple[s
     """One (layer's slice of a) parameter in our layout -> (HF tensor name, HF-layout array)."""
     if p.kind == "copy":
         out = array
+    elif p.kind == "flat":
+        out = array.reshape(-1)
     else:
         n_in = math.prod(array.shape[: p.n_in])
         out = array.reshape(n_in, -1).T

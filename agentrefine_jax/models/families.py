@@ -1,0 +1,96 @@
+"""The model families we support, in one table: everything that differs between them.
+
+A family is a transformers decoder architecture on our one config-driven decoder
+(`models/llama.py`). Its row says how it is named on the Hugging Face side, which optional
+parameters its models hold (rows of `models/params.py` with a presence rule), how its
+`config.json` maps to `ModelConfig` beyond the shared Llama keys (both ways), and where its
+chat template and tokenizer come from:
+
+- vendor-checked (`llama3`, `mistral`): our own template and tokenizer, checked token for
+  token against the vendors' encoders (llama-models, mistral-common);
+- from the directory (`hf`): the HF model directory's own `tokenizer.json` and the Jinja
+  `chat_template` of its `tokenizer_config.json` (`data/templates.py` HFDirTemplate), checked
+  against transformers' `apply_chat_template`.
+
+Adding a family = a row here (plus a config file in configs/); the forward pass, HF import and
+export, parameter counts and sharding read the row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from agentrefine_jax.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str  # ModelConfig.family and HF `model_type`
+    architecture: str  # HF `architectures[0]`
+    # Optional parameter groups this family's models hold (presence rules in models/params.py).
+    qkv_bias: bool = False
+    # Reads/writes HF `sliding_window` (one window for every layer).
+    sliding_window: bool = False
+    # Extra HF config.json keys: read check (raises on what we cannot run) and written constants.
+    check_hf: Callable[[Mapping[str, Any]], None] = lambda c: None
+    hf_constants: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: {}
+    # Default chat template and tokenizer: a vendor-checked name, or "hf" (the HF directory's own).
+    template: str = "hf"
+    tokenizer: str = "hf"
+
+    @property
+    def vendor_checked(self) -> bool:
+        return self.template != "hf"
+
+
+def _llama_check(c: Mapping[str, Any]) -> None:
+    for flag in ("attention_bias", "mlp_bias"):
+        if c.get(flag):
+            raise ValueError(f"{flag}=true is not supported for Llama: the model has no bias terms")
+
+
+def _qwen2_check(c: Mapping[str, Any]) -> None:
+    if c.get("use_sliding_window"):
+        raise ValueError("use_sliding_window=true (per-layer windows) is not supported for Qwen2")
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            "llama",
+            "LlamaForCausalLM",
+            check_hf=_llama_check,
+            hf_constants=lambda cfg: {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
+            template="llama3",
+            tokenizer="llama3",
+        ),
+        Family(
+            "mistral",
+            "MistralForCausalLM",
+            sliding_window=True,
+            template="mistral",
+            tokenizer="mistral",
+        ),
+        Family(
+            "qwen2",
+            "Qwen2ForCausalLM",
+            qkv_bias=True,
+            check_hf=_qwen2_check,
+            hf_constants=lambda cfg: {
+                "use_sliding_window": False,
+                "sliding_window": None,
+                "max_window_layers": cfg.num_layers,
+            },
+        ),
+    )
+}
+
+
+def get(name: str) -> Family:
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"model family {name!r} is not supported ({', '.join(FAMILIES)})") from None
