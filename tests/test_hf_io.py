@@ -70,7 +70,7 @@ def test_unsupported_or_inconsistent_configs_are_refused(tmp_path: pathlib.Path)
             "unsupported rope type 'yarn'",
         ),
         ({"rope_theta": 10000.0}, "disagree"),
-        ({"model_type": "qwen2"}, "model_type 'qwen2' is not supported"),
+        ({"model_type": "gemma"}, "model_type 'gemma' is not supported"),
         ({"attention_bias": True}, "attention_bias"),
         ({"hidden_act": "gelu"}, "hidden_act"),
     ]
