@@ -13,7 +13,7 @@ import concurrent.futures
 import dataclasses
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from agentrefine_jax.layout import CHECK_VALID_ACTIONS
@@ -98,6 +98,20 @@ class OraclePolicy:
 
     def close(self) -> None:
         pass
+
+
+class Replay:
+    """A per-episode reference solver that replays a fixed action list (a gold path, a plan, a walkthrough; a
+    callable is read at the first step), then asks for the valid actions."""
+
+    def __init__(self, actions: Sequence[str] | Callable[[], Sequence[str]]):
+        self._actions = actions
+        self._left: list[str] | None = None
+
+    def act(self, env: Any, history: list[tuple[str, str]]) -> str:
+        if self._left is None:
+            self._left = list(self._actions() if callable(self._actions) else self._actions)
+        return self._left.pop(0) if self._left else CHECK_VALID_ACTIONS
 
 
 class RandomPolicy:

@@ -231,10 +231,12 @@ _DOMAIN_FILE_FOR_DIR = {
 }
 
 
-def _pddlgym() -> Any:
-    # gym (pulled in by pddlgym) prints a deprecation banner on import; it is not ours to show.
+def load_pddlgym() -> Any:
+    """pddlgym with its `core` and `spaces` (both sources); gym, imported by it, prints a deprecation
+    banner on import that is not ours to show."""
     with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
         import pddlgym
+        import pddlgym.core
         import pddlgym.spaces
     return pddlgym
 
@@ -253,7 +255,7 @@ class PDDLEnv(TextEnv):
 
     def __init__(self, spec: dict[str, Any], vocab: Vocabulary, workdir: str):
         super().__init__(spec, vocab)
-        pddlgym = _pddlgym()
+        pddlgym = load_pddlgym()
         # pddlgym writes grounding scratch files to /dev/shm and never deletes them; keep them ours.
         pddlgym.spaces.TMP_PDDL_DIR = workdir
         from pddlgym.core import PDDLEnv as GymPDDLEnv

@@ -302,8 +302,8 @@ WORDS = (
 _CHOICE_RE = re.compile(r"^(\s*\d+:\s*)(.*)$", re.MULTILINE)
 
 
-class _JVMPool:
-    """ScienceWorld servers are JVMs that take seconds to start; reuse them across episodes."""
+class JVMPool:
+    """ScienceWorld servers are JVMs that take seconds to start; reuse them across episodes (both sources)."""
 
     def __init__(self, step_limit: int):
         self.step_limit = step_limit
@@ -346,7 +346,7 @@ class SciWorldEnv(TextEnv):
         "options; answer with the number."
     )
 
-    def __init__(self, spec: dict[str, Any], vocab: Vocabulary, pool: _JVMPool, oracle: bool):
+    def __init__(self, spec: dict[str, Any], vocab: Vocabulary, pool: JVMPool, oracle: bool):
         super().__init__(spec, vocab)
         self._pool = pool
         self._oracle = oracle
@@ -432,7 +432,7 @@ class SciWorldTask(EvalTask):
         self.simplification = simplification
         self.split = split
         # The simulator's own step limit must not cut an episode before our max_steps does.
-        self._pool = _JVMPool(step_limit=10_000)
+        self._pool = JVMPool(step_limit=10_000)
         self._variations: dict[str, list[int]] = {}
 
     def _split_variations(self, task_name: str) -> list[int]:

@@ -30,6 +30,7 @@ from typing import Any
 from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
 from agentrefine_jax.eval.core import StepResult
+from agentrefine_jax.eval.policies import Replay
 
 ENV_FILE = "agentboard/environment/jericho_env.py"
 LABELS_FILE = "data/jericho/test.jsonl"
@@ -124,18 +125,6 @@ class JerichoEnv:
             self.env = None
 
 
-class WalkthroughOracle:
-    """Plays the game's walkthrough, one command per step (then asks for the valid actions)."""
-
-    def __init__(self) -> None:
-        self.plan: list[str] | None = None
-
-    def act(self, env: JerichoEnv, history: list[tuple[str, str]]) -> str:
-        if self.plan is None:
-            self.plan = env.walkthrough()
-        return self.plan.pop(0) if self.plan else HELP
-
-
 class JerichoTask:
     name = "jericho"
     prompt_file = PROMPT_FILE
@@ -187,8 +176,8 @@ class JerichoTask:
     def examples_key(self, episode: EpisodeSpec) -> str | None:
         return None
 
-    def oracle(self, env: Any) -> WalkthroughOracle:
-        return WalkthroughOracle()
+    def oracle(self, env: Any) -> Replay:
+        return Replay(env.walkthrough)
 
 
-__all__ = ["CLONE", "JerichoEnv", "JerichoTask", "WalkthroughOracle", "clean_feedback", "parse_action"]
+__all__ = ["CLONE", "JerichoEnv", "JerichoTask", "clean_feedback", "parse_action"]

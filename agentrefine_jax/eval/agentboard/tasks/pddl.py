@@ -30,6 +30,8 @@ from typing import Any
 from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA, Checkout, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
 from agentrefine_jax.eval.core import StepResult
+from agentrefine_jax.eval.envs.pddl import load_pddlgym
+from agentrefine_jax.eval.policies import Replay
 
 PDDL_DIR = "agentboard/environment/pddl_env/pddlgym/pddl"
 ENV_FILE = "agentboard/environment/pddl_env/pddl_env.py"
@@ -47,13 +49,6 @@ DIFF_GAMES = ("barman", "tyreworld")  # games whose step observation lists only 
 NOT_VALID = "The action is not valid and therefore takes no effect."
 GOAL_SATISFIED = " The goal is satisfied."
 PLANNER_TIMEOUT_S = 300
-
-
-def _pddlgym_core() -> Any:
-    # gym (imported by pddlgym) prints a deprecation banner on import; it is not ours to show.
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-        import pddlgym.core
-    return pddlgym.core
 
 
 @dataclasses.dataclass
@@ -187,8 +182,9 @@ class PddlTask:
     def make_env(self, checkout: Checkout, episode: EpisodeSpec) -> PddlEnv:
         return PddlEnv(episode, self.texts(checkout))
 
-    def oracle(self, env: PddlEnv) -> PlanOracle:
-        return PlanOracle(env)
+    def oracle(self, env: PddlEnv) -> Replay:
+        """Follows a Fast Downward plan for the episode's problem, written as `operator obj1 obj2 ...`."""
+        return Replay(plan(env.episode.info["domain"], env.episode.info["problem"]))
 
 
 # ----------------------------------------------------------------------------------------- environment
@@ -231,7 +227,7 @@ class PddlEnv:
         self.episode = episode
         self.game = episode.info["game"]
         self.texts = texts
-        core = _pddlgym_core()
+        core = load_pddlgym().core
         folder = os.path.dirname(episode.info["problem"])
         try:
             self._env = core.PDDLEnv(
@@ -436,18 +432,3 @@ def plan(domain: str, problem: str, timeout_s: float = PLANNER_TIMEOUT_S) -> lis
             if m:  # the last line is a `; cost = ...` comment
                 steps.append(m.group(1).strip().lower())
         return steps
-
-
-class PlanOracle:
-    """Follows a Fast Downward plan for the episode's problem, written as `operator obj1 obj2 ...`."""
-
-    def __init__(self, env: PddlEnv):
-        self.steps = plan(env.episode.info["domain"], env.episode.info["problem"])
-        self.next = 0
-
-    def act(self, env: Any, history: list[tuple[str, str]]) -> str:
-        if self.next >= len(self.steps):
-            return CHECK
-        action = self.steps[self.next]
-        self.next += 1
-        return action

@@ -16,12 +16,13 @@ hits every annotated subgoal depends on the annotations, so the oracle's success
 from __future__ import annotations
 
 import re
-import threading
 from typing import Any
 
 from agentrefine_jax.eval.agentboard.checkout import CONFIG_FILE, DATA, Checkout, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
 from agentrefine_jax.eval.core import StepResult
+from agentrefine_jax.eval.envs.sciworld import JVMPool
+from agentrefine_jax.eval.policies import Replay
 
 LABELS = "data/scienceworld/test.jsonl"
 PROMPT_FILE = "agentboard/prompts/VanillaAgent/scienceworld_base.json"
@@ -42,8 +43,7 @@ class SciWorldTask:
         self.check_actions: str | None = CHECK
         self.check_inventory = True  # CFG env.scienceworld.check_inventory: True
         self.gold_paths = False  # set by `oracle`: gold paths cost time at load, so only an oracle run asks
-        self._pool: list[Any] = []  # idle simulators (each is a JVM: seconds to start)
-        self._lock = threading.Lock()
+        self._pool = JVMPool(ENV_STEP_LIMIT)
 
     def episodes(self, checkout: Checkout) -> list[EpisodeSpec]:
         if checkout.has_config():
@@ -91,29 +91,14 @@ class SciWorldTask:
     def examples_key(self, episode: EpisodeSpec) -> str | None:
         return None
 
-    def _simulator(self) -> Any:
-        with self._lock:
-            if self._pool:
-                return self._pool.pop()
-        from scienceworld import ScienceWorldEnv
-
-        return ScienceWorldEnv("", None, envStepLimit=ENV_STEP_LIMIT)
-
-    def _release(self, sim: Any) -> None:
-        with self._lock:
-            self._pool.append(sim)
-
     def make_env(self, checkout: Checkout, episode: EpisodeSpec) -> SciWorldEnv:
-        return SciWorldEnv(episode, self._simulator(), self._release, self.gold_paths)
+        return SciWorldEnv(episode, self._pool.acquire(), self._pool.release, self.gold_paths)
 
-    def oracle(self, env: SciWorldEnv) -> GoldPathOracle | None:
-        return GoldPathOracle(env.gold_path) if env.gold_path else None
+    def oracle(self, env: SciWorldEnv) -> Replay | None:
+        return Replay(env.gold_path) if env.gold_path else None
 
     def close(self) -> None:
-        with self._lock:
-            pool, self._pool = self._pool, []
-        for sim in pool:
-            sim.close()
+        self._pool.close()
 
 
 class SciWorldEnv:
@@ -171,18 +156,3 @@ class SciWorldEnv:
         if self._sim is not None:
             sim, self._sim = self._sim, None
             self._release(sim)
-
-
-class GoldPathOracle:
-    """Replays ScienceWorld's gold action sequence for the loaded variation."""
-
-    def __init__(self, path: list[str]):
-        self.path = list(path)
-        self.next = 0
-
-    def act(self, env: Any, history: list[tuple[str, str]]) -> str:
-        if self.next >= len(self.path):
-            return CHECK
-        action = self.path[self.next]
-        self.next += 1
-        return action
