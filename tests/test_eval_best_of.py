@@ -1,10 +1,11 @@
 """Best-of-N on AgentBoard's protocol (the paper's Table 4): N samples per episode beside the greedy run,
 success if any sample succeeds, progress the max, and the difference; with the random policy through the
-CLI and with a real (tiny, random-weight) checkpoint sampling at temperature 1."""
+CLI (with a plug-in task) and with a real (tiny, random-weight) checkpoint sampling at temperature 1."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -19,13 +20,32 @@ pytest.importorskip("pddlgym")
 pytest.importorskip("nltk")
 
 
-def test_random_best_of_4_through_the_cli(tmp_path):
+PLUGIN = """
+from agentrefine_jax.eval import register_task
+from agentrefine_jax.eval.agentboard.tasks.pddl import PddlTask
+
+
+class GripperOnly(PddlTask):
+    name = "gripper_only"
+
+
+register_task("gripper_only", display_name="Gripper", agentboard=lambda strict: GripperOnly(strict=strict))
+"""
+
+
+def test_random_best_of_4_through_the_cli_with_a_plugin_task(tmp_path):
+    (tmp_path / "ab_plugin.py").write_text(PLUGIN)
     co = make_checkout(tmp_path / "ab")
     out = tmp_path / "r.json"
-    cmd = [sys.executable, "-m", "agentrefine_jax.eval", "--agentboard-dir", str(co), "--tasks", "pddl"]
-    cmd += ["--policy", "random", "--best-of", "4", "--temperature", "1.0", "--max-steps", "5"]
+    cmd = [sys.executable, "-m", "agentrefine_jax.eval", "--agentboard-dir", str(co), "--plugin", "ab_plugin"]
+    cmd += ["--tasks", "pddl,gripper_only", "--policy", "random", "--best-of", "4", "--temperature", "1.0"]
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run(
-        [*cmd, "--name", "bo4", "--out", str(out), "--quiet"], capture_output=True, text=True, timeout=300
+        [*cmd, "--max-steps", "5", "--name", "bo4", "--out", str(out), "-q"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     doc = json.loads(out.read_text())
@@ -33,7 +53,10 @@ def test_random_best_of_4_through_the_cli(tmp_path):
     assert (doc["source"], doc["config"]["name"]) == ("agentboard", "bo4")
     bon = doc["best_of"]
     assert (bon["n"], bon["temperature"]) == (4, 1.0)
-    samples = bon["episodes"]
+    # The plug-in task ran under AgentBoard's protocol with Best-of-N like a built-in one.
+    assert doc["tasks"]["gripper_only"]["episodes"] == 2
+    assert len([e for e in bon["episodes"] if e["task"] == "gripper_only"]) == 8
+    samples = [e for e in bon["episodes"] if e["task"] == "pddl"]
     assert sorted((e["index"], e["sample"]) for e in samples) == [(i, k) for i in range(2) for k in range(4)]
     # Best-of-4 by hand from the sample records: any success, max progress, per episode.
     by_episode: dict[int, list[dict]] = {}
@@ -67,15 +90,15 @@ def test_checkpoint_samples_differ_at_temperature_1(tmp_path):
         return generate(batch)
 
     model.generate = recording
-    cfg = RunConfig(tasks=("pddl",), max_steps=2, batch_size=4, limit=1, best_of=3, temperature=1.0)
+    cfg = RunConfig(tasks=("pddl",), max_steps=1, batch_size=4, limit=1, best_of=3, temperature=1.0)
     doc = run(co, cfg, model=model)
     samples = doc["best_of"]["episodes"]
-    assert [e["sample"] for e in samples] == [0, 1, 2] and all(e["steps"] == 2 for e in samples)
+    assert [e["sample"] for e in samples] == [0, 1, 2] and all(e["steps"] == 1 for e in samples)
     # Three samples of the same episode from the same first prompt: their actions differ.
     assert len({tuple(e["actions"]) for e in samples}) == 3
     # The greedy run used the plain model (one prompt per step); the samples went through a sampled twin
     # whose calls are not recorded here, and it batched the three samples of the episode together.
-    assert len(prompts) == 2
+    assert len(prompts) == 1
     m = doc["best_of"]["tasks"]["pddl"]
     assert m["greedy"]["success_rate"] == doc["tasks"]["pddl"]["success_rate"]
     assert len(m["per_sample"]) == 3

@@ -130,9 +130,10 @@ def _mean_or_none(values: Sequence[float]) -> float | None:
 # ----------------------------------------------------------------------------------------- AgentBoard source
 
 
-def episode_record(log: EpisodeLog) -> dict[str, Any]:
+def episode_record(log: EpisodeLog, task: str | None = None) -> dict[str, Any]:
+    """An AgentBoard-source episode in the results JSON; `task`: the registered name that ran it."""
     return {
-        "task": log.spec.task,
+        "task": task or log.spec.task,
         "index": log.spec.index,
         "id": log.spec.id,
         "difficulty": log.spec.difficulty,
@@ -176,7 +177,7 @@ def agentboard_held_out(per_task: dict[str, dict[str, Any]]) -> dict[str, Any]:
         m: sum(per_task[t][m] * counts[t] for t in registry.HELD_OUT_TASKS) / total for m in RATES
     } | {
         "weights": counts,
-        "label": "weighted by episodes (112/90/60/20 on full sets); not AgentBoard's mean",
+        "label": f"weighted by episodes ({registry.weights_label()} on full sets); not AgentBoard's mean",
     }
     return out
 

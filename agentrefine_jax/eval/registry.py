@@ -56,6 +56,11 @@ PAPER_WEIGHTS: dict[str, int] = {
 SOURCES = ("builtin", "agentboard")
 
 
+def weights_label() -> str:
+    """The held-out weights as the paper states them, e.g. for table footers."""
+    return ", ".join(f"{display_name(t)} {AGENTBOARD_EPISODES[t]}" for t in HELD_OUT_TASKS)
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskEntry:
     name: str

@@ -22,6 +22,7 @@ from agentrefine_jax.eval.registry import (
     make_task,
     register_task,
     task_weights,
+    weights_label,
 )
 from agentrefine_jax.layout import check_style
 
@@ -174,7 +175,7 @@ def format_table(doc: dict[str, Any]) -> str:
         lines.append(row("perturbed std", std))
     weights = variants.get("original", next(iter(variants.values())))[HELD_OUT]["weights"]
     lines.append(
-        "held-out weights (paper: BabyAI 112, SciWorld 90, PDDL 60, Jericho->TextWorld 20): "
+        f"held-out weights (paper: {weights_label()}; TextWorld takes Jericho's): "
         + ", ".join(f"{names[t]} {weights[t]:.3f}" for t in tasks if t in weights)
     )
     counts = []

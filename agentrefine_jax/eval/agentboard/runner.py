@@ -2,8 +2,8 @@
 
 Metrics per task (AgentBoard's `evaluate`): success_rate, progress_rate, grounding_acc (episode means) and the
 `_easy`/`_hard` splits by test.jsonl's `difficulty`. Across tasks: the four held-out tasks' unweighted mean
-(AgentBoard's convention for its summaries) and, labelled apart, the episode-weighted mean (112/90/60/20 for
-BabyAI/ScienceWorld/PDDL/Jericho when complete).
+(AgentBoard's convention for its summaries) and, labelled apart, the episode-weighted mean (the registry's
+weights for BabyAI/ScienceWorld/PDDL/Jericho when complete).
 """
 
 from __future__ import annotations
@@ -292,7 +292,8 @@ def run(
                     logs, samples
                 )
                 doc["best_of"]["episodes"] += [
-                    episode_record(x) | {"sample": x.sample, "actions": [t["action"] for t in x.turns]}
+                    episode_record(x, task.name)
+                    | {"sample": x.sample, "actions": [t["action"] for t in x.turns]}
                     for x in samples
                 ]
         finally:
@@ -302,7 +303,7 @@ def run(
         if config.limit:
             metrics["limited_to"] = config.limit
         doc["tasks"][task.name] = metrics
-        doc["episodes"] += [episode_record(x) for x in logs]
+        doc["episodes"] += [episode_record(x, task.name) for x in logs]
         if writer is not None:
             writer.task(task.name, metrics)
         if config.perturbations and task.name == "alfworld":
@@ -443,7 +444,7 @@ def format_table(doc: dict[str, Any]) -> str:
             f"progress {_pct(u['progress_rate'])}"
         )
         lines.append(
-            f"held-out episode-weighted mean (112/90/60/20, NOT AgentBoard's): "
+            f"held-out episode-weighted mean ({registry.weights_label()}; NOT AgentBoard's): "
             f"success {_pct(w['success_rate'])} progress {_pct(w['progress_rate'])}"
         )
     for name, p in doc.get("perturbation", {}).items():

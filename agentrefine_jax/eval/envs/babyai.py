@@ -383,7 +383,6 @@ def _next_to(a: Any, b: Any) -> bool:
 class BabyAITask(EvalTask):
     name = "babyai"
     display_name = "BabyAI"
-    paper_weight = 112
     default_max_steps = 40
     words = WORDS
 

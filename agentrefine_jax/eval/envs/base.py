@@ -135,8 +135,6 @@ class EvalTask(abc.ABC):
 
     name: ClassVar[str]
     display_name: ClassVar[str]
-    # Number of problems of this family in the paper's held-out average (AgentBoard split).
-    paper_weight: ClassVar[int]
     default_max_steps: ClassVar[int]
     words: ClassVar[Sequence[ActionWord]]
 

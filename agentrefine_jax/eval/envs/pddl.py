@@ -366,7 +366,6 @@ def _command(lit: Any) -> str:
 class PDDLTask(EvalTask):
     name = "pddl"
     display_name = "PDDL"
-    paper_weight = 60
     default_max_steps = 40
     words = DOMAINS["blocks"].words
 

@@ -414,7 +414,6 @@ class SciWorldEnv(TextEnv):
 class SciWorldTask(EvalTask):
     name = "sciworld"
     display_name = "SciWorld"
-    paper_weight = 90
     default_max_steps = 40
     words = WORDS
 

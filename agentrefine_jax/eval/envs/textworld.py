@@ -343,7 +343,6 @@ class TextWorldTask(EvalTask):
     name = "textworld"
     display_name = "TextWorld"
     # Stands in for Jericho (20 games) in the paper's held-out average.
-    paper_weight = 20
     default_max_steps = 40
     words = WORDS
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 from agentrefine_jax.eval.envs.base import EvalTask, Outcome, TextEnv, rejected
 from agentrefine_jax.eval.hotpotqa import prompt
@@ -145,7 +145,6 @@ class HotpotQATask(EvalTask):
     name = "hotpotqa"
     display_name = "HotpotQA"
     # Not part of the held-out average (Figure 8 is reported on its own).
-    paper_weight: ClassVar[int] = 0
     default_max_steps = DEFAULT_MAX_STEPS
     default_episodes = PAPER_NUM_QUESTIONS
     words = prompt.WORDS
