@@ -336,8 +336,11 @@ def describe_api_error(err: BaseException, secret: str | None = None, limit: int
             kind = info.get("code") or info.get("type")
             message = info.get("message")
             text = f"HTTP {status}" + (f" ({kind})" if kind else "") + (f": {message}" if message else "")
-        else:  # a body that is not OpenAI's error object: its first words only
-            text = f"HTTP {status}: {str(body or '')[:120]}".rstrip(": ")
+        else:  # not OpenAI's error object (an HTML page from a proxy, ...): its size, not its text
+            size = len(str(body)) if body else 0
+            text = f"HTTP {status}" + (
+                f" with a {size}-character body that is not an API error" if size else ""
+            )
     else:  # no reply: a timeout or connection error carries our transport's one line as its cause
         label = "timed out" if "Timeout" in type(err).__name__ else type(err).__name__
         text = f"{label}: {err.__cause__ or err}"

@@ -34,7 +34,7 @@ import pytest
 import test_serve_openai
 from test_generate_chat import CONVERSATION
 
-from agentrefine_jax.http_client import RequestTimeout, redact, request
+from agentrefine_jax.http_client import RequestTimeout, describe_api_error, openai_client, redact, request
 from agentrefine_jax.inference.http_server import ServerLimits
 from agentrefine_jax.inference.server import ChatService, make_server
 
@@ -209,6 +209,27 @@ def test_request_reads_a_will_close_body_that_arrives_after_the_headers():
     finally:
         server.close()
     assert reply.status == 200 and reply.json() == {"ok": "x"}
+
+
+@pytest.mark.timeout(60)
+def test_a_non_json_error_body_is_described_by_its_size_only():
+    page = f"<html><body>502 Bad Gateway (upstream said: key {SECRET.upper()})</body></html>".encode()
+
+    def html_502(conn, server):
+        head = b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n"
+        conn.sendall(head % len(page) + page)
+
+    server = RawServer(html_502)
+    try:
+        client = openai_client(server.url, SECRET, timeout=10, max_retries=0)
+        with pytest.raises(openai.InternalServerError) as e:
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    finally:
+        server.close()
+    assert (
+        describe_api_error(e.value, SECRET)
+        == f"HTTP 502 with a {len(page)}-character body that is not an API error"
+    )
 
 
 def test_redact_catches_case_and_near_miss_echoes_only():
