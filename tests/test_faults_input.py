@@ -345,6 +345,8 @@ def test_server_answers_400_to_a_lone_surrogate_and_to_deep_json(chat_checkpoint
         status, body = post((surrogate % service.model_name).encode())
         assert status == 400, body
         assert "messages[0].content: lone surrogate U+D800" in body["error"]["message"]
+        status, body = post(b'{"\\udc80": 1}')  # in a key: the error message must still encode
+        assert status == 400 and "a key holds a lone surrogate U+DC80" in body["error"]["message"], body
         status, body = post(b"[" * 100_000 + b"]" * 100_000)
         assert status == 400 and "nested deeper" in body["error"]["message"], body
         status, body = post(b"\xff\xfe{not utf-8")

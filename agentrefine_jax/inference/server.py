@@ -34,6 +34,7 @@ from agentrefine_jax.inference.http_server import (
     PooledHTTPServer,
     ServerLimits,
 )
+from agentrefine_jax.unicode_text import lone_surrogate
 
 MAX_BODY_BYTES = 16 * 2**20
 MAX_STOP_STRINGS = 4  # as the OpenAI API
@@ -334,6 +335,8 @@ def _handler(service: ChatService) -> type[BoundedRequestHandler]:
                     raise APIError(400, f"request body is not valid JSON: {e}") from None
                 except RecursionError:
                     raise APIError(400, "request body is JSON nested deeper than the parser allows") from None
+                if bad_text := lone_surrogate(body):  # anywhere (a key, a stop string): unencodable text
+                    raise APIError(400, f"request body: {bad_text}")
                 self._send(200, service.chat_completion(body))
             except APIError as e:
                 self._send(e.status, e.body())
