@@ -2,15 +2,48 @@
 
 `OneLineParser` makes argparse's own usage errors (unknown flag, bad choice, missing argument)
 follow it too: argparse prints the usage block and the message on separate lines by default.
+`run_main` is what every `python -m agentrefine_jax.<tool>` runs: a quiet start-up
+(agentrefine_jax.startup) and Ctrl-C as one line with exit 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import multiprocessing
+import os
+import signal
 import sys
 from typing import NoReturn
 
 USAGE_ERROR = 2
+INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+
+
+def run_main(tool: str, module: str) -> int:
+    """Import `module` and run its `main()`; returns its exit code.
+
+    Importing inside the guard means a Ctrl-C during the (seconds-long) imports of jax and
+    transformers is handled too. On Ctrl-C: one line, worker processes stopped, exit 130 at once
+    (an interrupted Orbax save leaves non-daemon threads that would otherwise hold the exit).
+    """
+    from agentrefine_jax import startup
+
+    try:
+        startup.quiet_start()
+        return int(importlib.import_module(module).main() or 0)
+    except KeyboardInterrupt:
+        interrupted(tool)
+
+
+def interrupted(tool: str) -> NoReturn:
+    """Ctrl-C: `[tool] interrupted` on stderr and exit 130, with no traceback from anything."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the exit
+    print(f"[{tool}] interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+    for child in multiprocessing.active_children():  # data loader workers, not left orphaned
+        child.terminate()
+    sys.stdout.flush()
+    os._exit(INTERRUPTED)
 
 
 def tool_name(prog: str) -> str:

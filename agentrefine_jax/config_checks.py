@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import posixpath
 import types
 import typing
 from collections.abc import Callable
@@ -250,6 +252,56 @@ def _context(cfg: Any) -> str | None:
     if n > ctx:
         return f"data.max_length={n}: must be <= model.max_position_embeddings={ctx}, the model's context"
     return None
+def export_path(cfg: Any) -> str:
+    """Where `train.export_hf_at_end` writes: relative values are inside the run dir (as
+    checkpoint.join resolves them), normalised so that `.` and `x/..` name the run dir itself."""
+    out, run = _local(cfg.train.export_hf_at_end), _local(cfg.train.run_dir)
+    if "://" in out or "://" in run:
+        return posixpath.normpath(out if "://" in out or out.startswith("/") else posixpath.join(run, out))
+    return os.path.realpath(os.path.join(run, out))
+
+
+def _local(path: str) -> str:
+    """`file:///x` is the local path `/x` (as checkpoint.as_path reads it); other URLs stay."""
+    return path[len("file://") :] if path.startswith("file://") else path
+
+
+def _export_target(cfg: Any) -> str | None:
+    """The end-of-run export replaces its directory: never the run dir, an ancestor of it, or a
+    part of the run (checkpoints, metrics, ...)."""
+    from agentrefine_jax.outputs import RUN_DIR_ENTRIES
+
+    out, run = cfg.train.export_hf_at_end, cfg.train.run_dir
+    if not (isinstance(out, str) and out.strip() and isinstance(run, str) and run.strip()):
+        return None
+    target = export_path(cfg)
+    remote = "://" in target
+    root = posixpath.normpath(_local(run)) if remote else os.path.realpath(_local(run))
+    sep = "/" if remote else os.sep
+    key = f"train.export_hf_at_end={out!r}"
+    if target == root or root.startswith(target.rstrip(sep) + sep):
+        what = "is the run directory" if target == root else "contains the run directory"
+        return f"{key}: {what} {run}; the export replaces its directory, which would delete the run"
+    if target.startswith(root.rstrip(sep) + sep):
+        first = target[len(root.rstrip(sep)) + 1 :].split(sep)[0]
+        if first in (*RUN_DIR_ENTRIES, "config.json"):
+            return f"{key}: is the run's own {first}; choose another name (e.g. hf)"
+    return None
+
+
+def check_outputs(cfg: Any) -> None:
+    """The run's local output paths, on the filesystem (the trainer calls it right after load, before
+    any work): run_dir a writable directory; the export target empty or an earlier export."""
+    from agentrefine_jax.outputs import OutputError, check_dir, check_writable_dir
+
+    run = _local(cfg.train.run_dir)
+    try:
+        if "://" not in run:
+            check_writable_dir(run, flag="train.run_dir=")
+        if cfg.train.export_hf_at_end and "://" not in (target := export_path(cfg)):
+            check_dir(target, overwrite=True, protect=[run], flag="train.export_hf_at_end=")
+    except OutputError as e:
+        raise ConfigError(f"invalid config: {e}") from None
 
 
 CROSS_CHECKS: list[Callable[[Any], str | None]] = [
@@ -260,6 +312,7 @@ CROSS_CHECKS: list[Callable[[Any], str | None]] = [
     _lora_int8,
     _lora_rank,
     _context,
+    _export_target,
 ]
 
 

@@ -86,7 +86,7 @@ def test_llama_round_trip_sharded_float32(hf_dirs, llama_ckpt, tmp_path, capsys)
     # Existing outputs are refused before any work is done.
     assert main(["to-hf", "--checkpoint", str(llama_ckpt), "--out", str(out)]) == 2
     assert main(["from-hf", "--hf", str(src), "--out", str(llama_ckpt)]) == 2
-    assert "already holds" in capsys.readouterr().err
+    assert "exists and is not empty" in capsys.readouterr().err
 
 
 def test_mistral_round_trip_bfloat16_with_tokenizer(hf_dirs, tmp_path, capsys) -> None:

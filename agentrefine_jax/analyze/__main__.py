@@ -2,7 +2,13 @@
 
 import sys
 
-from agentrefine_jax.analyze.cli import main
+from agentrefine_jax.cli_errors import run_main
+
+
+def entry() -> None:
+    """`python -m agentrefine_jax.analyze` and the `agentrefine-analyze` console script."""
+    sys.exit(run_main("analyze", "agentrefine_jax.analyze.cli"))
+
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

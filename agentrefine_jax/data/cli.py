@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from agentrefine_jax import logs
+from agentrefine_jax import logs, outputs
 from agentrefine_jax.cli_errors import OneLineParser, fail
 from agentrefine_jax.config import Config, DataConfig, validate
 from agentrefine_jax.data.examples import prepare_messages
@@ -107,6 +107,7 @@ def _refuse_input_as_output(records: RecordSet, out: str) -> None:
 
 def cmd_dump(args: argparse.Namespace) -> int:
     cfg = _config(args, pack=not args.no_pack)
+    outputs.check_file(args.out)  # before reading: a directory or an unwritable place fails at once
     records = RecordSet(cfg.train_files)
     _refuse_input_as_output(records, args.out)
     local = build_data(cfg, "train", records=records)
@@ -114,7 +115,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
     tok = build_template(cfg).tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     n = 0
-    with open(args.out, "w", encoding="utf-8") as f:
+    with outputs.open_atomic(args.out) as f:
         if args.no_pack:
             for i in range(len(store)):
                 ids, mask = store.example(i)

@@ -2,7 +2,13 @@
 
 import sys
 
-from agentrefine_jax.eval.cli import main
+from agentrefine_jax.cli_errors import run_main
+
+
+def entry() -> None:
+    """`python -m agentrefine_jax.eval` and the `agentrefine-eval` console script."""
+    sys.exit(run_main("eval", "agentrefine_jax.eval.cli"))
+
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -19,7 +19,7 @@ import os
 import shutil
 import tempfile
 
-from agentrefine_jax import logs
+from agentrefine_jax import logs, outputs
 from agentrefine_jax.cli_errors import OneLineParser, fail
 from agentrefine_jax.eval.policies import (
     DEFAULT_STOP,
@@ -211,6 +211,11 @@ def task_options(specs: list[str]) -> dict[str, dict[str, str]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Output paths first: a long evaluation must never end in results that cannot be written.
+    if args.out:
+        outputs.check_file(args.out)
+    if args.log_dir:
+        outputs.check_writable_dir(args.log_dir, flag="--log-dir")
     source = source_of(args)
     for module in args.plugin:
         importlib.import_module(module)
@@ -331,11 +336,7 @@ def _write(out: str | None, doc: dict, episodes: int) -> None:
     """The results JSON, written to a temporary sibling and renamed into place."""
     if not out:
         return
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    tmp = out + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(doc, f, ensure_ascii=False, indent=1)
-    os.replace(tmp, out)
+    outputs.write_json(out, doc)
     logging.getLogger("agentrefine_jax.eval").info(f"wrote {out} ({episodes} episode records)")
 
 

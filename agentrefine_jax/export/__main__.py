@@ -2,7 +2,13 @@
 
 import sys
 
-from agentrefine_jax.export.cli import main
+from agentrefine_jax.cli_errors import run_main
+
+
+def entry() -> None:
+    """`python -m agentrefine_jax.export` and the `agentrefine-export` console script."""
+    sys.exit(run_main("export", "agentrefine_jax.export.cli"))
+
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -7,19 +7,25 @@ input (missing files, refused weights, config mismatch while loading, ...).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import pathlib
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 
-from agentrefine_jax import logs
+from agentrefine_jax import logs, outputs
 from agentrefine_jax.cli_errors import OneLineParser, fail, float_in
 from agentrefine_jax.models.llama import param_count
 
 log = logging.getLogger("agentrefine_jax.export")
+OVERWRITE_HELP = (
+    "replace --out if it is an earlier output of this project (its marker file, nothing else in it); "
+    "never a run directory or a directory holding anything else"
+)
 
 
 def parse_mesh(text: str) -> Any:
@@ -44,14 +50,10 @@ def _describe_mesh(mesh: Any) -> str:
 
 
 def cmd_from_hf(args: argparse.Namespace) -> int:
-    import pathlib
-
-    from agentrefine_jax.checkpoint import checkpoint_steps, save_model
+    from agentrefine_jax.checkpoint import save_model
     from agentrefine_jax.hf.io import hf_storage_dtype, load_hf_model, read_hf_config
 
-    out_steps = checkpoint_steps(args.out)
-    if out_steps:
-        raise FileExistsError(f"{args.out} already holds checkpoint steps {out_steps}; choose a new dir")
+    outputs.check_dir(args.out, overwrite=args.overwrite, protect=[args.hf])  # before any reading
     mesh = parse_mesh(args.mesh)
     cfg = read_hf_config(args.hf, param_dtype=args.param_dtype)
     log.info(
@@ -72,28 +74,36 @@ def cmd_from_hf(args: argparse.Namespace) -> int:
         f"loaded {param_count(model):,} parameters in {time.time() - t0:.1f}s; writing checkpoint {args.out}"
     )
     source_dtype = hf_storage_dtype(args.hf)
-    step_dir = save_model(
-        args.out,
-        model,
-        cfg,
-        step=0,
-        tokenizer=tokenizer,
-        template=args.template,
-        extra={"source_dtype": source_dtype},
+    # Orbax writes collectively: every process must name the same directory, so a multi-process
+    # import writes in place (after the same up-front check); one process publishes atomically.
+    publish = (
+        outputs.publish_dir(args.out, tool="export from-hf", overwrite=args.overwrite, protect=[args.hf])
+        if jax.process_count() == 1
+        else contextlib.nullcontext(pathlib.Path(args.out))
     )
-    log.info(f"done: {step_dir}")
+    with publish as where:
+        save_model(
+            where,
+            model,
+            cfg,
+            step=0,
+            tokenizer=tokenizer,
+            template=args.template,
+            extra={"source_dtype": source_dtype},
+        )
+    log.info(f"done: {pathlib.Path(args.out) / '0'}")
     return 0
 
 
 def cmd_to_hf(args: argparse.Namespace) -> int:
     from agentrefine_jax.checkpoint import is_url, load_model, read_meta, resolve_checkpoint
-    from agentrefine_jax.hf.io import check_output_dir, parse_size, resolve_export_dtype, write_hf
+    from agentrefine_jax.hf.io import parse_size, resolve_export_dtype, write_hf
 
-    if not is_url(args.out):
-        check_output_dir(args.out)
+    root, step = resolve_checkpoint(args.checkpoint)
+    if not is_url(args.out):  # before loading anything: a refused --out costs nothing
+        outputs.check_dir(args.out, overwrite=args.overwrite, protect=[args.checkpoint])
     mesh = parse_mesh(args.mesh)
     max_shard = parse_size(args.max_shard_size)
-    root, step = resolve_checkpoint(args.checkpoint)
     is_lora = bool(read_meta(root, step).get("lora"))
     if args.merge_lora and not is_lora:
         raise ValueError(f"--merge-lora: {root} step {step} is not a LoRA run")
@@ -109,7 +119,18 @@ def cmd_to_hf(args: argparse.Namespace) -> int:
         why = "the dtype it was imported from" if meta.get("source_dtype") else "the parameter dtype"
         log.info(f"--export-dtype auto: {dtype}, {why}")
     log.info(f"writing {param_count(model):,} parameters as {dtype} to {args.out}")
-    write_hf(model, cfg, args.out, dtype=dtype, max_shard_bytes=max_shard, tokenizer=tokenizer, log=log.info)
+    write_hf(
+        model,
+        cfg,
+        args.out,
+        overwrite=args.overwrite,
+        protect=[args.checkpoint],
+        tool="export to-hf",
+        dtype=dtype,
+        max_shard_bytes=max_shard,
+        tokenizer=tokenizer,
+        log=log.info,
+    )
     log.info(f"done: {args.out}")
     return 0
 
@@ -119,7 +140,7 @@ def _to_peft(args: argparse.Namespace, step_dir: Any, mesh: Any, max_shard: int)
     from flax import nnx
 
     from agentrefine_jax.checkpoint import abstract_params, load_lora, read_meta
-    from agentrefine_jax.hf.io import write_hf
+    from agentrefine_jax.hf.io import save_hf
     from agentrefine_jax.hf.peft import write_peft_adapter
 
     meta = read_meta(step_dir.parent, int(step_dir.name))
@@ -132,10 +153,17 @@ def _to_peft(args: argparse.Namespace, step_dir: Any, mesh: Any, max_shard: int)
         nnx.replace_by_pure_dict(abs_params, base)
         model = nnx.merge(graphdef, abs_params)
         log.info(f"the base is not an HF directory: writing it ({dtype}) to {where}")
-        write_hf(model, base_cfg, where, dtype=dtype, max_shard_bytes=max_shard, tokenizer=tokenizer)
+        save_hf(model, base_cfg, where, dtype=dtype, max_shard_bytes=max_shard, tokenizer=tokenizer)
 
-    out = write_peft_adapter(args.out, spec, adapters, meta["lora"]["base"], write_base=write_base)
-    log.info(f"done: PEFT adapter (rank {spec.rank}, {', '.join(spec.targets)}) in {out}")
+    with outputs.publish_dir(
+        args.out,
+        tool="export to-hf",
+        overwrite=args.overwrite,
+        protect=[args.checkpoint],
+        writer=jax.process_index() == 0,
+    ) as tmp:
+        write_peft_adapter(tmp, spec, adapters, meta["lora"]["base"], write_base=write_base)
+    log.info(f"done: PEFT adapter (rank {spec.rank}, {', '.join(spec.targets)}) in {args.out}")
     return 0
 
 
@@ -164,23 +192,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Build a preset model and take it through checkpoint -> HF -> verify -> back, end to end."""
-    import pathlib
+    from agentrefine_jax.models import families, preset
 
+    cfg = preset(args.preset)
+    tokenizer = families.get(cfg.family).tokenizer
+    if tokenizer == "hf":  # the tokenizer would come from an HF directory the demo does not have
+        raise ValueError(f"preset {args.preset!r} has no built-in tokenizer (family {cfg.family})")
+    with outputs.publish_dir(args.out, tool="export demo", overwrite=args.overwrite) as out:
+        passed = _demo(args, out, cfg, tokenizer)
+    log.info(f"done: {args.out} (checkpoint/ and hf/)")
+    return 0 if passed else 1
+
+
+def _demo(args: argparse.Namespace, out: pathlib.Path, cfg: Any, tokenizer: str) -> bool:
     import numpy as np
     from flax import nnx
 
     from agentrefine_jax.checkpoint import save_model
     from agentrefine_jax.export.parity import summary, verify
-    from agentrefine_jax.hf.io import check_output_dir, load_hf_model, save_hf
-    from agentrefine_jax.models import families, llama, preset
+    from agentrefine_jax.hf.io import load_hf_model, save_hf
+    from agentrefine_jax.models import llama
 
-    out = pathlib.Path(args.out)
     ck_dir, hf_dir = out / "checkpoint", out / "hf"
-    check_output_dir(hf_dir)
-    cfg = preset(args.preset)
-    tokenizer = families.get(cfg.family).tokenizer
-    if tokenizer == "hf":  # the tokenizer would come from an HF directory the demo does not have
-        raise ValueError(f"preset {args.preset!r} has no built-in tokenizer (family {cfg.family})")
     log.info(
         f"[1/4] creating the {args.preset!r} model "
         f"({cfg.num_layers} layers, hidden {cfg.hidden_size}), seed {args.seed}"
@@ -202,7 +235,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs), strict=True)
     )
     print("round trip: parameters identical" if same else "round trip: PARAMETERS DIFFER", flush=True)
-    return 0 if result.passed and same else 1
+    return result.passed and same
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -216,16 +249,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("from-hf", help="HF safetensors checkpoint -> project checkpoint (Orbax)")
     a.add_argument("--hf", required=True, help="transformers model directory (config.json + safetensors)")
-    a.add_argument("--out", required=True, help="checkpoint root to create (step 0 is written)")
+    a.add_argument("--out", required=True, help="checkpoint root to create, new or empty (step 0 is written)")
     a.add_argument("--tokenizer", help="tokenizer name/path to record (default: the HF dir if it has one)")
     a.add_argument("--template", help="chat template name to record (e.g. llama3, mistral)")
     a.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     a.add_argument("--mesh", default="auto", help=mesh_help)
+    a.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     a.set_defaults(func=cmd_from_hf)
 
     b = sub.add_parser("to-hf", help="project checkpoint -> HF safetensors directory")
     b.add_argument("--checkpoint", required=True, help="run dir, checkpoint root (latest step) or step dir")
-    b.add_argument("--out", required=True, help="output directory (must not already hold a model)")
+    b.add_argument("--out", required=True, help="output directory (new or empty)")
+    b.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     b.add_argument(
         "--export-dtype",  # storage dtype, as `train.export_dtype`; --dtype is a compute dtype everywhere
         default="auto",
@@ -262,9 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_verify)
 
     d = sub.add_parser("demo", help="preset model -> checkpoint -> HF -> verify -> back (the shipped demo)")
-    d.add_argument("--out", required=True, help="work directory (checkpoint/ and hf/ are created in it)")
+    d.add_argument("--out", required=True, help="work directory, new or empty (checkpoint/ and hf/ go in it)")
     d.add_argument("--preset", default="tiny", help="model preset (default: tiny, CPU-sized)")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     d.set_defaults(func=cmd_demo)
     for command in sub.choices.values():
         logs.add_flags(command)
@@ -276,5 +312,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.setup("export", args)
     try:
         return args.func(args)
-    except (FileNotFoundError, FileExistsError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError) as e:  # OSError: also a disk that fills or goes read-only
         return fail("export", e)

@@ -27,7 +27,7 @@ import os
 import pathlib
 import re
 import stat
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from agentrefine_jax import outputs
 from agentrefine_jax.checkpoint import abstract_params, as_path, is_url, param_shardings
 from agentrefine_jax.models import families, llama, params
 from agentrefine_jax.models.config import ModelConfig, RopeScaling
@@ -576,7 +577,8 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 
 def check_output_dir(out_dir: str | pathlib.Path) -> pathlib.Path:
-    """Refuse a directory that already holds a model: mixing old and new shards corrupts both."""
+    """Refuse a directory that already holds a model: mixing old and new shards corrupts both
+    (`save_hf`'s own guard; the CLIs check their outputs with agentrefine_jax.outputs first)."""
     out = pathlib.Path(out_dir)
     if out.exists() and (any(out.glob("*.safetensors")) or (out / "config.json").exists()):
         raise FileExistsError(f"{out} already holds a model; choose an empty directory")
@@ -676,50 +678,56 @@ def write_hf(
     model_cfg: ModelConfig,
     out: str | pathlib.Path,
     *,
-    replace: bool = False,
+    overwrite: bool = False,
+    protect: Sequence[str | pathlib.Path] = (),
+    tool: str = "export",
     **save_kwargs: Any,
 ) -> str:
     """`save_hf` to a local directory or a URL (gs://..., file://...); returns where it went.
 
-    Written beside the target first (a local staging directory for URLs), so a crash never leaves
-    a half-written model where one is expected; `replace` swaps out an earlier export.
+    Written into a new temporary sibling and renamed into place (agentrefine_jax.outputs; a local
+    staging directory for URLs), so a crash never leaves a half-written model where one is
+    expected; `overwrite` replaces only an earlier export of this project, never anything else.
     """
-    import shutil
     import tempfile
 
     target = as_path(out)
     main = jax.process_index() == 0
     if not is_url(target):
-        final = pathlib.Path(str(target))
-        if not replace:
-            check_output_dir(final)
-        tmp = final.with_name(final.name + ".partial")
-        if main and tmp.exists():
-            shutil.rmtree(tmp)
-        save_hf(model, model_cfg, tmp, **save_kwargs)
-        if main:
-            old = final.with_name(final.name + ".old")
-            if final.exists():
-                final.rename(old)
-            tmp.rename(final)
-            if old.exists():
-                shutil.rmtree(old)
-        return str(final)
+        with outputs.publish_dir(
+            str(target), tool=tool, overwrite=overwrite, protect=protect, writer=main
+        ) as tmp:
+            save_hf(model, model_cfg, tmp, **save_kwargs)
+        return str(target)
+    if main:
+        _check_url_dir(target, overwrite)
     with tempfile.TemporaryDirectory(prefix="agentrefine-export-") as staging:
         local = pathlib.Path(staging) / "hf"
         save_hf(model, model_cfg, local, **save_kwargs)
         if main:
-            if target.exists():
-                if not replace and (target / "config.json").exists():
-                    raise FileExistsError(f"{target} already holds a model; choose an empty directory")
-                if replace:
-                    target.rmtree()
+            outputs.mark(local, tool)
+            if target.exists() and any(target.iterdir()):
+                _check_url_dir(target, overwrite)
+                target.rmtree()  # an earlier export of this project (checked just above)
             target.mkdir(parents=True, exist_ok=True)
             for f in sorted(local.iterdir()):  # config.json last: it marks a complete export
                 if f.name != "config.json":
                     _copy_out(f, target / f.name)
             _copy_out(local / "config.json", target / "config.json")
     return str(target)
+
+
+def _check_url_dir(target: Any, overwrite: bool) -> None:
+    """The `outputs.check_dir` rule for a URL: empty, or (with overwrite) only an earlier export."""
+    if not target.exists() or not any(target.iterdir()):
+        return
+    if not overwrite:
+        raise outputs.OutputError(f"{target} exists and is not empty; choose a new directory")
+    marker = target / outputs.MARKER
+    recorded = set(json.loads(marker.read_text())["entries"]) if marker.exists() else None
+    present = {f.name for f in target.iterdir()} - {outputs.MARKER}
+    if recorded is None or not present <= recorded:
+        raise outputs.OutputError(f"{target} holds files this project did not write; it is not replaced")
 
 
 def _copy_out(src: pathlib.Path, dst: Any) -> None:

@@ -2,7 +2,13 @@
 
 import sys
 
-from agentrefine_jax.inference.cli import main
+from agentrefine_jax.cli_errors import run_main
+
+
+def entry() -> None:
+    """`python -m agentrefine_jax.inference` and the `agentrefine-inference` console script."""
+    sys.exit(run_main("inference", "agentrefine_jax.inference.cli"))
+
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

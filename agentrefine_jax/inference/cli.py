@@ -244,12 +244,10 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"serving {service.model_name!r} on http://{host}:{port}/v1", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        server.serve_forever()  # Ctrl-C propagates: cli_errors.run_main reports it, exit 130
     finally:
         server.server_close()
-        log.info("stopped")
+    log.info("stopped")
     return 0
 
 

@@ -2,7 +2,13 @@
 
 import sys
 
-from agentrefine_jax.plan.cli import main
+from agentrefine_jax.cli_errors import run_main
+
+
+def entry() -> None:
+    """`python -m agentrefine_jax.plan` and the `agentrefine-plan` console script."""
+    sys.exit(run_main("plan", "agentrefine_jax.plan.cli"))
+
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -2,7 +2,13 @@
 
 import sys
 
-from agentrefine_jax.synth.cli import main
+from agentrefine_jax.cli_errors import run_main
+
+
+def entry() -> None:
+    """`python -m agentrefine_jax.synth` and the `agentrefine-synth` console script."""
+    sys.exit(run_main("synth", "agentrefine_jax.synth.cli"))
+
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

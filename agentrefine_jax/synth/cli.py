@@ -9,7 +9,7 @@ import os
 import pathlib
 import sys
 
-from agentrefine_jax import logs
+from agentrefine_jax import logs, outputs
 from agentrefine_jax.cli_errors import OneLineParser, fail
 from agentrefine_jax.synth import jsonl
 from agentrefine_jax.synth.convert import convert_file
@@ -196,7 +196,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_outputs(a: argparse.Namespace) -> None:
+    """Every output path, before any work: the right kind, writable, never one of the inputs."""
+    if a.command == "generate":
+        outputs.check_writable_dir(a.out)  # resumable: it is added to, never replaced
+        return
+    if not os.path.isfile(a.input):
+        return  # the command reports an input it cannot read, before any output matters
+    outputs.check_file(a.out, inputs=[a.input])
+    if getattr(a, "summary", None):
+        outputs.check_file(a.summary, inputs=[a.input], flag="--summary")
+        if os.path.realpath(a.summary) == os.path.realpath(a.out):
+            raise outputs.OutputError(f"--summary {a.summary} is also --out; name two files")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs.setup("synth", args)
+    try:
+        check_outputs(args)
+    except outputs.OutputError as e:
+        return fail("synth", e)
     return args.func(args)

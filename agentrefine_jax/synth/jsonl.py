@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import tempfile
 from collections.abc import Iterable, Iterator
 from typing import Any
+
+from agentrefine_jax import outputs
 
 
 def dumps(obj: Any) -> str:
@@ -24,19 +25,6 @@ def iter_lines(path: str | pathlib.Path) -> Iterator[str]:
     with open(path, encoding="utf-8") as f:
         for line in f:
             yield line[:-1] if line.endswith("\n") else line
-
-
-def _fsync_dir(path: pathlib.Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def append_record(path: str | pathlib.Path, obj: Any) -> None:
@@ -54,28 +42,12 @@ def append_record(path: str | pathlib.Path, obj: Any) -> None:
 
 
 def write_atomic(path: str | pathlib.Path, rows: Iterable[Any]) -> None:
-    """Write JSONL rows to `path` atomically."""
-    _write_text_atomic(pathlib.Path(path), "".join(dumps(r) + "\n" for r in rows))
+    """Write JSONL rows to `path` atomically (agentrefine_jax.outputs owns how)."""
+    outputs.write_text(path, "".join(dumps(r) + "\n" for r in rows))
 
 
 def write_json_atomic(path: str | pathlib.Path, obj: Any) -> None:
-    _write_text_atomic(pathlib.Path(path), json.dumps(obj, ensure_ascii=False, indent=1))
-
-
-def _write_text_atomic(path: pathlib.Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
+    outputs.write_json(path, obj)
 
 
 def read_records(path: str | pathlib.Path) -> tuple[list[dict[str, Any]], int, int]:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import sys
 
-from agentrefine_jax.train.cli import main
+from agentrefine_jax.cli_errors import run_main
 
-if __name__ == "__main__":
-    code = main()
+
+def entry() -> None:
+    """`python -m agentrefine_jax.train` and the `agentrefine-train` console script."""
+    code = run_main("train", "agentrefine_jax.train.cli")
     if code:
         # After a failed asynchronous checkpoint save Orbax leaves non-daemon threads waiting out
         # their timeout (minutes); the error is already reported, so do not wait for them.
@@ -16,3 +18,7 @@ if __name__ == "__main__":
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    entry()

@@ -17,33 +17,12 @@ import os
 import time
 from typing import Any
 
+from agentrefine_jax.startup import prepare_tpu_env  # re-exported: the TPU compile check sets it up
 from agentrefine_jax.train.topology import GiB, Slice
 
 
 class CompileError(ValueError):
     """Bad input for the compile check (mesh vs slice, libtpu missing): one line for the user."""
-
-
-def prepare_tpu_env(accelerator: str = "v5p-8") -> None:
-    """Let libtpu initialise quietly on a host without TPU chips.
-
-    Without these, loading libtpu on a non-TPU machine prints "could not determine TPU
-    accelerator type" and an E0000 TPU_WORKER_HOSTNAMES error. Must run before JAX creates a
-    backend. Only fills what is unset, and does nothing on a machine that has TPU chips (the
-    real runtime there finds its pod through the metadata server).
-    """
-    try:
-        from jax._src import hardware_utils
-
-        if hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0:
-            return
-    except Exception:  # private helper moved: setting defaults below is harmless on CPU
-        pass
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator)
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    # No chips to guard here, and several compile checks (tests, other users) may run at once.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def topology_devices(sl: Slice, num_slices: int = 1) -> list[Any]:

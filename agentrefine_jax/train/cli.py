@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     # With libtpu installed but no TPU here, keep its start-up quiet.
     aot.prepare_tpu_env()
     from agentrefine_jax.config import ConfigError, load_config, to_dict
+    from agentrefine_jax.config_checks import check_outputs
 
     if msg := _check_distributed(args):
         return fail(TOOL, msg)
@@ -126,10 +127,15 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
+    try:
+        check_outputs(cfg)  # a run dir or export target that cannot be written: before any work
+    except ConfigError as e:
+        return fail(TOOL, e)
     init_distributed(args)
     import jax
 
     from agentrefine_jax.checkpoint import CheckpointSaveError
+    from agentrefine_jax.outputs import OutputError
     from agentrefine_jax.train.loop import TrainingError, TrainingInputError, train
 
     if jax.process_index() != 0:  # one voice per run: the other hosts report only problems
@@ -138,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         train(cfg)
     except TrainingInputError as e:
         return fail(TOOL, e)
-    except (TrainingError, CheckpointSaveError) as e:
+    except (TrainingError, CheckpointSaveError, OutputError) as e:  # OutputError: the end-of-run export
         fail(TOOL, e)
         return 1
     return 0

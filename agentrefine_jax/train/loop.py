@@ -20,6 +20,7 @@ from agentrefine_jax import sharding as shd
 from agentrefine_jax.checkpoint import (
     CheckpointIntegrityError,
     TrainCheckpoints,
+    as_path,
     choose_resume_step,
     join,
     read_meta,
@@ -309,7 +310,16 @@ def export_final(fns: StepFns, params: Any, cfg: Config, step: int, source_dtype
         cfg.train.export_dtype, source_dtype=source_dtype, param_dtype=cfg.model.param_dtype
     )
     model = fns.model(params)
-    where = write_hf(model, cfg.model, out, replace=True, dtype=dtype, tokenizer=cfg.data.tokenizer)
+    where = write_hf(
+        model,
+        cfg.model,
+        out,
+        overwrite=True,  # an earlier export of this run (checked at config load; never anything else)
+        protect=[str(as_path(cfg.train.run_dir))],
+        tool="train export_hf_at_end",
+        dtype=dtype,
+        tokenizer=cfg.data.tokenizer,
+    )
     log.info(f"exported step {step} as a Hugging Face checkpoint ({dtype}) to {where}")
 
 
