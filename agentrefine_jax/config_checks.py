@@ -252,6 +252,8 @@ def _context(cfg: Any) -> str | None:
     if n > ctx:
         return f"data.max_length={n}: must be <= model.max_position_embeddings={ctx}, the model's context"
     return None
+
+
 def export_path(cfg: Any) -> str:
     """Where `train.export_hf_at_end` writes: relative values are inside the run dir (as
     checkpoint.join resolves them), normalised so that `.` and `x/..` name the run dir itself."""

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
-import os
 import shutil
 import tempfile
 
