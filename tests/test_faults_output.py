@@ -249,7 +249,7 @@ def test_data_dump_and_synth_convert_refuse_to_overwrite_their_input(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(DEMO_TRAIN.read_text().splitlines(keepends=True)[:3]))
     before = _snapshot(tmp_path)
-    _one_line(_run("data", "dump", "--input", str(data), "--out", str(data)), "data", "is also an input")
+    _one_line(_run("data", "dump", "--input", str(data), "--out", str(data)), "data", "is the input file")
     _one_line(_run("synth", "convert", "--input", str(data), "--out", str(data)), "synth", "is also an input")
     assert _snapshot(tmp_path) == before
 
