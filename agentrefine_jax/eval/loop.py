@@ -19,8 +19,16 @@ from typing import Any
 from agentrefine_jax.eval.core import run_loop
 from agentrefine_jax.eval.envs.base import EvalTask, TextEnv
 from agentrefine_jax.eval.perturb import variant_name
-from agentrefine_jax.eval.policies import ActRequest, ContextOverflow, Policy, PolicyError, ask, is_privileged
-from agentrefine_jax.eval.react import FORMAT_ERROR, format_response, parse_action
+from agentrefine_jax.eval.policies import (
+    ActRequest,
+    ContextOverflow,
+    Policy,
+    PolicyError,
+    ask,
+    is_privileged,
+    react_turns,
+)
+from agentrefine_jax.eval.react import FORMAT_ERROR, parse_action
 from agentrefine_jax.layout import (
     SYSTEM_PROMPT,
     agentboard_messages,
@@ -154,15 +162,14 @@ def _start(job: EpisodeJob, policy: Policy) -> _Running:
     return run
 
 
-def _privileged(policy: Any, runs: list[_Running]) -> list[str | PolicyError]:
-    """Oracle/random: the per-episode policy's action, written as a ReAct turn for the same parser."""
-    out: list[str | PolicyError] = []
-    for run in runs:
-        try:
-            out.append(format_response(policy.thought, run.actor.act(run.env, run.history)))
-        except Exception as e:  # noqa: BLE001 - e.g. the oracle's planner failed: this episode fails alone
-            out.append(PolicyError(f"{type(e).__name__}: {e}"))
-    return out
+class _ReactTurns:
+    """A per-episode policy (random) as a batch actor of the chat protocol."""
+
+    def __init__(self, policy: Any):
+        self.policy = policy
+
+    def act(self, requests: list[ActRequest]) -> list[str | PolicyError]:
+        return react_turns(self.policy, requests)
 
 
 def run_episodes(
@@ -175,10 +182,14 @@ def run_episodes(
     """Run every job to completion (the one loop, `core.run_loop`); results come back in job order."""
 
     def respond(runs: list[_Running]) -> None:
-        if is_privileged(policy):
-            replies = _privileged(policy, runs)
+        requests = [
+            ActRequest(r.request_messages(), r.job.seed, r.steps, env=r.env, history=r.history, actor=r.actor)
+            for r in runs
+        ]
+        if getattr(policy, "acts_per_episode", False):
+            replies = ask(_ReactTurns(policy), requests)
         else:
-            replies = ask(policy, [ActRequest(r.request_messages(), r.job.seed, r.steps) for r in runs])
+            replies = ask(policy, requests)
         for run, reply in zip(runs, replies, strict=True):
             if isinstance(reply, ContextOverflow):
                 run.finish("context_overflow", str(reply))

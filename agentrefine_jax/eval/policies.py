@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from agentrefine_jax.layout import CHECK_VALID_ACTIONS
+from agentrefine_jax.layout import assistant_turn as format_response
 
 # The model's turn ends with its action; a hallucinated next observation is cut here.
 DEFAULT_STOP = ("\nObservation:",)
@@ -48,6 +49,11 @@ class ActRequest:
     step: int = 0
     # None: the actor's own sampling settings.
     sampling: SamplingParams | None = None
+    # For privileged policies under the chat protocol: the episode's environment, its Observation/Action
+    # history and the policy `for_episode` made for it.
+    env: Any = None
+    history: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    actor: Any = None
 
 
 class Policy(Protocol):
@@ -83,6 +89,12 @@ def is_privileged(policy: Any) -> bool:
     return callable(getattr(policy, "for_episode", None))
 
 
+def react_turns(policy: Any, requests: Sequence[ActRequest]) -> list[str | PolicyError]:
+    """A privileged policy's batch under the chat protocol: each episode's own policy picks the action,
+    written as a ReAct turn that goes through the same parser as a model's reply."""
+    return [format_response(policy.thought, r.actor.act(r.env, r.history)) for r in requests]
+
+
 class OraclePolicy:
     """The task's reference solver (BabyAIBot, gold path, a planner, a walkthrough), made per episode."""
 
@@ -95,6 +107,9 @@ class OraclePolicy:
         if oracle is None:
             raise ValueError(f"task {getattr(task, 'name', task)!r} has no offline oracle")
         return oracle
+
+    def act(self, requests: Sequence[ActRequest]) -> list[str | PolicyError]:
+        return react_turns(self, requests)
 
     def close(self) -> None:
         pass
@@ -121,6 +136,7 @@ class RandomPolicy:
     name = "random"
     needs_oracle = False
     thought = "I pick a valid action at random."
+    acts_per_episode = True  # `act` is the per-episode policy's; the chat protocol batches with react_turns
 
     def __init__(self, seed: int = 0):
         self.rng = random.Random(seed)
