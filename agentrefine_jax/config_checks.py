@@ -90,20 +90,13 @@ DTYPES = ("float32", "bfloat16", "float16")
 # Closed sets owned by modules too heavy to import here (transformers); tests/test_config.py
 # asserts they equal the owners' constants so the two cannot drift apart.
 TEMPLATES = ("llama3", "mistral", "hf")
+# data/schema.py's FORMATS ("auto", "custom" and its presets); config is imported by data, not the reverse.
+DATA_FORMATS = ("auto", "custom", "canonical", "sharegpt", "agentflan", "agentinstruct", "agenttraj")
+# What `data.loss_on` may name; data/schema.py takes it from here.
+CATEGORIES = ("correct", "refinement", "erroneous")
 OVERLENGTH_MODES = ("truncate", "drop")
 SCHEDULES = ("cosine", "constant")
 
-
-def _data_formats() -> tuple[str, ...]:
-    from agentrefine_jax.data.schema import FORMATS  # light: the standard library only
-
-    return FORMATS
-
-
-def _categories() -> tuple[str, ...]:
-    from agentrefine_jax.data.schema import CATEGORIES
-
-    return CATEGORIES
 
 
 # Dotted key -> check. Keys absent from the config (a field renamed or not yet merged) fail the
@@ -127,14 +120,16 @@ RULES: dict[str, Check | Callable[[], Check]] = {
     "model.attention_block_size": at_least(0),
     # data
     "data.eval_fraction": fraction(upper_open=True),
-    "data.format": lambda: one_of(*_data_formats()),
+    "data.format": one_of(*DATA_FORMATS),
     "data.template": one_of(*TEMPLATES),
-    "data.loss_on": lambda: subset_of(*_categories()),
+    "data.loss_on": subset_of(*CATEGORIES),
     "data.max_length": at_least(2),
     "data.overlength": one_of(*OVERLENGTH_MODES),
     "data.num_workers": at_least(0),
     "data.prefetch": at_least(0),
     "data.max_skip_fraction": fraction(),
+    "data.train_size": optional(at_least(1)),
+    "data.general_ratio": at_least(0),
     # optim
     "optim.learning_rate": greater_than(0),
     "optim.schedule": one_of(*SCHEDULES),
@@ -306,7 +301,14 @@ def check_outputs(cfg: Any) -> None:
         raise ConfigError(f"invalid config: {e}") from None
 
 
+def _general_mix(cfg: Any) -> str | None:
+    if cfg.data.general_ratio > 0 and not cfg.data.general_files:
+        return "data.general_ratio > 0 needs data.general_files (the general chat data to mix in)"
+    return None
+
+
 CROSS_CHECKS: list[Callable[[Any], str | None]] = [
+    _general_mix,
     _mesh_one_fill,
     _mesh_rules,
     _micro_batch,

@@ -233,6 +233,9 @@ def test_closed_sets_match_the_modules_that_own_them():
     from agentrefine_jax.hf import io as hf_io
 
     assert config_checks.TEMPLATES == templates.TEMPLATES
+    from agentrefine_jax.data import schema
+
+    assert config_checks.DATA_FORMATS == schema.FORMATS
     assert config_checks.OVERLENGTH_MODES == examples.OVERLENGTH_MODES
     assert set(config_checks.DTYPES) == set(hf_io.NP_DTYPES)
     for schedule in config_checks.SCHEDULES:  # every accepted schedule builds

@@ -11,7 +11,9 @@ from agentrefine_jax.data.tokenizers import load_tokenizer
 
 
 def test_generator_reproduces_the_shipped_files(tmp_path):
-    demo_world.main(["--out-dir", str(tmp_path)])
+    from agentrefine_jax.data.cli import main
+
+    assert main(["demo-world", "--out-dir", str(tmp_path)]) == 0
     assert (tmp_path / "train.jsonl").read_bytes() == DEMO_TRAIN.read_bytes()
     assert (tmp_path / "eval.jsonl").read_bytes() == DEMO_EVAL.read_bytes()
 

@@ -68,8 +68,9 @@ def test_train_size_takes_the_first_valid_examples_of_a_seeded_permutation(files
 def test_train_size_larger_than_the_data_is_a_clear_error(files):
     with pytest.raises(DataError, match=f"train_size=1000 but only {N_ROWS} usable examples"):
         build_data(_cfg(files, train_size=1000), "train")
-    with pytest.raises(ValueError, match="train_size must be >= 1"):
-        build_data(_cfg(files, train_size=0), "train")
+    # Bad values are refused when the config is loaded, before any data is read.
+    with pytest.raises(ValueError, match="data.train_size"):
+        load_config("demo", ["data.train_size=0"])
 
 
 def test_general_chat_is_mixed_at_the_ratio(files):
@@ -97,9 +98,9 @@ def test_general_mix_errors(files):
     with pytest.raises(DataError, match="needs 60 general examples; data.general_files has only 30"):
         build_data(_cfg(files, general_files=(general,), general_ratio=1.0), "train")
     with pytest.raises(ValueError, match="general_ratio > 0 needs data.general_files"):
-        build_data(_cfg(files, general_ratio=0.5), "train")
-    with pytest.raises(ValueError, match="general_ratio must be >= 0"):
-        build_data(_cfg(files, general_ratio=-1.0), "train")
+        load_config("demo", ["data.general_ratio=0.5"])
+    with pytest.raises(ValueError, match="data.general_ratio"):
+        load_config("demo", ["data.general_ratio=-1.0"])
 
 
 def test_knobs_are_config_settings(files):

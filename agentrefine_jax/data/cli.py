@@ -237,6 +237,19 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo_world(args: argparse.Namespace) -> int:
+    import pathlib
+
+    from agentrefine_jax.data.demo_world import write_split
+
+    out = pathlib.Path(args.out_dir)
+    n = write_split(out / "train.jsonl", range(args.train), args.error_rate)
+    # Eval seeds start far from the training ones so the worlds differ.
+    m = write_split(out / "eval.jsonl", range(1_000_000, 1_000_000 + args.eval), args.error_rate)
+    print(f"wrote {n} train rows to {out / 'train.jsonl'} and {m} eval rows to {out / 'eval.jsonl'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = OneLineParser(prog="python -m agentrefine_jax.data", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -257,6 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--row", type=int, default=0, help="record index (0-based, over all inputs)")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     p.set_defaults(fn=cmd_show)
+    p = sub.add_parser("demo-world", help="regenerate the shipped demo trajectories (deterministic)")
+    p.add_argument("--out-dir", required=True, help="where train.jsonl and eval.jsonl are written")
+    p.add_argument("--train", type=int, default=400, help="number of training trajectories")
+    p.add_argument("--eval", type=int, default=40, help="number of eval trajectories")
+    p.add_argument("--error-rate", type=float, default=0.25, help="chance of a mistake at each step")
+    p.set_defaults(fn=cmd_demo_world)
     for command in sub.choices.values():
         logs.add_flags(command)
     return ap

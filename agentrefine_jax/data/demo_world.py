@@ -9,7 +9,7 @@ layout: a system prompt (environment, task format, available actions), user turn
 observations, assistant turns "Thought: ...\\nAction: ..."; erroneous turns carry
 `loss: false`.
 
-    python -m agentrefine_jax.data.demo_world --out-dir agentrefine_jax/data/demo
+    python -m agentrefine_jax.data demo-world --out-dir agentrefine_jax/data/demo
 
 rewrites the shipped demo files (train.jsonl, eval.jsonl) byte for byte. Every row's id
 holds its seed, and `replay(row)` re-runs its actions through the simulator.
@@ -17,7 +17,6 @@ holds its seed, and `replay(row)` re-runs its actions through the simulator.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import pathlib
@@ -365,23 +364,3 @@ def write_split(path: pathlib.Path, seeds: range, error_rate: float) -> int:
         for s in seeds:
             f.write(json.dumps(generate_trajectory(s, error_rate), ensure_ascii=False) + "\n")
     return len(seeds)
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m agentrefine_jax.data.demo_world", description=(__doc__ or "").split("\n")[0]
-    )
-    ap.add_argument("--out-dir", default=str(pathlib.Path(__file__).parent / "demo"))
-    ap.add_argument("--train", type=int, default=400, help="number of training trajectories")
-    ap.add_argument("--eval", type=int, default=40, help="number of eval trajectories")
-    ap.add_argument("--error-rate", type=float, default=0.25, help="chance of a mistake at each step")
-    args = ap.parse_args(argv)
-    out = pathlib.Path(args.out_dir)
-    n = write_split(out / "train.jsonl", range(args.train), args.error_rate)
-    # Eval seeds start far from the training ones so the worlds differ.
-    m = write_split(out / "eval.jsonl", range(1_000_000, 1_000_000 + args.eval), args.error_rate)
-    print(f"wrote {n} train rows to {out / 'train.jsonl'} and {m} eval rows to {out / 'eval.jsonl'}")
-
-
-if __name__ == "__main__":
-    main()

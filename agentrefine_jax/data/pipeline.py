@@ -72,17 +72,6 @@ class BuiltData:
     report: DataReport
 
 
-def _check_knobs(cfg: DataConfig) -> None:
-    if cfg.train_size is not None and cfg.train_size < 1:
-        raise ValueError(f"data.train_size must be >= 1 (or None for all), got {cfg.train_size}")
-    if cfg.general_ratio < 0:
-        raise ValueError(f"data.general_ratio must be >= 0, got {cfg.general_ratio}")
-    if cfg.general_ratio > 0 and not cfg.general_files:
-        raise ValueError("data.general_ratio > 0 needs data.general_files")
-    if not 0.0 <= cfg.max_skip_fraction <= 1.0:
-        raise ValueError(f"data.max_skip_fraction must be in [0, 1], got {cfg.max_skip_fraction}")
-
-
 def _examples(
     cfg: DataConfig,
     records: RecordSet,
@@ -139,7 +128,6 @@ def build_data(
     """Examples, packed rows and report of `split`: identical on every process."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    _check_knobs(cfg)
     files = cfg.eval_files if (split == "eval" and cfg.eval_files) else cfg.train_files
     if not files:
         raise ValueError(

@@ -26,10 +26,10 @@ import numbers
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+from agentrefine_jax.config_checks import CATEGORIES  # what `loss_on` may name (re-exported)
 from agentrefine_jax.unicode_text import lone_surrogate
 
 ROLES = ("system", "user", "assistant")
-CATEGORIES = ("correct", "refinement", "erroneous")  # what `loss_on` may name
 UNTRAINED = "untrained"  # category of `train: false` turns; never in loss_on
 FLAG_MEANINGS = ("loss", "error", "train")
 DEFAULT_LOSS_ON: tuple[str, ...] = ("correct", "refinement")

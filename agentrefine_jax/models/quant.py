@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from agentrefine_jax.models import params
 
-QUANTIZED = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+QUANTIZED = tuple(p.path[1] for p in params.LAYER_PARAMS if p.kind == "linear")
 SOURCE_DTYPE = "bfloat16"  # the dtype the base is built in before it is quantised
 SCALE_DTYPE = jnp.float32
 QTYPE = jnp.int8

@@ -130,6 +130,24 @@ def cmd_convert(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replay_server(a: argparse.Namespace) -> int:
+    """Serve scripted chat-completion replies (tests, demos) until Ctrl-C."""
+    import json
+    import time
+
+    from agentrefine_jax.synth.replay_server import ReplayServer
+
+    with open(a.replies, encoding="utf-8") as f:
+        rules = json.load(f)["rules"]
+    server = ReplayServer(rules, a.host, a.port).start()
+    print(f"[replay] serving {len(rules)} rule(s) at {server.url} (Ctrl-C to stop)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        server.stop()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m agentrefine_jax.synth", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -191,6 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
         "history in AgentBoard's single user message",
     )
     c.set_defaults(func=cmd_convert)
+
+    r = sub.add_parser("replay-server", help="serve scripted OpenAI-compatible replies on 127.0.0.1")
+    r.add_argument("--replies", required=True, help='JSON file {"rules": [...]}')
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=8765)
+    r.set_defaults(func=cmd_replay_server)
     for command in sub.choices.values():
         logs.add_flags(command)
     return p

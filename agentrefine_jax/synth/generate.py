@@ -176,7 +176,9 @@ class Generator:
         if self.progress is not None:
             self.progress.log(msg)
         else:
-            print(msg, file=self._progress_stream or sys.stderr, flush=True)
+            stream = self._progress_stream or sys.stderr  # the CLI's progress sink (devnull under -q)
+            stream.write(f"{msg}\n")
+            stream.flush()
 
     def _state_path(self, pid: str) -> pathlib.Path:
         return self.state_dir / f"{pid}.json"

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import random
 import re
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -111,7 +111,7 @@ class ChatClient:
         sleep: Callable[[float], None] = time.sleep,
     ):
         self.settings = settings
-        self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self._log = log or logging.getLogger(__name__).warning
         self._sleep = sleep
         key = os.environ.get(settings.api_key_env, "")
         if not key:

@@ -2,7 +2,7 @@
 
 Used by the tests and for offline dry runs of `generate` (no key, no network):
 
-    python -m agentrefine_jax.synth.replay_server --replies replies.json --port 8765
+    python -m agentrefine_jax.synth replay-server --replies replies.json --port 8765
 
 A replies file is {"rules": [rule, ...]}.  A rule is
 {"match": [substring, ...], "replies": [reply, ...], "repeat_last": bool}: a request is answered
@@ -17,7 +17,6 @@ Unmatched requests get a 500 and are recorded with rule=None.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import http.server
 import json
@@ -164,29 +163,3 @@ class ReplayServer:
             },
             {},
         )
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m agentrefine_jax.synth.replay_server",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--replies", required=True, help='JSON file {"rules": [...]}')
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8765)
-    a = p.parse_args(argv)
-    with open(a.replies, encoding="utf-8") as f:
-        rules = json.load(f)["rules"]
-    server = ReplayServer(rules, a.host, a.port).start()
-    print(f"[replay] serving {len(rules)} rule(s) at {server.url} (Ctrl-C to stop)", flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        server.stop()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

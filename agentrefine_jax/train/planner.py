@@ -377,22 +377,11 @@ def plan(
     name: str = "",
 ) -> dict[str, Any]:
     """The full plan as a JSON-ready dict (see `format_plan` for the text view)."""
-    from agentrefine_jax.sharding import logical_to_spec
-    from agentrefine_jax.train import flops
-
-    if chip not in HBM_BYTES:
-        raise PlanError(f"unknown chip {chip!r}; choose from {sorted(HBM_BYTES)}")
-    if not 0 < mfu <= 1:
-        raise PlanError(f"--mfu must be in (0, 1], got {mfu}")
-    if not 0 <= headroom < 1:
-        raise PlanError(f"--headroom must be in [0, 1), got {headroom}")
+    _check_plan_args(chip, mfu, headroom, global_batch=global_batch, micro_batch=micro_batch, seq_len=seq_len)
     model_cfg = cfg.model
     rules = cfg.mesh.rules
     mesh = abstract_mesh(mesh_sizes)
     devices = math.prod(mesh_sizes.values())
-    for flag, given in (("global batch", global_batch), ("micro batch", micro_batch), ("seq len", seq_len)):
-        if given is not None and given < 1:  # 0 is a value to refuse, not "use the default"
-            raise PlanError(f"{flag} must be >= 1, got {given}")
     gb = cfg.train.global_batch_size if global_batch is None else global_batch
     micro = micro_batch or cfg.train.micro_batch_size or gb
     seq = cfg.data.max_length if seq_len is None else seq_len
@@ -411,9 +400,7 @@ def plan(
     # optax.adamw keeps mu and nu in the parameter dtype, sharded like the parameters.
     opt_bytes = 2 * param_bytes
 
-    batch_spec = tuple(logical_to_spec(("batch",), rules, (micro,), mesh))[0]
-    batch_shards = _spec_factor(batch_spec, mesh)
-    max_batch_shards = _spec_factor(tuple(logical_to_spec(("batch",), rules, None, mesh))[0], mesh)
+    batch_shards, max_batch_shards = _batch_shards(micro, rules, mesh)
     # The trainer refuses a (micro) batch that does not split over the batch shards; memory
     # is still shown for the replicated batch the sharding rules would otherwise produce.
     splits = micro % max_batch_shards == 0
@@ -445,37 +432,11 @@ def plan(
         sizing, _ = activation_model(blocked_cfg, mesh, rules, seq, cfg.train.loss_chunk_size)
     max_pdb = sizing.max_batch(usable - (param_bytes + param_bytes + opt_bytes))
     max_global = max_pdb * max_batch_shards
-    if splits and total <= usable and micro > max_global:
-        notes.append(
-            f"micro batch {micro} is above the largest batch this plan answers ({max_global}): the "
-            "splash estimate is optimistic at large batches, so confirm it with --compile"
-        )
-    if splits and total > usable:
-        # Largest micro batch (a multiple of the batch shards dividing the global batch) that
-        # fits with gradient accumulation (accumulator + micro-batch gradient).
-        fitting = [
-            m
-            for m in range(max_batch_shards, gb, max_batch_shards)
-            if gb % m == 0 and 4 * param_bytes + opt_bytes + sizing.total(m // max_batch_shards) <= usable
-        ]
-        if fitting:
-            notes.append(
-                f"fits with --set train.micro_batch_size={fitting[-1]} ({gb // fitting[-1]} gradient "
-                "accumulation steps), or on more chips"
-            )
-        else:
-            notes.append(
-                "no micro batch fits: shard further (more fsdp/tensor), use a stronger remat policy, a "
-                "smaller attention_block_size / loss_chunk_size, or shorter sequences"
-            )
-    # flops.py counts matmul weights by formula; check it against the real model's leaves.
+    if splits:
+        notes += _batch_notes(micro, gb, max_global, max_batch_shards, total, usable,
+                              4 * param_bytes + opt_bytes, sizing)  # fmt: skip
     counted = matmul_params(layout, model_cfg.tie_embeddings)
-    if counted != flops.matmul_params(model_cfg):
-        notes.append(
-            f"flops.matmul_params={flops.matmul_params(model_cfg):,} disagrees with the model's "
-            f"{counted:,} matmul weights; FLOPs use the model's count"
-        )
-    fpt = flops.flops_per_token(model_cfg, seq) + 6.0 * (counted - flops.matmul_params(model_cfg))
+    fpt = _flops_per_token(model_cfg, counted, seq, notes)
     flops_step = fpt * gb * seq
     peak = PEAK_FLOPS[chip]
     step_time = flops_step / (devices * peak * mfu)
@@ -518,17 +479,85 @@ def plan(
         "mfu": mfu,
         "step_time_s": step_time,
         "tokens_per_sec": gb * seq / step_time,
-        "param_leaves": [
-            {
-                "path": leaf.path,
-                "shape": list(leaf.shape),
-                "dtype": leaf.dtype,
-                "spec": [list(e) if isinstance(e, tuple) else e for e in leaf.spec],
-                "shard_shape": list(leaf.shard_shape),
-            }
-            for leaf in layout
-        ],
+        "param_leaves": [_leaf_row(leaf) for leaf in layout],
         "notes": notes,
+    }
+
+
+def _batch_shards(micro: int, rules: Any, mesh: Any) -> tuple[int, int]:
+    """(shards this micro batch is split over, shards a batch can be split over at most)."""
+    from agentrefine_jax.sharding import logical_to_spec
+
+    batch_spec = tuple(logical_to_spec(("batch",), rules, (micro,), mesh))[0]
+    whole = tuple(logical_to_spec(("batch",), rules, None, mesh))[0]
+    return _spec_factor(batch_spec, mesh), _spec_factor(whole, mesh)
+
+
+def _check_plan_args(
+    chip: str, mfu: float, headroom: float, *, global_batch: int | None, micro_batch: int | None,
+    seq_len: int | None,
+) -> None:  # fmt: skip
+    if chip not in HBM_BYTES:
+        raise PlanError(f"unknown chip {chip!r}; choose from {sorted(HBM_BYTES)}")
+    if not 0 < mfu <= 1:
+        raise PlanError(f"--mfu must be in (0, 1], got {mfu}")
+    if not 0 <= headroom < 1:
+        raise PlanError(f"--headroom must be in [0, 1), got {headroom}")
+    for flag, given in (("global batch", global_batch), ("micro batch", micro_batch), ("seq len", seq_len)):
+        if given is not None and given < 1:  # 0 is a value to refuse, not "use the default"
+            raise PlanError(f"{flag} must be >= 1, got {given}")
+
+
+def _batch_notes(
+    micro: int, gb: int, max_global: int, max_batch_shards: int, total: int, usable: int,
+    accum_static: int, sizing: ActivationModel,
+) -> list[str]:  # fmt: skip
+    """What to do about the batch: above the largest answered batch, or accumulate to fit
+    (`accum_static`: params, accumulator + micro-batch gradient, optimizer state)."""
+    if total <= usable:
+        if micro > max_global:
+            return [
+                f"micro batch {micro} is above the largest batch this plan answers ({max_global}): the "
+                "splash estimate is optimistic at large batches, so confirm it with --compile"
+            ]
+        return []
+    # Largest micro batch (a multiple of the batch shards dividing the global batch) that fits.
+    fitting = [
+        m
+        for m in range(max_batch_shards, gb, max_batch_shards)
+        if gb % m == 0 and accum_static + sizing.total(m // max_batch_shards) <= usable
+    ]
+    if fitting:
+        return [
+            f"fits with --set train.micro_batch_size={fitting[-1]} ({gb // fitting[-1]} gradient "
+            "accumulation steps), or on more chips"
+        ]
+    return [
+        "no micro batch fits: shard further (more fsdp/tensor), use a stronger remat policy, a "
+        "smaller attention_block_size / loss_chunk_size, or shorter sequences"
+    ]
+
+
+def _flops_per_token(model_cfg: Any, counted: int, seq: int, notes: list[str]) -> float:
+    """flops.py counts matmul weights by formula; checked against the real model's leaves."""
+    from agentrefine_jax.train import flops
+
+    formula = flops.matmul_params(model_cfg)
+    if counted != formula:
+        notes.append(
+            f"flops.matmul_params={formula:,} disagrees with the model's "
+            f"{counted:,} matmul weights; FLOPs use the model's count"
+        )
+    return flops.flops_per_token(model_cfg, seq) + 6.0 * (counted - formula)
+
+
+def _leaf_row(leaf: LeafLayout) -> dict[str, Any]:
+    return {
+        "path": leaf.path,
+        "shape": list(leaf.shape),
+        "dtype": leaf.dtype,
+        "spec": [list(e) if isinstance(e, tuple) else e for e in leaf.spec],
+        "shard_shape": list(leaf.shard_shape),
     }
 
 

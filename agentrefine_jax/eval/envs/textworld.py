@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import logging
 import os
 import re
 import subprocess
@@ -368,10 +369,8 @@ class TextWorldTask(EvalTask):
         missing = [s for s in specs if not os.path.exists(game_path(self.workdir, s))]
         if not missing:
             return
-        print(
-            f"[eval] generating {len(missing)} TextWorld game(s) with tw-make in {self.workdir} ...",
-            file=sys.stderr,
-            flush=True,
+        logging.getLogger(__name__).info(
+            f"generating {len(missing)} TextWorld game(s) with tw-make in {self.workdir} ..."
         )
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, self.workers)) as pool:
             list(pool.map(lambda s: make_game(self.workdir, s), missing))
