@@ -98,7 +98,6 @@ OVERLENGTH_MODES = ("truncate", "drop")
 SCHEDULES = ("cosine", "constant")
 
 
-
 # Dotted key -> check. Keys absent from the config (a field renamed or not yet merged) fail the
 # test that walks this table, never silently at run time.
 RULES: dict[str, Check | Callable[[], Check]] = {
