@@ -254,6 +254,8 @@ def openai_client(base_url: str, api_key: str, *, timeout: float, max_retries: i
     """
     import openai
 
+    if not timeout > 0:
+        raise ValueError(f"the request timeout must be > 0 seconds, got {timeout!r}")
     hx = _httpx_module()
 
     class DeadlineTransport(hx.BaseTransport):

@@ -284,6 +284,45 @@ def test_eval_request_timeout_is_a_deadline(trickler, tmp_path):
     assert all(DEADLINE - 0.05 <= t <= DEADLINE + MARGIN for t in trickler.closed), trickler.closed
 
 
+@pytest.mark.timeout(120)
+def test_a_timeout_that_is_not_positive_is_one_line_and_exit_2(tmp_path):
+    synth, _ = _run(
+        "agentrefine_jax.synth",
+        [
+            "generate",
+            "--out",
+            str(tmp_path / "o"),
+            "--base-url",
+            "http://127.0.0.1:9/v1",
+            "--model",
+            "m",
+            "--timeout",
+            "0",
+        ],
+        tmp_path,
+        {},
+    )
+    evaluation, _ = _run(
+        "agentrefine_jax.eval",
+        [
+            "--base-url",
+            "http://127.0.0.1:9/v1",
+            "--model",
+            "m",
+            "--tasks",
+            "babyai",
+            "--request-timeout",
+            "-1",
+        ],
+        tmp_path,
+        {},
+    )
+    for proc, words in ((synth, "--timeout"), (evaluation, "request timeout must be > 0")):
+        lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+        assert proc.returncode == 2 and len(lines) == 1 and words in lines[0], proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.timeout(180)
 def test_a_mangled_key_echo_reaches_neither_stderr_nor_saved_files(tmp_path):
     server = RawServer(echo_key_401)

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
-LINGER_S = 1.0  # how long a rejected connection may take to finish sending its request
+LINGER_S = 1.0  # how long an ended connection may take to finish sending (then it is closed)
 MAX_LINGERING = 1024  # rejected connections being read away at once; more wait their turn
 _MAX_CHUNK_LINE = 1024
 _MAX_TRAILERS = 64
@@ -237,16 +237,30 @@ class PooledHTTPServer(HTTPServer):
         try:
             sock.setblocking(False)
             sock.send(self._busy)
-            sock.shutdown(socket.SHUT_WR)
         except OSError:
             sock.close()
             return
-        self._lingering.put(sock)
+        self.shutdown_request(sock)
+
+    def shutdown_request(self, request: Any) -> None:
+        """Close gracefully (every connection ends here): our side first, then the linger thread
+        reads what the client still sends before the socket is closed."""
+        try:
+            request.shutdown(socket.SHUT_WR)
+            request.setblocking(False)
+        except OSError:
+            request.close()
+            return
+        if self._stopping.is_set():  # the linger thread is gone
+            request.close()
+        else:
+            self._lingering.put(request)
 
     def _linger(self) -> None:
-        """Read rejected connections to their end before closing them: closing with unread input
-        would reset the connection, and the client could lose the 503 it has not read yet. One
-        thread for all of them (non-blocking), each given at most LINGER_S."""
+        """Read ended connections to their end before closing them: closing with unread input
+        (a rejected request, a body we refused) would reset the connection, and the client could
+        lose the 503 / 4xx it has not read yet. One thread for all (non-blocking), each given at
+        most LINGER_S."""
         sel = selectors.DefaultSelector()
         ends: dict[socket.socket, float] = {}
 
@@ -258,7 +272,7 @@ class PooledHTTPServer(HTTPServer):
         while not self._stopping.is_set():
             while len(ends) < MAX_LINGERING:
                 try:
-                    sock = self._lingering.get(timeout=0.05 if not ends else 0)
+                    sock = self._lingering.get(timeout=0.5 if not ends else 0)
                 except queue.Empty:
                     break
                 sel.register(sock, selectors.EVENT_READ)

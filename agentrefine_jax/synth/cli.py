@@ -10,7 +10,7 @@ import pathlib
 import sys
 
 from agentrefine_jax import logs, outputs
-from agentrefine_jax.cli_errors import OneLineParser, fail
+from agentrefine_jax.cli_errors import OneLineParser, fail, float_in
 from agentrefine_jax.synth import jsonl
 from agentrefine_jax.synth.convert import convert_file
 from agentrefine_jax.synth.generate import GenerateConfig, run_generate
@@ -177,7 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-api-retries", type=int, default=6, help="retries of one request on 429/5xx/timeout")
     g.add_argument("--backoff-base", type=float, default=1.0, help="first backoff delay in seconds (doubles)")
     g.add_argument("--backoff-max", type=float, default=60.0, help="longest backoff delay in seconds")
-    g.add_argument("--timeout", type=float, default=300.0, help="per-request timeout in seconds")
+    g.add_argument(
+        "--timeout",
+        type=float_in(0, 86400, lo_open=True),
+        default=300.0,
+        help="deadline in seconds for each whole request (connect + complete reply, not per read)",
+    )
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--max-tokens", type=int, default=None, help="completion token cap per request")
     g.add_argument("--limit", type=int, default=None, help="only the first N personas")
