@@ -277,15 +277,7 @@ def run(
                 writer.episode(task.name, ep)
 
         try:
-            logs = run_episodes(
-                task,
-                checkout,
-                specs,
-                agent,
-                max_steps=config.max_steps,
-                batch_size=config.batch_size,
-                on_done=report,
-            )
+            logs = _episodes(task, checkout, specs, agent, config, on_done=report)
             if config.best_of > 1:
                 samples = _samples(task, checkout, specs, logs, model, policy, suffix, config, log)
                 doc.setdefault("best_of", best_of_section(config))["tasks"][task.name] = best_of_metrics(
@@ -317,6 +309,14 @@ def run(
     if "best_of" in doc:
         doc["best_of"]["held_out"] = best_of_held_out(doc["best_of"]["tasks"])
     return doc
+
+
+def _episodes(
+    task: Any, checkout: Checkout, specs: Sequence[Any], agent: Agent, config: RunConfig, **kw: Any
+) -> list[EpisodeLog]:
+    return run_episodes(
+        task, checkout, specs, agent, max_steps=config.max_steps, batch_size=config.batch_size, **kw
+    )
 
 
 # ----------------------------------------------------------------------------------------- Best-of-N
@@ -355,22 +355,13 @@ def _samples(
     elif model is not None:
         sampled = model.sampled(float(config.temperature or 0.0), config.top_p, config.seed)
         jobs = [dataclasses.replace(s, info={**s.info, "sample": k}) for k in range(n) for s in specs]
-        logs = run_episodes(
-            task,
-            checkout,
-            jobs,
-            Agent(model=sampled, system_suffix=suffix),
-            max_steps=config.max_steps,
-            batch_size=config.batch_size,
-        )
+        logs = _episodes(task, checkout, jobs, Agent(model=sampled, system_suffix=suffix), config)
         out = [dataclasses.replace(x, sample=j // len(specs)) for j, x in enumerate(logs)]
     else:
         out = []
         for k in range(n):
             agent = _agent(None, policy, config.seed, suffix, sample=k)
-            logs = run_episodes(
-                task, checkout, specs, agent, max_steps=config.max_steps, batch_size=config.batch_size
-            )
+            logs = _episodes(task, checkout, specs, agent, config)
             out += [dataclasses.replace(x, sample=k) for x in logs]
     return out
 
@@ -407,16 +398,8 @@ def _perturbed(
             return PromptSet(instruction, examples, ps.system_msg)
 
         log(f"[agentboard] {task.name}: perturbation {k} ({rw.name})")
-        logs = run_episodes(
-            task,
-            checkout,
-            specs,
-            agent,
-            max_steps=config.max_steps,
-            batch_size=config.batch_size,
-            wrap_env=lambda env, rw=rw: perturb.RewordedEnv(env, rw),
-            reword_prompt=reword,
-        )
+        wrap = lambda env, rw=rw: perturb.RewordedEnv(env, rw)  # noqa: E731
+        logs = _episodes(task, checkout, specs, agent, config, wrap_env=wrap, reword_prompt=reword)
         variants.append({"index": k, "name": rw.name} | task_metrics(logs))
     out: dict[str, Any] = {"variants": variants}
     for m in ("success_rate", "progress_rate"):

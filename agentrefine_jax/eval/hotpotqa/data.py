@@ -160,6 +160,11 @@ def _question(row: Any, i: int, source: str) -> Question:
     )
 
 
+def _titled_pair(x: Any) -> bool:
+    """`[title, something]`: the shape of a context paragraph and of a supporting fact."""
+    return isinstance(x, Sequence) and not isinstance(x, str) and len(x) == 2 and isinstance(x[0], str)
+
+
 def _context(value: Any, where: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
     # Hugging Face layout: {"title": [...], "sentences": [[...], ...]}.
     if isinstance(value, Mapping) and "title" in value and "sentences" in value:
@@ -168,14 +173,7 @@ def _context(value: Any, where: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
         raise DataError(f"{where}: 'context' must be a non-empty list of [title, [sentences]]")
     out = []
     for para in value:
-        if (
-            not isinstance(para, Sequence)
-            or isinstance(para, str)
-            or len(para) != 2
-            or not isinstance(para[0], str)
-            or isinstance(para[1], str)
-            or not all(isinstance(s, str) for s in para[1])
-        ):
+        if not _titled_pair(para) or isinstance(para[1], str) or not all(isinstance(s, str) for s in para[1]):
             raise DataError(f"{where}: 'context' entry {para!r:.80} is not [title, [sentences]]")
         out.append((para[0], tuple(s.strip() for s in para[1] if s.strip())))
     return tuple(out)
@@ -188,12 +186,7 @@ def _supporting_facts(value: Any, where: str) -> tuple[str, ...]:
         raise DataError(f"{where}: 'supporting_facts' must be a non-empty list of [title, sent_id]")
     titles: list[str] = []
     for fact in value:
-        if (
-            not isinstance(fact, Sequence)
-            or isinstance(fact, str)
-            or len(fact) != 2
-            or not isinstance(fact[0], str)
-        ):
+        if not _titled_pair(fact):
             raise DataError(f"{where}: 'supporting_facts' entry {fact!r:.80} is not [title, sent_id]")
         if fact[0] not in titles:
             titles.append(fact[0])
