@@ -2,9 +2,11 @@
 
 Why not plain httpx / `openai` timeouts: they bound each socket operation, so a server that trickles
 one byte every 2 s never trips a 5 s timeout and the request runs for ever. Here a request's
-`timeout` covers everything (connect, TLS, sending, the status line, headers and the whole body):
-every socket operation gets only the time left, so a call returns or raises `RequestTimeout`
-within `timeout` seconds (plus scheduling noise) whatever the server does.
+`timeout` covers everything (sending, the status line, headers and the whole body): every socket
+operation gets only the time left, so a call returns or raises `RequestTimeout` within `timeout`
+seconds (plus scheduling noise) whatever the server does. Opening the connection (TCP connect,
+a proxy's CONNECT, the TLS handshake as a whole) is bounded by the time left when it starts,
+and the deadline is checked again once it is open.
 
 Use:
     reply = request("GET", url, params={"q": "x"}, timeout=10)   # -> HTTPReply; reply.json()
@@ -203,6 +205,7 @@ def request(
         except TimeoutError:
             raise RequestTimeout(f"could not connect to {where} within the deadline") from None
         raw = conn.sock
+        deadline.left()  # a slow TLS handshake may have used it all
         conn.sock = _DeadlineSocket(raw, deadline)  # type: ignore[assignment]
         conn.putrequest(method, target, skip_accept_encoding=True)
         for k, v in hdrs:
