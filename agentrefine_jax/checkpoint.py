@@ -17,10 +17,18 @@ manager (`manager`, `TrainCheckpoints`); loaders read only `params` and `meta` a
 everything else (older runs also hold a `data_iter` item, no longer needed: the data
 position is the global step).
 
-Integrity: once Orbax has finalised a step, `write_manifest` records the size and sha256 of
-every file in it (`MANIFEST`, written last). `verify_step` re-hashes them; a step without a
-manifest is an interrupted save, one whose files differ is corrupt. The trainer resumes from
-the newest intact step (`newest_intact_step`) and says which ones it skipped.
+Integrity: once Orbax has committed a step, `write_manifest` records the size and sha256 of
+every file in it (`MANIFEST`, written last; the trainer hashes on a background worker, off the
+training step). `verify_step` re-hashes them; a step whose files differ is corrupt. A step with
+no manifest is one whose process was killed between Orbax's commit and the manifest: if Orbax's
+own commit record is complete (`orbax_commit_problem`: the step's `commit_success.txt`, a commit
+timestamp in `_CHECKPOINT_METADATA`, every item committed) the trainer re-hashes it, writes the
+manifest and resumes from it (`verify_step(..., repair=True)`); otherwise it is an interrupted
+save. Why this rule and not "manifest before Orbax may delete older steps": it also covers the
+very first checkpoint (nothing older to fall back to), leaves Orbax's keep policy as it is, and
+lets hashing run off the step; Orbax's commit is atomic (a rename, or a commit file on object
+stores), so a committed step is complete. The trainer resumes from the newest intact step
+(`newest_intact_step`) and says which ones it skipped or repaired.
 
 Paths may be URLs (gs://..., anything etils.epath handles); `file://` URLs are local paths.
 
@@ -82,13 +90,26 @@ def handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
 
 
 def manager(
-    root: str | os.PathLike[str], *, keep: int | None = None, keep_every: int = 0, async_save: bool = False
+    root: str | os.PathLike[str],
+    *,
+    keep: int | None = None,
+    keep_every: int = 0,
+    async_save: bool = False,
+    cleanup_tmp: bool = False,
 ) -> ocp.CheckpointManager:
     """The one Orbax manager for a checkpoint root: keep the newest `keep` steps (all when None)
-    plus every `keep_every`-th step (e.g. each epoch's last), saving in the background if asked."""
+    plus every `keep_every`-th step (e.g. each epoch's last), saving in the background if asked.
+    `cleanup_tmp` removes uncommitted step directories of earlier (killed) saves: only for a
+    root this process owns (the trainer's, under its run lock)."""
     from orbax.checkpoint import checkpoint_managers as policies
 
-    options: dict[str, Any] = {"enable_async_checkpointing": async_save, "create": True}
+    options: dict[str, Any] = {
+        "enable_async_checkpointing": async_save,
+        "create": True,
+        "cleanup_tmp_directories": cleanup_tmp,
+    }
+    if (faulty := _fault_temporary_path_class(as_path(root))) is not None:
+        options["temporary_path_class"] = faulty
     if keep is not None:
         policy: Any = policies.LatestN(n=keep)
         if keep_every > 0:
@@ -97,6 +118,28 @@ def manager(
     return ocp.CheckpointManager(
         as_path(root), handler_registry=handler_registry(), options=ocp.CheckpointManagerOptions(**options)
     )
+
+
+def _fault_temporary_path_class(root: epath.Path) -> Any:
+    """Tests only (agentrefine_jax.faults, `before_commit`): Orbax's own temporary-path class for
+    `root`, with the kill point between "every item written" and "step committed"."""
+    from agentrefine_jax import faults
+
+    s = faults.spec()
+    if s is None or s[0] != "before_commit":
+        return None
+    from orbax.checkpoint._src.path import atomicity_defaults
+
+    base: Any = atomicity_defaults.get_default_temporary_path_class(root)
+
+    class KillBeforeCommit(base):  # type: ignore[misc, valid-type]
+        async def finalize(self, *args: Any, **kwargs: Any) -> Any:
+            name = self.get_final().name
+            if name.isdigit():  # the step directory, not one of its items
+                faults.point("before_commit", int(name))
+            return await super().finalize(*args, **kwargs)
+
+    return KillBeforeCommit
 
 
 def make_meta(
@@ -283,8 +326,14 @@ def _step_files(step_dir: epath.Path) -> list[str]:
     return sorted(out)
 
 
+ORBAX_COMMIT_FILE = "commit_success.txt"  # orbax.checkpoint's atomicity COMMIT_SUCCESS_FILE
+ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
+
+
 def write_manifest(step_dir: str | os.PathLike[str]) -> epath.Path:
-    """Record size + sha256 of every file of a finalised step; written last, so it marks completion."""
+    """Record size + sha256 of every file of a committed step; written last, so it marks completion."""
+    from agentrefine_jax import faults
+
     step_dir = as_path(step_dir)
     names = _step_files(step_dir)
     files = {
@@ -300,16 +349,49 @@ def write_manifest(step_dir: str | os.PathLike[str]) -> epath.Path:
     else:
         tmp = step_dir / (MANIFEST + ".tmp")
         tmp.write_text(body)
+        if step_dir.name.isdigit():
+            faults.point("during_manifest", int(step_dir.name))
         tmp.rename(target)
     return target
 
 
-def verify_step(step_dir: str | os.PathLike[str]) -> None:
-    """Raise CheckpointIntegrityError naming the first problem found in a step directory."""
+def orbax_commit_problem(step_dir: str | os.PathLike[str]) -> str | None:
+    """None when Orbax's own record says the step was committed whole, else what is missing:
+    the step's commit marker, its commit timestamp, and a commit marker in every item it lists
+    (Orbax writes each of these only after every byte of the step is written)."""
+    step_dir = as_path(step_dir)
+    if not (step_dir / ORBAX_COMMIT_FILE).exists():
+        return f"it has no Orbax commit marker ({ORBAX_COMMIT_FILE})"
+    try:
+        meta = json.loads((step_dir / ORBAX_STEP_METADATA).read_text())
+        items = dict(meta["item_handlers"])
+        committed_at = meta["commit_timestamp_nsecs"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its Orbax {ORBAX_STEP_METADATA} is unreadable ({type(e).__name__}: {e})"
+    if not committed_at:
+        return f"its Orbax {ORBAX_STEP_METADATA} has no commit timestamp"
+    for item in sorted({ITEM_PARAMS, ITEM_META} | set(items)):
+        if item not in items or not (step_dir / item / ORBAX_COMMIT_FILE).exists():
+            return f"its item '{item}' was not committed"
+    return None
+
+
+def verify_step(step_dir: str | os.PathLike[str], *, repair: bool = False) -> bool:
+    """Raise CheckpointIntegrityError naming the first problem found in a step directory.
+
+    A step without a manifest is an interrupted save, unless `repair` and Orbax's commit record
+    is complete (killed between the commit and the manifest): then its files are hashed and its
+    manifest written now. Returns True when it did that.
+    """
     step_dir = as_path(step_dir)
     manifest = step_dir / MANIFEST
     if not manifest.exists():
-        raise CheckpointIntegrityError(f"checkpoint {step_dir} is incomplete: it has no {MANIFEST}")
+        problem = orbax_commit_problem(step_dir) if repair else None
+        if repair and problem is None:
+            write_manifest(step_dir)
+            return True
+        why = f" and {problem}" if problem else ""
+        raise CheckpointIntegrityError(f"checkpoint {step_dir} is incomplete: it has no {MANIFEST}{why}")
     try:
         want = json.loads(manifest.read_text())["files"]
     except (ValueError, KeyError, TypeError) as e:
@@ -328,20 +410,28 @@ def verify_step(step_dir: str | os.PathLike[str]) -> None:
             )
         if digest != rec["sha256"]:
             raise CheckpointIntegrityError(f"checkpoint {step_dir} is corrupt: {rel} fails its sha256 check")
+    return False
 
 
-def newest_intact_step(root: str | os.PathLike[str]) -> tuple[int | None, list[tuple[int, str]]]:
+def newest_intact_step(
+    root: str | os.PathLike[str], *, repair: bool = False
+) -> tuple[int | None, list[tuple[int, str]]]:
     """(newest step whose files match its manifest, [(step, problem)] of the newer steps skipped).
 
-    (None, []) when there is no step at all; raises CheckpointIntegrityError when steps exist
-    but none is intact, naming them.
+    `repair`: a committed step missing only its manifest gets one (see `verify_step`), with a
+    notice in the log. (None, []) when there is no step at all; raises CheckpointIntegrityError
+    when steps exist but none is intact, naming them.
     """
     root = as_path(root)
     steps = checkpoint_steps(root)
     skipped: list[tuple[int, str]] = []
     for step in reversed(steps):
         try:
-            verify_step(root / str(step))
+            if verify_step(root / str(step), repair=repair):
+                log.warning(
+                    f"NOTE: checkpoint {root / str(step)} had no {MANIFEST} (the run stopped before it was "
+                    f"written); Orbax's commit record is complete, so it was hashed now and is used"
+                )
         except CheckpointIntegrityError as e:
             skipped.append((step, str(e)))
             continue
@@ -627,19 +717,33 @@ def _one_line_orbax_errors() -> None:
 
 class TrainCheckpoints:
     """A run's checkpoints: the Orbax manager plus what Orbax does not do — a checksum manifest
-    written once a step is finalised, and save failures surfaced at the next step, not at the end."""
+    per step, and save failures surfaced at a step boundary, not at the end.
+
+    Nothing here waits on the training step's path: Orbax writes in the background, the loop
+    `poll`s between steps, and once Orbax has committed a step its manifest is hashed on a
+    background worker (process 0). Waits happen only where correctness needs them: before the
+    next save (its commit lets Orbax's keep policy delete older steps, possibly the one still
+    being hashed) and at exit (`finish`). A kill while hashing leaves a committed step without a
+    manifest, which resuming re-hashes (`verify_step(repair=True)`).
+    """
 
     def __init__(self, root: epath.Path, *, keep: int, keep_every: int = 0) -> None:
+        from concurrent.futures import Future, ThreadPoolExecutor
+
         _one_line_orbax_errors()
         self.root = root
-        self.mngr = manager(root, keep=keep, keep_every=keep_every, async_save=True)
-        self.pending: list[int] = []
+        self.mngr = manager(root, keep=keep, keep_every=keep_every, async_save=True, cleanup_tmp=True)
+        self.pending: list[int] = []  # handed to Orbax, commit not yet seen
+        self.hashing: dict[int, Future[Any]] = {}  # committed, manifest being written
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="manifest")
         self.failed = False
 
     def save(self, step: int, params: Any, opt_state: Any, meta: Mapping[str, Any]) -> None:
-        # Orbax would wait for the previous save here anyway; finishing it first lets its manifest
-        # be written before the keep policy can delete anything.
-        self.poll(wait=True)
+        from agentrefine_jax import faults
+
+        self.poll()
+        self._wait_manifests()  # this save's commit may garbage-collect a step being hashed
+        faults.point("before_save", step)
         try:
             save_train_state(self.mngr, step, params, opt_state, meta)
         except Exception as e:  # noqa: BLE001 - any storage error ends the run with one line
@@ -647,21 +751,44 @@ class TrainCheckpoints:
         self.pending.append(step)
 
     def poll(self, wait: bool = False) -> None:
-        """Raise CheckpointSaveError if a save failed; write the manifests of finished saves."""
-        if not self.pending or self.failed:
+        """Raise CheckpointSaveError if a save failed; start the manifests of committed saves.
+        `wait`: until every save is committed and every manifest written."""
+        from agentrefine_jax import faults
+
+        if self.failed:
             return
-        if not wait and self.mngr.is_saving_in_progress():
-            return
+        if self.pending and (wait or not self.mngr.is_saving_in_progress()):
+            try:
+                self.mngr.wait_until_finished()  # returns at once unless `wait`; re-raises a failed save
+            except Exception as e:  # noqa: BLE001
+                self._fail(self.pending[-1], e)
+            committed, self.pending = self.pending, []
+            for step in committed:
+                faults.point("after_commit", step)
+                if jax.process_index() == 0:
+                    self.hashing[step] = self._hasher.submit(self._write_manifest, step)
+        if wait:
+            self._wait_manifests()
+        else:
+            for step, fut in list(self.hashing.items()):
+                if fut.done():
+                    self._manifest_result(step, fut)
+
+    def _write_manifest(self, step: int) -> None:
+        step_dir = self.root / str(step)
+        if step_dir.exists():  # the keep policy may have removed it (keep_checkpoints=0 aside)
+            write_manifest(step_dir)
+
+    def _manifest_result(self, step: int, fut: Any) -> None:
+        del self.hashing[step]
         try:
-            self.mngr.wait_until_finished()  # returns at once unless `wait`; re-raises a failed save
+            fut.result()
         except Exception as e:  # noqa: BLE001
-            self._fail(self.pending[-1], e)
-        if jax.process_index() == 0:
-            kept = set(self.mngr.all_steps())
-            for step in self.pending:
-                if step in kept and (self.root / str(step)).exists():  # not removed since
-                    write_manifest(self.root / str(step))
-        self.pending.clear()
+            self._fail(step, e)
+
+    def _wait_manifests(self) -> None:
+        for step, fut in list(self.hashing.items()):
+            self._manifest_result(step, fut)
 
     def _fail(self, step: int, e: BaseException) -> None:
         self.failed = True
@@ -672,7 +799,7 @@ class TrainCheckpoints:
         ) from None
 
     def last_good_note(self) -> str:
-        """Names the newest checkpoint that really exists and is complete."""
+        """Names the newest checkpoint that really exists and is complete (committed by Orbax)."""
         if not self.failed:
             self.poll(wait=True)
         done = [s for s in self.mngr.all_steps() if s not in self.pending]
@@ -691,7 +818,7 @@ def choose_resume_step(root: epath.Path, rejected: epath.Path) -> int | None:
     code, error = -1, ""
     if jax.process_index() == 0:
         try:
-            step, skipped = newest_intact_step(root)
+            step, skipped = newest_intact_step(root, repair=True)
             for bad, problem in skipped:
                 dest = rejected / f"{bad}-{time.strftime('%Y%m%d-%H%M%S')}"
                 rejected.mkdir(parents=True, exist_ok=True)

@@ -51,7 +51,10 @@ def _env(tmp: pathlib.Path) -> dict[str, str]:
     return env
 
 
-def _train(run_dir: pathlib.Path | str, *extra: str, preexec_fn: Any = None) -> subprocess.Popen:
+def _train(
+    run_dir: pathlib.Path | str, *extra: str, preexec_fn: Any = None, fault: str | None = None
+) -> subprocess.Popen:
+    """The trainer CLI on the demo config; `fault`: an agentrefine_jax.faults kill point."""
     cmd = [
         sys.executable,
         "-m",
@@ -63,10 +66,13 @@ def _train(run_dir: pathlib.Path | str, *extra: str, preexec_fn: Any = None) -> 
         f"train.run_dir={run_dir}",
         *extra,
     ]
+    env = _env(run_dir)
+    if fault:
+        env["AGENTREFINE_FAULT"] = fault
     return subprocess.Popen(
         cmd,
         cwd=REPO,
-        env=_env(run_dir),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -7,15 +7,16 @@ the uninterrupted run step for step, on any number of processes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
-import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
+from agentrefine_jax import faults
 from agentrefine_jax import sharding as shd
 from agentrefine_jax.checkpoint import (
     CheckpointIntegrityError,
@@ -40,9 +41,10 @@ from agentrefine_jax.train.run_dir import (
     check_resume_config,
     check_schedule,
 )
+from agentrefine_jax.train.run_lock import RunLock
 from agentrefine_jax.train.step import StepFns, build_steps
 
-__all__ = ["EXIT_PREEMPTED", "TrainingError", "TrainingInputError", "build_train_step", "train"]
+__all__ = ["EXIT_PREEMPTED", "Preempted", "TrainingError", "TrainingInputError", "build_train_step", "train"]
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "stopped cleanly, run the same command again"
 log = logging.getLogger("agentrefine_jax.train")
@@ -86,8 +88,13 @@ def to_global(batch: dict[str, np.ndarray], sharding: jax.sharding.NamedSharding
     return out
 
 
+class Preempted(Exception):
+    """SIGTERM stopped the run cleanly (its state is saved): exit 75, rerun the same command."""
+
+
 class _Preemption:
-    """SIGTERM (TPU maintenance / spot preemption) -> save at the next step boundary."""
+    """SIGTERM (TPU maintenance / spot preemption) -> save at the next step boundary; during the
+    end-of-run export (no step boundary to wait for) it interrupts the export instead."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -97,6 +104,24 @@ class _Preemption:
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.requested = True
+
+    def _interrupt(self, signum: int, frame: Any) -> None:
+        self.requested = True
+        raise Preempted("preempted during the end-of-run export; rerun the same command to export again")
+
+    @contextlib.contextmanager
+    def interrupting(self) -> Iterator[None]:
+        """SIGTERM raises Preempted inside this block (single host; a pod drains at step boundaries)."""
+        if self.requested:
+            raise Preempted("preempted before the end-of-run export; rerun the same command to export")
+        if self._multi:
+            yield
+            return
+        previous = signal.signal(signal.SIGTERM, self._interrupt)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
     def check(self, step: int) -> bool:
         if self._multi:
@@ -116,9 +141,10 @@ def run_steps(
     ckpts: TrainCheckpoints,
     checkpointing: Checkpointing,
     paths: RunPaths,
+    preempt: _Preemption,
 ) -> None:
-    """Step until `state.total_steps` (or the data ends); metrics are read one step late."""
-    preempt = _Preemption()
+    """Step until `state.total_steps` (or the data ends); metrics are read one step late.
+    Raises Preempted after saving when SIGTERM arrived."""
     pending: tuple[int, Any] | None = None
 
     def read_pending() -> None:
@@ -141,9 +167,9 @@ def run_steps(
         state.step += 1
         read_pending()  # step k-1: the device is already busy with step k
         pending = (state.step, metrics)
-        # A save started at step k-1 must be known good before step k counts: wait for it here
-        # (it overlapped step k's compute), so a failed save stops the run at the next step.
-        ckpts.poll(wait=bool(ckpts.pending))
+        # Saves (Orbax's write, then the manifest's hashing) run in the background; a failed one
+        # stops the run at the first step boundary after it is known, not at the end.
+        ckpts.poll()
         if any(h.wants(state.step) for h in hooks):
             read_pending()
         for h in hooks:
@@ -152,19 +178,24 @@ def run_steps(
             read_pending()
             checkpointing.save(state)
             ckpts.finish()
-            log.info(
+            raise Preempted(
                 f"preempted: saved step {state.step} to {paths.checkpoints}; rerun the same command to resume"
             )
-            sys.exit(EXIT_PREEMPTED)
     read_pending()
 
 
 def train(cfg: Config) -> dict[str, Any]:
-    """Run (or resume) training; returns a summary with the final step and losses."""
+    """Run (or resume) training; returns a summary with the final step and losses.
+    Holds the run directory's lock throughout (RunDirInUse when another trainer has it)."""
+    paths = RunPaths(cfg.train.run_dir)
+    with RunLock(paths.root, take=jax.process_index() == 0):
+        return _train(cfg, paths)
+
+
+def _train(cfg: Config, paths: RunPaths) -> dict[str, Any]:
     from agentrefine_jax.data.pipeline import DataError, make_pipeline, process_batch_rows
 
     tc = cfg.train
-    paths = RunPaths(tc.run_dir)
     try:
         mesh = shd.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     except ValueError as e:  # mesh sizes that this host's devices cannot fill: the config's fault
@@ -277,6 +308,7 @@ def train(cfg: Config) -> dict[str, Any]:
         f"training steps {start_step} -> {total_steps} ({pipeline.steps_per_epoch} steps/epoch, "
         f"{tc.num_epochs} epochs, global batch {tc.global_batch_size} x {seq_len} tokens)"
     )
+    preempt = _Preemption()
     try:
         run_steps(
             fns,
@@ -287,6 +319,7 @@ def train(cfg: Config) -> dict[str, Any]:
             ckpts,
             checkpointing,
             paths,
+            preempt,
         )
         for h in hooks:
             h.at_end(state)
@@ -296,7 +329,8 @@ def train(cfg: Config) -> dict[str, Any]:
             ckpts.finish()
     log.info(f"done: step {state.step}, checkpoint {paths.checkpoints}/{state.step}")
     if tc.export_hf_at_end:
-        ExportAtEnd(lambda p, s: export_final(fns, p, cfg, s, facts.get("source_dtype"))).at_end(state)
+        with preempt.interrupting():
+            ExportAtEnd(lambda p, s: export_final(fns, p, cfg, s, facts.get("source_dtype"))).at_end(state)
     return {"step": state.step, "losses": metrics_log.losses, "run_dir": str(paths.root)}
 
 
@@ -310,6 +344,10 @@ def export_final(fns: StepFns, params: Any, cfg: Config, step: int, source_dtype
         cfg.train.export_dtype, source_dtype=source_dtype, param_dtype=cfg.model.param_dtype
     )
     model = fns.model(params)
+
+    def wrote(_: str) -> None:  # a file of the export is in its staging dir: the fault tests' kill point
+        faults.point("during_export", step)
+
     where = write_hf(
         model,
         cfg.model,
@@ -319,6 +357,7 @@ def export_final(fns: StepFns, params: Any, cfg: Config, step: int, source_dtype
         tool="train export_hf_at_end",
         dtype=dtype,
         tokenizer=cfg.data.tokenizer,
+        log=wrote,
     )
     log.info(f"exported step {step} as a Hugging Face checkpoint ({dtype}) to {where}")
 

@@ -20,7 +20,14 @@ log = logging.getLogger(__name__)
 
 # Sections of the config that must not change when a run resumes.
 _FROZEN_ON_RESUME = ("model", "data", "optim")
-_FROZEN_TRAIN_KEYS = ("global_batch_size", "micro_batch_size", "seed", "init_from_hf", "loss_chunk_size")
+_FROZEN_TRAIN_KEYS = (
+    "global_batch_size",
+    "micro_batch_size",
+    "seed",
+    "init_from_hf",
+    "loss_chunk_size",
+    "lora",  # rank, alpha, dropout, targets, base dtype: the adapters' meaning
+)
 
 
 class TrainingError(RuntimeError):
@@ -74,7 +81,7 @@ def check_resume_config(paths: RunPaths, cfg: Config) -> None:
     diffs = [k for k in _FROZEN_ON_RESUME if old.get(k) != new.get(k)]
     diffs += [f"train.{k}" for k in _FROZEN_TRAIN_KEYS if old.get("train", {}).get(k) != new["train"].get(k)]
     if diffs:
-        raise TrainingError(
+        raise TrainingInputError(
             f"{paths.root} holds a run with a different configuration ({', '.join(diffs)} changed); "
             "resuming would silently mix two runs. Use a new train.run_dir or restore the original settings."
         )

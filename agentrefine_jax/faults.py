@@ -1,0 +1,48 @@
+"""Named kill points for the fault tests: a real signal to this very process at a chosen moment.
+
+`AGENTREFINE_FAULT="<point>@<step>:<KILL|TERM>"` (tests only; unset, every call is a no-op)
+sends SIGKILL or SIGTERM to the process itself when the save of step `<step>` reaches
+`<point>` — the same signal a scheduler or the OOM killer would send, at a moment that a
+test could otherwise hit only by chance. The points, in the order a save passes them:
+
+  before_save      the step is about to be handed to Orbax
+  before_commit    Orbax has written every item, not yet its commit marker (tmp dir)
+  after_commit     Orbax has committed (and may have deleted older steps), no manifest yet
+  during_manifest  the manifest is hashed and in MANIFEST.tmp, not yet renamed into place
+  during_export    the end-of-run export (train.export_hf_at_end) has started writing
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+FAULT_ENV = "AGENTREFINE_FAULT"
+POINTS = ("before_save", "before_commit", "after_commit", "during_manifest", "during_export")
+
+
+def spec() -> tuple[str, int | None, signal.Signals] | None:
+    """(point, step or None for any, signal) from the environment, or None."""
+    text = os.environ.get(FAULT_ENV, "").strip()
+    if not text:
+        return None
+    where, _, sig = text.partition(":")
+    point, _, at = where.partition("@")
+    if point not in POINTS or sig not in ("KILL", "TERM"):
+        raise ValueError(f"{FAULT_ENV}={text!r}: expected <{'|'.join(POINTS)}>[@<step>]:<KILL|TERM>")
+    return point, int(at) if at else None, signal.Signals[f"SIG{sig}"]
+
+
+_fired: set[tuple[str, int]] = set()
+
+
+def point(name: str, step: int) -> None:
+    """Signal this process if the environment names this point (and step); once per point."""
+    s = spec()
+    if s is None or s[0] != name or (s[1] is not None and s[1] != step) or (name, step) in _fired:
+        return
+    _fired.add((name, step))
+    os.kill(os.getpid(), s[2])
+    if s[2] == signal.SIGKILL:
+        time.sleep(60)  # not reached: the kernel ends the process
