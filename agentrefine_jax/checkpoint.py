@@ -326,6 +326,51 @@ def _step_files(step_dir: epath.Path) -> list[str]:
     return sorted(out)
 
 
+def weights_digest(hf_dir: str | os.PathLike[str]) -> str:
+    """sha256 over the (name, size, sha256) of every *.safetensors file of an HF directory: the
+    identity of a LoRA run's frozen base (other weights of the same shapes give another digest)."""
+    d = as_path(hf_dir)
+    names = sorted(p.name for p in d.glob("*.safetensors"))
+    if not names:
+        raise FileNotFoundError(f"{d} holds no *.safetensors weights")
+    h = hashlib.sha256()
+    for name, (size, digest) in zip(names, _digests(d, names), strict=True):
+        h.update(f"{name}\0{size}\0{digest}\n".encode())
+    return h.hexdigest()
+
+
+def shapes_digest(model_cfg: ModelConfig) -> str:
+    """sha256 of a model's parameter paths and shapes (a random LoRA base: with its seed, its identity)."""
+    _, params = abstract_params(model_cfg)
+    rows = sorted(f"{k}:{tuple(v.shape)}" for k, v in _leaves(nnx.to_pure_dict(params)).items())
+    return hashlib.sha256("\n".join(rows).encode()).hexdigest()
+
+
+def lora_base_identity(base_ref: Mapping[str, Any], model_cfg: ModelConfig) -> dict[str, str]:
+    """What identifies a LoRA base now: {"sha256": weights_digest} of its HF directory, or
+    {"shapes": shapes_digest} for a random base (whose `seed` the reference holds)."""
+    if "init_from_hf" in base_ref:
+        return {"sha256": weights_digest(base_ref["init_from_hf"])}
+    return {"shapes": shapes_digest(model_cfg)}
+
+
+def check_lora_base(stored: Mapping[str, Any], now: Mapping[str, Any], *, what: str) -> None:
+    """Refuse a LoRA base (identity `now`) that is not the one the adapters were trained on
+    (`stored`, the checkpoint's reference); runs from before identities were recorded pass."""
+    for key in ("sha256", "shapes"):
+        if stored.get(key) and now.get(key) and stored[key] != now[key]:
+            if key == "sha256":
+                raise ValueError(
+                    f"{what}: the LoRA base {stored.get('init_from_hf')} (train.init_from_hf) holds other "
+                    f"weights than the adapters were trained on (the sha256 of its safetensors files "
+                    f"differs); refusing to apply them to another base. Restore the original weights."
+                )
+            raise ValueError(
+                f"{what}: the LoRA run's random base (seed {stored.get('seed')}) has other parameter "
+                f"shapes than the adapters were trained on; refusing to apply them"
+            )
+
+
 ORBAX_COMMIT_FILE = "commit_success.txt"  # orbax.checkpoint's atomicity COMMIT_SUCCESS_FILE
 ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
 
@@ -597,7 +642,8 @@ def load_lora(
 
     overrides.pop("param_dtype", None)
     stored = quant.storage_dtype(ref["base_dtype"])  # int8: built in bfloat16, quantised below
-    base_cfg = dataclasses.replace(model_config_from_meta(meta), param_dtype=stored, **overrides)
+    trained_cfg = model_config_from_meta(meta)  # the layout the run used (overrides may change it)
+    base_cfg = dataclasses.replace(trained_cfg, param_dtype=stored, **overrides)
     graphdef, abs_base = abstract_params(base_cfg)
     base_ref = ref["base"]
     if "init_from_hf" in base_ref:
@@ -606,9 +652,11 @@ def load_lora(
         hf_dir = base_ref["init_from_hf"]
         if not pathlib.Path(hf_dir).is_dir() and not is_url(hf_dir):
             raise FileNotFoundError(f"the LoRA run's base {hf_dir} (train.init_from_hf) is missing")
+        check_lora_base(base_ref, lora_base_identity(base_ref, trained_cfg), what=f"LoRA checkpoint {path}")
         _, model = load_hf_model(hf_dir, mesh=mesh, rules=rules, param_dtype=stored)
         base = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     else:
+        check_lora_base(base_ref, lora_base_identity(base_ref, trained_cfg), what=f"LoRA checkpoint {path}")
         shardings = param_shardings(abs_base, mesh, rules)
         base = jax.jit(
             lambda: nnx.to_pure_dict(nnx.state(llama.create(base_cfg, int(base_ref["seed"])), nnx.Param)),

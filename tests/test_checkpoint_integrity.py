@@ -76,6 +76,23 @@ def test_step_without_manifest_counts_as_an_interrupted_save(tmp_path, model) ->
     assert ckpt.newest_intact_step(root)[0] == 2
 
 
+def test_step_killed_before_its_manifest_is_rehashed_when_orbax_committed_it(tmp_path, model) -> None:
+    root = _three_steps(tmp_path, model)
+    (root / "3" / ckpt.MANIFEST).unlink()  # killed between Orbax's commit and the manifest
+    assert ckpt.orbax_commit_problem(root / "3") is None
+    assert ckpt.newest_intact_step(root, repair=True) == (3, [])
+    ckpt.verify_step(root / "3")  # its manifest was written: now an ordinary intact step
+    # Without Orbax's commit marker (or with an item never committed) it stays an interrupted save.
+    for missing in (root / "3" / ckpt.ORBAX_COMMIT_FILE, root / "2" / "params" / ckpt.ORBAX_COMMIT_FILE):
+        step_dir = missing.parent if missing.parent.name.isdigit() else missing.parent.parent
+        (step_dir / ckpt.MANIFEST).unlink()
+        missing.unlink()
+        why = "(it has no Orbax commit marker|its item .params. was not committed)"
+        with pytest.raises(ckpt.CheckpointIntegrityError, match=f"is incomplete: it has no .* and {why}"):
+            ckpt.verify_step(step_dir, repair=True)
+    assert ckpt.newest_intact_step(root, repair=True)[0] == 1
+
+
 def test_no_intact_step_is_one_error_naming_every_step(tmp_path, model) -> None:
     root = _three_steps(tmp_path, model)
     for step in (1, 2, 3):

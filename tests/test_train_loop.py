@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from test_checkpoint_integrity import flip_bit, truncate
 
-from agentrefine_jax.checkpoint import MANIFEST
+from agentrefine_jax.checkpoint import MANIFEST, ORBAX_COMMIT_FILE
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # Small enough for CI: 2 x 256-token rows per step.
@@ -176,7 +176,7 @@ def test_preempted_then_killed_run_reproduces_uninterrupted_losses(reference_run
 
 def test_changed_config_refuses_to_resume(reference_run):
     code, out = _finish(_train(reference_run, "--set", "optim.learning_rate=0.1"))
-    assert code == 1
+    assert code == 2
     assert "different configuration (optim changed)" in out
 
 
@@ -282,8 +282,9 @@ def test_corrupt_and_truncated_checkpoints_fall_back_to_an_intact_one(reference_
 def test_no_intact_checkpoint_stops_with_one_line(reference_run, tmp_path):
     run_dir = tmp_path / "all_bad"
     ck = _copy_run(reference_run, run_dir)
-    for step in (4, 6, 8):
-        (ck / str(step) / MANIFEST).unlink()  # as if every save was interrupted
+    for step in (4, 6, 8):  # as if every save was interrupted before Orbax's commit marker
+        (ck / str(step) / MANIFEST).unlink()
+        (ck / str(step) / ORBAX_COMMIT_FILE).unlink()
     code, out = _finish(_train(run_dir))
     assert code != 0 and "Traceback" not in out, out
     assert len([line for line in out.splitlines() if "no intact checkpoint" in line]) == 1, out

@@ -22,8 +22,10 @@ from agentrefine_jax.checkpoint import (
     CheckpointIntegrityError,
     TrainCheckpoints,
     as_path,
+    check_lora_base,
     choose_resume_step,
     join,
+    lora_base_identity,
     read_meta,
     restore_train_state,
 )
@@ -241,6 +243,12 @@ def _train(cfg: Config, paths: RunPaths) -> dict[str, Any]:
         facts["source_dtype"] = meta.get("source_dtype")
     if fns.lora_spec:
         facts["lora"] = lora_base_reference(cfg)
+        if resume_step is not None:
+            try:
+                stored = (meta.get("lora") or {}).get("base") or {}
+                check_lora_base(stored, facts["lora"]["base"], what=f"resuming {paths.checkpoints}")
+            except ValueError as e:
+                raise TrainingInputError(str(e)) from None
 
     keep_every = pipeline.steps_per_epoch if tc.keep_epoch_checkpoints else 0
     ckpts = TrainCheckpoints(paths.checkpoints, keep=tc.keep_checkpoints, keep_every=keep_every)
@@ -381,10 +389,12 @@ def lora_base_reference(cfg: Config) -> dict[str, Any]:
         "targets": list(lc.targets),
     }
     ref["base_dtype"] = lc.base_dtype
-    if cfg.train.init_from_hf:
-        ref["base"] = {"init_from_hf": str(cfg.train.init_from_hf)}
-    else:
-        ref["base"] = {"seed": cfg.train.seed}
+    # With the base's identity, checked on resume, merge, export and load: same-shape other
+    # weights put in the init_from_hf directory must not silently become the base.
+    base: dict[str, Any] = (
+        {"init_from_hf": str(cfg.train.init_from_hf)} if cfg.train.init_from_hf else {"seed": cfg.train.seed}
+    )
+    ref["base"] = base | lora_base_identity(base, cfg.model)
     return ref
 
 
