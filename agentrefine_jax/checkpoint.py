@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import pathlib
+import sys
 import time
 import warnings
 from collections.abc import Mapping
@@ -748,19 +749,30 @@ def restore_train_state(
     return {item: restored[item] for item in (ITEM_PARAMS, ITEM_OPT_STATE)}
 
 
-class _NoTraceback(logging.Filter):
+class _OrbaxErrorsReportedByUs(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR and "orbax" in record.pathname:
-            record.exc_info, record.exc_text = None, None
-        return True
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
 
 
 def _one_line_orbax_errors() -> None:
-    """Orbax logs each background save failure with a full traceback from several threads; the
-    run reports the failure itself (CheckpointSaveError), so keep Orbax's to one line each."""
+    """A failed background save is reported by the run itself, in one line (CheckpointSaveError).
+    Orbax logs the same failure once per thread, with tracebacks, and TensorStore's remaining
+    write callbacks then land on Orbax's closed event loop ("Event loop is closed", one traceback
+    each, through sys.unraisablehook): neither adds anything, so both are kept out."""
     absl_logger = logging.getLogger("absl")
-    if not any(isinstance(f, _NoTraceback) for f in absl_logger.filters):
-        absl_logger.addFilter(_NoTraceback())
+    if not any(isinstance(f, _OrbaxErrorsReportedByUs) for f in absl_logger.filters):
+        absl_logger.addFilter(_OrbaxErrorsReportedByUs())
+    if getattr(sys.unraisablehook, "drops_closed_loop_callbacks", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(args: Any) -> None:
+        if isinstance(args.exc_value, RuntimeError) and str(args.exc_value) == "Event loop is closed":
+            return
+        previous(args)
+
+    hook.drops_closed_loop_callbacks = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 class TrainCheckpoints:
@@ -789,8 +801,9 @@ class TrainCheckpoints:
     def save(self, step: int, params: Any, opt_state: Any, meta: Mapping[str, Any]) -> None:
         from agentrefine_jax import faults
 
-        self.poll()
-        self._wait_manifests()  # this save's commit may garbage-collect a step being hashed
+        # Orbax would wait for its previous save here anyway (and warn); the manifests too, as this
+        # save's commit may garbage-collect a step still being hashed.
+        self.poll(wait=True)
         faults.point("before_save", step)
         try:
             save_train_state(self.mngr, step, params, opt_state, meta)

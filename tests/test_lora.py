@@ -20,6 +20,7 @@ from flax import nnx
 from test_train_loop import REPO, _env, _finish, _losses, _train
 
 from agentrefine_jax import sharding as shd
+from agentrefine_jax.checkpoint import shapes_digest
 from agentrefine_jax.config import MeshConfig, OptimConfig
 from agentrefine_jax.models import create, lora, preset
 from agentrefine_jax.train.optimizer import make_optimizer
@@ -199,7 +200,8 @@ def lora_run(tmp_path_factory) -> pathlib.Path:
 
 def test_lora_demo_learns_and_checkpoints_hold_only_adapters(lora_run):
     meta = check_learned_with_adapters_only(lora_run)
-    assert meta["lora"]["rank"] == 8 and meta["lora"]["base"] == {"seed": 0}
+    assert meta["lora"]["rank"] == 8 and meta["lora"]["base"]["seed"] == 0
+    assert meta["lora"]["base"]["shapes"] == shapes_digest(preset("tiny"))  # the base's identity
 
 
 def test_resumed_lora_run_is_exact(lora_run, tmp_path):
