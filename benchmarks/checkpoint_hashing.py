@@ -30,7 +30,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _paired  # noqa: E402
 
 # ~198M parameters: 12 bytes each with AdamW's moments -> ~2.4 GB per checkpoint.
-MODEL = dict(vocab=32000, hidden=2048, inter=8192, layers=1, heads=16, kv=8)
+MODEL = dict(
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_layers=1,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+)
 
 
 def _log(msg: str) -> None:
@@ -44,21 +52,11 @@ def _setup(root: str, batch: int, seq: int) -> tuple[Any, Any, dict, int]:
     from agentrefine_jax import sharding as shd
     from agentrefine_jax.checkpoint import TrainCheckpoints, as_path, make_meta
     from agentrefine_jax.config import MeshConfig, OptimConfig
-    from agentrefine_jax.models import ModelConfig
+    from agentrefine_jax.models import preset
     from agentrefine_jax.train.optimizer import make_optimizer
     from agentrefine_jax.train.step import build_steps
 
-    cfg = ModelConfig(
-        vocab_size=MODEL["vocab"],
-        hidden_size=MODEL["hidden"],
-        intermediate_size=MODEL["inter"],
-        num_layers=MODEL["layers"],
-        num_heads=MODEL["heads"],
-        num_kv_heads=MODEL["kv"],
-        head_dim=MODEL["hidden"] // MODEL["heads"],
-        tie_embeddings=False,
-        dtype="float32",
-    )
+    cfg = preset("tiny", **MODEL, tie_embeddings=False, param_dtype="float32", dtype="float32")
     opt, _ = make_optimizer(OptimConfig(learning_rate=1e-5), 1000)
     mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     fns = build_steps(
@@ -76,7 +74,7 @@ def _setup(root: str, batch: int, seq: int) -> tuple[Any, Any, dict, int]:
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
     rng = np.random.RandomState(0)
     batch_arrays = {
-        "input_ids": rng.randint(0, MODEL["vocab"], (batch, seq)).astype(np.int32),
+        "input_ids": rng.randint(0, MODEL["vocab_size"], (batch, seq)).astype(np.int32),
         "loss_mask": np.ones((batch, seq), np.int32),
         "segment_ids": np.ones((batch, seq), np.int32),
         "positions": np.tile(np.arange(seq, dtype=np.int32), (batch, 1)),

@@ -141,6 +141,18 @@ def _accepts_safe_serialization() -> bool:
     return "safe_serialization" in inspect.signature(transformers.PreTrainedModel.save_pretrained).parameters
 
 
+# A one-layer Llama-3 with the real 128k vocabulary: the smallest base the demo config can train on.
+TINY_LLAMA3 = dict(
+    vocab_size=128256,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+)
+
+
 def make_checkpoint(
     out_dir: str | pathlib.Path,
     family: Family = "llama",

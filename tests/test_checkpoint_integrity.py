@@ -187,23 +187,13 @@ def test_architecture_diff_covers_every_field_that_changes_the_function() -> Non
 
 
 def test_init_from_hf_refuses_llama31_weights_under_a_llama3_config(tmp_path) -> None:
-    from hf_fixtures import make_checkpoint
+    from hf_fixtures import TINY_LLAMA3, make_checkpoint
 
     from agentrefine_jax.config import load_config
     from agentrefine_jax.hf.io import read_hf_config
     from agentrefine_jax.train.loop import TrainingError, train
 
-    hf_dir = make_checkpoint(  # llama3 rope scaling, as Llama-3.1 ships
-        tmp_path / "hf",
-        "llama",
-        vocab_size=128256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
+    hf_dir = make_checkpoint(tmp_path / "hf", "llama", **TINY_LLAMA3)  # llama3 rope scaling, as 3.1 ships
     hf_cfg = read_hf_config(hf_dir)
     assert hf_cfg.rope_scaling is not None
     cfg = load_config(

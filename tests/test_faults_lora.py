@@ -16,16 +16,6 @@ from test_train_loop import FAST, REPO, _env
 
 from agentrefine_jax.checkpoint import load_model, read_meta, shapes_digest, weights_digest
 
-HF_SHAPE = dict(
-    vocab_size=128256,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-)
-
 
 def _cfg(tmp: pathlib.Path, hf_dir: pathlib.Path | None, *extra: str):
     from agentrefine_jax.config import load_config
@@ -53,12 +43,12 @@ def _cfg(tmp: pathlib.Path, hf_dir: pathlib.Path | None, *extra: str):
 @pytest.fixture(scope="module")
 def hf_lora_run(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
     """A 2-step LoRA run on an HF base (in-process trainer); returns (tmp, hf_dir)."""
-    from hf_fixtures import make_checkpoint
+    from hf_fixtures import TINY_LLAMA3, make_checkpoint
 
     from agentrefine_jax.train.loop import train
 
     tmp = tmp_path_factory.mktemp("lora_base")
-    hf_dir = make_checkpoint(tmp / "hf", "llama", seed=0, **HF_SHAPE)
+    hf_dir = make_checkpoint(tmp / "hf", "llama", seed=0, **TINY_LLAMA3)
     assert train(_cfg(tmp, hf_dir))["step"] == 2
     return tmp, hf_dir
 
@@ -74,7 +64,7 @@ def test_changed_lora_settings_are_refused_on_resume(hf_lora_run):
 
 
 def test_other_weights_of_the_same_shapes_are_refused_on_resume_merge_and_load(hf_lora_run, tmp_path):
-    from hf_fixtures import make_checkpoint
+    from hf_fixtures import TINY_LLAMA3, make_checkpoint
 
     from agentrefine_jax.train.loop import TrainingInputError, train
 
@@ -84,7 +74,7 @@ def test_other_weights_of_the_same_shapes_are_refused_on_resume_merge_and_load(h
     original = tmp_path / "original"
     shutil.copytree(hf_dir, original)
     try:
-        make_checkpoint(tmp_path / "other", "llama", seed=1, **HF_SHAPE)
+        make_checkpoint(tmp_path / "other", "llama", seed=1, **TINY_LLAMA3)
         for f in hf_dir.glob("*.safetensors"):
             f.unlink()
         for f in (tmp_path / "other").glob("*.safetensors"):
