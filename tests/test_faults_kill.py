@@ -10,6 +10,7 @@ uninterrupted run's, bit for bit.
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import jax
@@ -109,4 +110,21 @@ def test_sigterm_at_points_of_a_save_exits_75_and_resumes_to_the_same_run(refere
     assert code == 0, out
     _no_traceback(out)
     assert f"resumed from {ck}/{saved}" in out, out
+    _assert_same_run(run_dir, reference)
+
+
+def test_sigterm_during_the_end_of_run_export_exits_75_and_leaves_no_partial_export(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    export = ["--set", "train.export_hf_at_end=hf"]
+    code, out = _run(run_dir, "during_export@6:TERM", *export)
+    assert code == 75, out
+    _no_traceback(out)
+    assert "preempted during the end-of-run export" in out, out
+    leftovers = sorted(p.name for p in run_dir.iterdir() if p.name.startswith("hf") or "partial" in p.name)
+    assert leftovers == [], leftovers
+    # The re-run finds the training done and exports.
+    code, out = _run(run_dir, None, *export)
+    assert code == 0, out
+    assert f"resumed from {run_dir}/checkpoints/6" in out
+    assert json.loads((run_dir / "hf" / "config.json").read_text())["num_hidden_layers"] > 0
     _assert_same_run(run_dir, reference)
