@@ -102,3 +102,21 @@ def test_checkpoint_samples_differ_at_temperature_1(tmp_path):
     m = doc["best_of"]["tasks"]["pddl"]
     assert m["greedy"]["success_rate"] == doc["tasks"]["pddl"]["success_rate"]
     assert len(m["per_sample"]) == 3
+
+
+def test_builtin_source_reports_greedy_best_of_and_delta_too(tmp_path):
+    from agentrefine_jax.eval import EvalConfig, RandomPolicy, format_table, run_eval
+
+    cfg = EvalConfig(tasks=("pddl",), episodes=3, best_of=3, max_steps=4, batch_size=1, workdir=str(tmp_path))
+    doc = run_eval(RandomPolicy(), cfg, log=lambda _m: None)
+    m = doc["best_of"]["tasks"]["pddl"]
+    orig = doc["variants"]["original"]["tasks"]["pddl"]
+    # A privileged policy's greedy run is its sample 0 (same seeds); Best-of-N is the variant's rate.
+    assert m["greedy"] == {
+        "success_rate": orig["first_sample_success_rate"],
+        "progress_rate": orig["first_sample_progress_rate"],
+    }
+    assert m["best_of"] == {"success_rate": orig["success_rate"], "progress_rate": orig["progress_rate"]}
+    assert m["delta"]["progress_rate"] == pytest.approx(orig["progress_rate"] - m["greedy"]["progress_rate"])
+    assert len(m["per_sample"]) == 3 and len(doc["best_of"]["greedy_episodes"]) == 3
+    assert "Best-of-3" in format_table(doc) and "Δ" in format_table(doc)

@@ -24,6 +24,7 @@ from agentrefine_jax.eval.policies import (
     ContextOverflow,
     Policy,
     PolicyError,
+    SamplingParams,
     ask,
     is_privileged,
     react_turns,
@@ -53,6 +54,8 @@ class EpisodeJob:
     seed: int
     # agentrefine_jax.layout style of the prompts: "chat" (multi-turn) or "agentboard" (one user message).
     prompt_style: str = "chat"
+    # None: the actor's own sampling settings (the greedy run beside Best-of-N overrides them).
+    sampling: SamplingParams | None = None
 
 
 @dataclasses.dataclass
@@ -183,7 +186,7 @@ def run_episodes(
 
     def respond(runs: list[_Running]) -> None:
         requests = [
-            ActRequest(r.request_messages(), r.job.seed, r.steps, env=r.env, history=r.history, actor=r.actor)
+            ActRequest(r.request_messages(), r.job.seed, r.steps, r.job.sampling, r.env, r.history, r.actor)
             for r in runs
         ]
         if getattr(policy, "acts_per_episode", False):

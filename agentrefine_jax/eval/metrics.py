@@ -182,28 +182,59 @@ def agentboard_held_out(per_task: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def best_of_metrics(greedy: Sequence[EpisodeLog], samples: Sequence[EpisodeLog]) -> dict[str, Any]:
-    """Table 4 for one task: greedy, Best-of-N (success if any sample succeeds, progress the max), their
-    difference, and the mean single-sample rates."""
-    best_by_episode = best_of_n(
-        {"task": x.spec.task, "variant": "original", "episode": x.spec.index} | vars(x) for x in samples
-    ).values()
-    n_samples = 1 + max(x.sample for x in samples)
-    best = {
-        "success_rate": _mean_or_none([b["success"] for b in best_by_episode]),
-        "progress_rate": _mean_or_none([b["progress"] for b in best_by_episode]),
+def best_of_metrics(greedy: Sequence[Any], samples: Sequence[Any]) -> dict[str, Any]:
+    """Table 4 for one task, from episode records (`task`, `episode`, `sample`, `success`, `progress`;
+    mappings or objects): greedy, Best-of-N (success if any sample succeeds, progress the max), their
+    difference, and each sample's rates and their mean."""
+
+    def rates(rs: Sequence[Any]) -> dict[str, float]:
+        return {
+            "success_rate": _mean(float(bool(_get(r, "success"))) for r in rs),
+            "progress_rate": _mean(float(_get(r, "progress")) for r in rs),
+        }
+
+    best = list(best_of_n({"variant": "original"} | _record(r) for r in samples).values())
+    best_rates = {
+        "success_rate": _mean(b["success"] for b in best),
+        "progress_rate": _mean(b["progress"] for b in best),
     }
-    g = agentboard_task_metrics(greedy)
-    greedy_rates = {m: g[m] for m in RATES}
-    per_sample = [agentboard_task_metrics([x for x in samples if x.sample == k]) for k in range(n_samples)]
+    per_sample = [
+        rates([r for r in samples if _get(r, "sample") == k])
+        for k in range(1 + max(_get(r, "sample") for r in samples))
+    ]
+    g = rates(greedy)
     return {
-        "greedy": greedy_rates,
-        "best_of": best,
-        "delta": {m: best[m] - greedy_rates[m] for m in RATES},
-        "sample_mean": {m: _mean_or_none([p[m] for p in per_sample]) for m in RATES},
-        "per_sample": [{m: p[m] for m in RATES} for p in per_sample],
-        "episodes": len(best_by_episode),
+        "greedy": g,
+        "best_of": best_rates,
+        "delta": {m: best_rates[m] - g[m] for m in RATES},
+        "sample_mean": {m: _mean(p[m] for p in per_sample) for m in RATES},
+        "per_sample": per_sample,
+        "episodes": len(best),
     }
+
+
+def _record(r: Any) -> dict[str, Any]:
+    return {k: _get(r, k) for k in ("task", "episode", "sample", "success", "progress")}
+
+
+def best_of_table(bon: dict[str, Any]) -> list[str]:
+    """The paper's Table 4 layout: greedy, Best-of-N and their difference, success / progress per task."""
+    rows = dict(bon["tasks"]) | ({"held-out": bon["held_out"]} if bon.get("held_out") else {})
+    label = f"Best-of-{bon['n']}"
+    temp = "" if bon["temperature"] is None else f" (temperature {bon['temperature']})"
+    out = [
+        f"{label}{temp}: success if any sample succeeds, progress the max; "
+        "greedy = the standard (temperature 0) run",
+        f"{'':<12}" + "".join(f"{registry.display_name(n):>18}" for n in rows),
+    ]
+    for row, title in (("greedy", "greedy"), ("best_of", label), ("delta", "Δ")):
+        sign = "+" if row == "delta" else ""
+        cells = [
+            f"{100 * r[row]['success_rate']:{sign}.1f} / {100 * r[row]['progress_rate']:{sign}.1f}"
+            for r in rows.values()
+        ]
+        out.append(f"{title:<12}" + "".join(f"{c:>18}" for c in cells))
+    return out
 
 
 def best_of_held_out(per_task: dict[str, dict[str, Any]]) -> dict[str, Any]:

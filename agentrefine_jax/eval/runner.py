@@ -11,9 +11,9 @@ from typing import Any
 
 from agentrefine_jax.eval.envs.base import EvalTask
 from agentrefine_jax.eval.loop import EpisodeJob, EpisodeResult, job_seed, run_episodes
-from agentrefine_jax.eval.metrics import HELD_OUT, SCHEMA, summarize
+from agentrefine_jax.eval.metrics import HELD_OUT, SCHEMA, best_of_metrics, best_of_table, summarize
 from agentrefine_jax.eval.perturb import variant_name
-from agentrefine_jax.eval.policies import Policy
+from agentrefine_jax.eval.policies import Policy, is_privileged
 from agentrefine_jax.eval.registry import (
     available_tasks,
     default_tasks,
@@ -74,14 +74,19 @@ def run_eval(policy: Policy, config: EvalConfig, log: Callable[[str], None] = pr
     # matplotlib (imported by pddlgym) would otherwise build its font cache under $HOME.
     os.environ.setdefault("MPLCONFIGDIR", os.path.join(config.workdir, "matplotlib"))
     results: list[EpisodeResult] = []
+    greedy: dict[str, list[EpisodeResult]] = {}
     t0 = time.perf_counter()
     for name in config.tasks:
         task = make_task(name, config.workdir, **config.task_options.get(name, {}))
         try:
             results.extend(_run_task(name, task, policy, config, log))
+            if config.best_of > 1:
+                greedy[name] = _greedy(name, task, policy, config, results, log)
         finally:
             task.close()
     summary = summarize(results, task_weights())
+    if greedy:
+        summary["best_of"] = _best_of(greedy, results, policy, config)
     return {
         "schema": SCHEMA,
         "source": "builtin",
@@ -127,6 +132,48 @@ def _run_task(
     results = run_episodes(jobs, policy, batch_size=config.batch_size, on_result=report)
     log(f"{name}: {len(results)} runs in {time.perf_counter() - t0:.1f}s")
     return results
+
+
+def _greedy(
+    name: str, task: EvalTask, policy: Policy, config: EvalConfig, results: list[EpisodeResult], log: Any
+) -> list[EpisodeResult]:
+    """The greedy run beside Best-of-N (Table 4): a model decodes at temperature 0; a privileged policy's
+    sample 0 is its greedy run (the same seeds)."""
+    original = [r for r in results if r.task == name and r.variant == "original"]
+    if is_privileged(policy):
+        return [r for r in original if r.sample == 0]
+    greedy = dataclasses.replace(policy.sampling, temperature=0.0)
+    jobs = [
+        EpisodeJob(
+            name,
+            task,
+            r.spec,
+            r.episode,
+            0,
+            0,
+            config.max_steps or task.default_max_steps,
+            job_seed(config.seed, name, 0, r.episode, 0),
+            config.prompt_style,
+            greedy,
+        )
+        for r in original
+        if r.sample == 0
+    ]
+    log(f"{name}: greedy run of {len(jobs)} episodes beside Best-of-{config.best_of}")
+    return run_episodes(jobs, policy, batch_size=config.batch_size)
+
+
+def _best_of(
+    greedy: dict[str, list[EpisodeResult]], results: list[EpisodeResult], policy: Policy, config: EvalConfig
+) -> dict[str, Any]:
+    original = [r for r in results if r.variant == "original"]
+    tasks = {t: best_of_metrics(g, [r for r in original if r.task == t]) for t, g in greedy.items()}
+    return {
+        "n": config.best_of,
+        "temperature": getattr(policy, "sampling", None) and policy.sampling.temperature,
+        "tasks": tasks,
+        "greedy_episodes": [r.to_json() for g in greedy.values() for r in g],
+    }
 
 
 def _pct(x: float) -> str:
@@ -189,6 +236,7 @@ def format_table(doc: dict[str, Any]) -> str:
     best_of = doc["config"]["best_of"]
     if best_of > 1:
         lines.append(f"Best-of-{best_of}: an episode succeeds if any sample succeeds; progress is the max.")
+        lines += best_of_table(doc["best_of"]) if "best_of" in doc else []
     return "\n".join(lines)
 
 

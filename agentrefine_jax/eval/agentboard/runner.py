@@ -30,6 +30,7 @@ from agentrefine_jax.eval.metrics import (
     SCHEMA,
     best_of_held_out,
     best_of_metrics,
+    best_of_table,
     episode_record,
 )
 from agentrefine_jax.eval.metrics import agentboard_held_out as held_out_summary
@@ -281,7 +282,7 @@ def run(
             if config.best_of > 1:
                 samples = _samples(task, checkout, specs, logs, model, policy, suffix, config, log)
                 doc.setdefault("best_of", best_of_section(config))["tasks"][task.name] = best_of_metrics(
-                    logs, samples
+                    [_rec(x, task.name) for x in logs], [_rec(x, task.name) for x in samples]
                 )
                 doc["best_of"]["episodes"] += [
                     episode_record(x, task.name)
@@ -366,6 +367,16 @@ def _samples(
     return out
 
 
+def _rec(x: EpisodeLog, task: str) -> dict[str, Any]:
+    return {
+        "task": task,
+        "episode": x.spec.index,
+        "sample": x.sample,
+        "success": x.success,
+        "progress": x.progress,
+    }
+
+
 def best_of_section(config: RunConfig) -> dict[str, Any]:
     return {
         "n": config.best_of,
@@ -443,28 +454,6 @@ def format_table(doc: dict[str, Any]) -> str:
     for note in doc.get("checkout_notes", []):
         lines.append(f"note: {note}")
     return "\n".join(lines)
-
-
-def best_of_table(bon: dict[str, Any]) -> list[str]:
-    """The paper's Table 4 layout: greedy, Best-of-N and their difference, success / progress per task."""
-    names = list(bon["tasks"]) + (["held-out"] if bon.get("held_out") else [])
-    rows = {t: bon["tasks"][t] for t in bon["tasks"]} | (
-        {"held-out": bon["held_out"]} if bon.get("held_out") else {}
-    )
-    label = f"Best-of-{bon['n']}"
-    out = [
-        f"{label} (temperature {bon['temperature']}): success if any sample succeeds, progress the max; "
-        "greedy = the run above",
-        f"{'':<12}" + "".join(f"{n:>18}" for n in names),
-    ]
-    for row, title in (("greedy", "greedy"), ("best_of", label), ("delta", "Δ")):
-        cells = []
-        for n in names:
-            r = rows[n][row]
-            sign = "+" if row == "delta" else ""
-            cells.append(f"{100 * r['success_rate']:{sign}.1f} / {100 * r['progress_rate']:{sign}.1f}")
-        out.append(f"{title:<12}" + "".join(f"{c:>18}" for c in cells))
-    return out
 
 
 # ----------------------------------------------------------------------------------------- run directories
