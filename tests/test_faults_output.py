@@ -222,27 +222,19 @@ def test_read_only_output_directory_is_refused_up_front(checkpoint, read_only, c
     assert _snapshot(read_only) == before
 
 
-def test_eval_out_wrong_kind_is_refused_before_any_episode(tmp_path):
+def test_eval_out_wrong_kind_is_refused_before_any_episode_and_a_good_one_is_written_quietly(tmp_path):
     (tmp_path / "results").mkdir()
-    res = _run(
-        "eval",
-        "--policy",
-        "oracle",
-        "--tasks",
-        "babyai",
-        "--episodes",
-        "1",
-        "--out",
-        str(tmp_path / "results"),
-    )
+    res = _run("eval", *ORACLE, "--out", str(tmp_path / "results"))
     _one_line(res, "eval", "is a directory")
     blocker = tmp_path / "blocker"
     blocker.write_text("x\n")
-    res = _run(
-        "eval", "--policy", "oracle", "--tasks", "babyai", "--episodes", "1", "--out", str(blocker / "r.json")
-    )
-    _one_line(res, "eval", "is a file, not a directory")
+    _one_line(_run("eval", *ORACLE, "--out", str(blocker / "r.json")), "eval", "is a file, not a directory")
     assert blocker.read_text() == "x\n" and not list((tmp_path / "results").iterdir())
+
+    good = tmp_path / "results" / "r.json"
+    _quiet_success(_run("eval", *ORACLE, "--out", str(good), no_torch=True), "eval")
+    assert json.loads(good.read_text())["episodes"] and good.stat().st_mode & 0o044  # readable as before
+    assert [p.name for p in good.parent.iterdir()] == ["r.json"]  # no temporary file left
 
 
 def test_data_dump_and_synth_convert_refuse_to_overwrite_their_input(tmp_path):
