@@ -237,12 +237,15 @@ def test_eval_out_wrong_kind_is_refused_before_any_episode_and_a_good_one_is_wri
     assert [p.name for p in good.parent.iterdir()] == ["r.json"]  # no temporary file left
 
 
-def test_data_dump_and_synth_convert_refuse_to_overwrite_their_input(tmp_path):
+def test_synth_convert_refuses_to_overwrite_its_input(tmp_path):
+    """(`data dump --out` = `--input`: tests/test_faults_validation.py.)"""
     data = tmp_path / "train.jsonl"
     data.write_text("".join(DEMO_TRAIN.read_text().splitlines(keepends=True)[:3]))
     before = _snapshot(tmp_path)
-    _one_line(_run("data", "dump", "--input", str(data), "--out", str(data)), "data", "is the input file")
     _one_line(_run("synth", "convert", "--input", str(data), "--out", str(data)), "synth", "is also an input")
+    out = str(tmp_path / "chat.jsonl")
+    res = _run("synth", "convert", "--input", str(data), "--out", out, "--summary", out)
+    _one_line(res, "synth", "is also --out")
     assert _snapshot(tmp_path) == before
 
 
