@@ -57,6 +57,7 @@ from etils import epath
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
+from agentrefine_jax import object_store
 from agentrefine_jax.models import llama
 from agentrefine_jax.models.config import ModelConfig, RopeScaling
 
@@ -203,9 +204,11 @@ def as_path(path: str | os.PathLike[str]) -> epath.Path:
 
     `file:///x` is the local path `/x` (etils has no file:// backend).
     """
+    text = os.fspath(path) if not isinstance(path, epath.Path) else str(path)
+    if text.startswith("gs://"):
+        object_store.configure()  # before gcsfs or TensorStore first touch a bucket
     if isinstance(path, epath.Path) and is_url(path):
         return path
-    text = os.fspath(path)
     if text.startswith("file://"):
         text = text[len("file://") :]
         if not text.startswith("/"):
@@ -318,10 +321,15 @@ def _digests(step_dir: epath.Path, names: list[str]) -> list[tuple[int, str]]:
 
 def _step_files(step_dir: epath.Path) -> list[str]:
     """Relative names of every file in a step directory except the manifest."""
+    # fsspec-backed walks (gs://) yield "bucket/dir" without the scheme: compare scheme-less.
+    base = str(step_dir).split("://", 1)[-1].rstrip("/")
     out = []
     for dirpath, _, filenames in step_dir.walk():
+        where = str(dirpath).split("://", 1)[-1].rstrip("/")
+        if where != base and not where.startswith(base + "/"):
+            raise CheckpointIntegrityError(f"listing {step_dir} returned {dirpath}, outside it")
         for name in filenames:
-            rel = str((epath.Path(dirpath) / name).relative_to(step_dir))
+            rel = f"{where[len(base) + 1 :]}/{name}" if where != base else name
             if rel not in (MANIFEST, MANIFEST + ".tmp"):
                 out.append(rel)
     return sorted(out)

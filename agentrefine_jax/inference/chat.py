@@ -10,10 +10,10 @@ which are cut from the reply as the OpenAI API does.
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from agentrefine_jax.checkpoint import as_path
 from agentrefine_jax.inference.engine import generate
 from agentrefine_jax.inference.loading import LoadedModel, load_for_inference
 from agentrefine_jax.models.llama import Transformer
@@ -61,7 +61,7 @@ class ChatGenerator:
     ) -> ChatGenerator:
         """Load a project checkpoint or HF directory; template/tokenizer default to its metadata."""
         loaded = load_for_inference(path, dtype=dtype)
-        return cls.from_loaded(loaded, template, tokenizer, name=name or pathlib.Path(path).resolve().name)
+        return cls.from_loaded(loaded, template, tokenizer, name=name or as_path(path).name)
 
     @classmethod
     def from_loaded(

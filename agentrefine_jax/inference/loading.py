@@ -6,6 +6,9 @@
 * a Hugging Face directory (config.json + safetensors, e.g. written by `export`): the
   tokenizer defaults to the directory itself when it holds tokenizer files; the template
   must be named, since our templates are not read from tokenizer_config.json.
+
+A project checkpoint may be a URL (gs://bucket/run, as `train.run_dir` allows); a Hugging Face
+directory is read from local disk.
 """
 
 from __future__ import annotations
@@ -30,7 +33,11 @@ class LoadedModel:
 
 
 def is_hf_dir(path: str | pathlib.Path) -> bool:
-    p = pathlib.Path(path)
+    from agentrefine_jax.checkpoint import as_path, is_url
+
+    if is_url(path):
+        return False
+    p = pathlib.Path(as_path(path))
     return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
 
 
@@ -41,14 +48,14 @@ def load_for_inference(
     overrides: dict[str, Any] = dict(load_kwargs)
     if dtype is not None:
         overrides["dtype"] = dtype
-    p = pathlib.Path(path)
-    if is_hf_dir(p):
+    from agentrefine_jax.checkpoint import as_path, load_model
+
+    if is_hf_dir(path):
+        p = pathlib.Path(as_path(path))
         from agentrefine_jax.hf.io import load_hf_model
 
         cfg, model = load_hf_model(p, **overrides)
         has_tok = any((p / f).is_file() for f in _TOKENIZER_FILES)
         return LoadedModel(cfg, model, str(p) if has_tok else None, None, "hf")
-    from agentrefine_jax.checkpoint import load_model
-
-    cfg, model, meta = load_model(p, **overrides)
+    cfg, model, meta = load_model(path, **overrides)
     return LoadedModel(cfg, model, meta.get("tokenizer"), meta.get("template"), "checkpoint")
