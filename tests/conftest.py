@@ -6,6 +6,8 @@ Both must be set before jax (or any tool that caches under $HOME) is imported.
 import os
 import tempfile
 
+import pytest
+
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _SANDBOX = tempfile.mkdtemp(prefix="agentrefine-test-home-")
@@ -15,3 +17,17 @@ for _var, _sub in (("HOME", "home"), ("XDG_CACHE_HOME", "cache"), ("MPLCONFIGDIR
 # Nothing in the suite may reach a model hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator(tmp_path_factory):
+    """A real GCS server (fake-gcs-server) on 127.0.0.1 for the session; always stopped at the end.
+    Tests that kill it (an outage) restart it before they return (`GcsEmulator.start`)."""
+    from gcs_emulator import GcsEmulator
+
+    emulator = GcsEmulator(tmp_path_factory.mktemp("gcs") / "data")
+    emulator.start()
+    try:
+        yield emulator
+    finally:
+        emulator.kill()

@@ -104,7 +104,7 @@ def test_setup_dry_run_sequence(tmp_path: pathlib.Path) -> None:
     inst = remote_command(install)
     assert "tar -xzf src.tgz -C agentrefine_jax" in inst
     assert "python3.11 -m venv agentrefine-venv" in inst
-    assert "agentrefine-venv/bin/python -m pip install 'jax[tpu]==0.10.2' -e ./agentrefine_jax" in inst
+    assert "agentrefine-venv/bin/python -m pip install 'jax[tpu]==0.10.2' -e './agentrefine_jax[gcs]'" in inst
     mnt = remote_command(mount)
     assert "gcsfuse --implicit-dirs --rename-dir-limit=1000000 my-bucket /mnt/gcs/my-bucket" in mnt
     assert "jax.device_count()" in remote_command(check)

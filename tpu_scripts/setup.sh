@@ -72,11 +72,12 @@ else
 fi
 
 # 2. Python >= 3.11 in a virtualenv (the TPU images ship 3.10), JAX for TPU (libtpu comes
-#    from PyPI) and the package, editable so a re-setup only refreshes the code.
+#    from PyPI) and the package, editable so a re-setup only refreshes the code; its `gcs` extra
+#    (gcsfs) lets train.run_dir be a gs:// URL as well as a gcsfuse mount.
 install="sudo apt-get update -q && sudo apt-get install -y -q $PYTHON_BIN $PYTHON_BIN-venv"
 install+=" && { [ -x $REMOTE_PY ] || $PYTHON_BIN -m venv $REMOTE_VENV; }"
 install+=" && $REMOTE_PY -m pip install --upgrade pip"
-install+=" && $REMOTE_PY -m pip install $(shell_quote "jax[tpu]==$JAX_VERSION") -e ./$REMOTE_DIR"
+install+=" && $REMOTE_PY -m pip install $(shell_quote "jax[tpu]==$JAX_VERSION") -e $(shell_quote "./$REMOTE_DIR[gcs]")"
 tpu_ssh all "set -euo pipefail; $fetch && $install"
 
 # 3. Optional shared run directory: the same bucket mounted at the same path on every worker.

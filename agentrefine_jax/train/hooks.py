@@ -158,9 +158,11 @@ class Checkpointing(Hook):
         steps_per_epoch: int,
         start_step: int,
         saved: Callable[[Any], Any] = lambda params: params,
+        before_save: Callable[[], None] | None = None,
     ) -> None:
         self.ckpts, self.cfg, self.facts = ckpts, cfg, facts
         self.saved = saved  # the part of the params a checkpoint holds (LoRA: the adapters)
+        self.before_save = before_save  # e.g. store metrics.jsonl up to this step first
         self.every, self.steps_per_epoch = every, steps_per_epoch
         self.last_saved = start_step
 
@@ -175,6 +177,15 @@ class Checkpointing(Hook):
     def save(self, state: RunState) -> None:
         if self.last_saved == state.step:
             return
+        if self.before_save is not None:
+            try:
+                self.before_save()
+            except Exception as e:  # noqa: BLE001 - any storage error ends the run with one line
+                first = (str(e).strip().splitlines() or [""])[0]
+                raise TrainingError(
+                    f"storing the run's metrics before checkpoint step {state.step} failed "
+                    f"({type(e).__name__}: {first}); the run stopped. {self.ckpts.last_good_note()}"
+                ) from None
         spe = self.steps_per_epoch
         extra = {**self.facts, "epoch": state.step // spe if spe and state.step % spe == 0 else None}
         meta = make_meta(

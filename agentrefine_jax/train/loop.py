@@ -298,6 +298,7 @@ def _train(cfg: Config, paths: RunPaths) -> dict[str, Any]:
         every=tc.checkpoint_every,
         steps_per_epoch=pipeline.steps_per_epoch,
         start_step=start_step,
+        before_save=writer.sync,
     )
     hooks: list[Hook] = [metrics_log]
     if tc.eval_every and (cfg.data.eval_files or cfg.data.eval_fraction > 0):
@@ -317,6 +318,7 @@ def _train(cfg: Config, paths: RunPaths) -> dict[str, Any]:
         f"{tc.num_epochs} epochs, global batch {tc.global_batch_size} x {seq_len} tokens)"
     )
     preempt = _Preemption()
+    ok = False
     try:
         run_steps(
             fns,
@@ -331,8 +333,9 @@ def _train(cfg: Config, paths: RunPaths) -> dict[str, Any]:
         )
         for h in hooks:
             h.at_end(state)
+        ok = True
     finally:
-        writer.close()
+        writer.close(failing=not ok, storage_failed=ckpts.failed)
         if not ckpts.failed:
             ckpts.finish()
     log.info(f"done: step {state.step}, checkpoint {paths.checkpoints}/{state.step}")
