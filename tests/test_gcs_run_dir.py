@@ -2,9 +2,10 @@
 tests/gcs_emulator.py), through the real CLIs: Orbax/TensorStore write the arrays, etils/gcsfs
 everything else, and only STORAGE_EMULATOR_HOST points them there.
 
-One uninterrupted reference run (module scope) is checked object by object and exported to
-gs://; `inference generate --checkpoint gs://…` decodes from it as transformers does from the
-export. A second run is hard-killed, then loses its storage mid-save (the emulator is killed),
+One uninterrupted reference run (module scope; it trains while the interrupted run below does,
+the two share the machine's cores) is checked object by object and exported to gs://;
+`inference generate --checkpoint gs://…` decodes from it as transformers does from the export.
+The interrupted run is hard-killed, then loses its storage mid-save (the emulator is killed),
 then finishes once storage is back — ending equal to the reference, step for step.
 """
 
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 from test_train_loop import _env
@@ -37,15 +39,22 @@ TRAIN_ARGS = [
 TIMEOUT_S = 420
 
 
-def _train(emulator, run: str, data: pathlib.Path, *extra: str) -> subprocess.Popen:
+def _train(
+    emulator, run: str, data: pathlib.Path, *extra: str, out: Any = subprocess.PIPE
+) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "agentrefine_jax.train", "--config", "demo", *TRAIN_ARGS]
-    cmd += ["--set", f"data.train_files=['{data}']", "--set", f"train.run_dir=gs://{BUCKET}/{run}"]
+    cmd += [
+        "--set",
+        f"data.train_files={json.dumps([str(data)])}",
+        "--set",
+        f"train.run_dir=gs://{BUCKET}/{run}",
+    ]
     cmd += ["--set", f"train.export_hf_at_end=gs://{BUCKET}/{run}-hf"]
     return subprocess.Popen(
         [*cmd, *extra],
         cwd=REPO,
         env=emulator.env(_env(REPO)),
-        stdout=subprocess.PIPE,
+        stdout=out,
         stderr=subprocess.STDOUT,
         text=True,
     )
@@ -106,15 +115,89 @@ def data(tmp_path_factory) -> pathlib.Path:
     return path
 
 
+class Reference:
+    """The uninterrupted run, started at once and awaited by the tests that read it."""
+
+    def __init__(self, emulator, data: pathlib.Path, log: pathlib.Path) -> None:
+        self.log = log
+        with open(log, "w") as f:  # a file, not a pipe: nobody reads while it trains
+            self.proc = _train(emulator, "reference", data, out=f)
+
+    def wait(self) -> str:
+        try:
+            code = self.proc.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"reference run did not end within {TIMEOUT_S}s") from None
+        out = self.log.read_text()
+        assert code == 0, out
+        return out
+
+
 @pytest.fixture(scope="module")
-def reference(gcs_emulator, data) -> str:
+def reference(gcs_emulator, data):
     gcs_emulator.create_bucket(BUCKET)
-    code, out = _finish(_train(gcs_emulator, "reference", data))
+    ref = Reference(gcs_emulator, data, data.parent / "reference.log")
+    try:
+        yield ref
+    finally:
+        if ref.proc.poll() is None:
+            ref.proc.kill()
+            ref.proc.wait()
+
+
+@pytest.fixture
+def own_emulator(tmp_path):
+    """An emulator of its own, to kill without touching the reference run's."""
+    from gcs_emulator import GcsEmulator
+
+    emulator = GcsEmulator(tmp_path / "gcs")
+    emulator.start()
+    try:
+        emulator.create_bucket(BUCKET)
+        yield emulator
+    finally:
+        emulator.kill()
+
+
+def test_killed_then_storage_lost_mid_save_then_resumed_equals_the_uninterrupted_run(
+    own_emulator, gcs_emulator, reference, data
+):
+    run = "interrupted"
+    # 1. A hard kill right after step 2's checkpoint is complete.
+    proc = _train(own_emulator, run, data)
+    _wait_for(own_emulator, proc, "step 2 manifest", lambda o: f"{run}/checkpoints/2/{MANIFEST}" in o)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+
+    # 2. Resumed; storage dies while step 4 is being saved: one line, exit 1, at the next step.
+    proc = _train(own_emulator, run, data)
+    try:
+        saving_4 = f"{run}/checkpoints/4/"
+        _wait_for(own_emulator, proc, "step 4 save", lambda o: any(n.startswith(saving_4) for n in o))
+        own_emulator.kill()
+        code, out = _finish(proc)
+    finally:
+        if not own_emulator.alive():
+            own_emulator.start()  # same port, same objects: storage is back
+    assert f"resumed from gs://{BUCKET}/{run}/checkpoints/2" in out, out
+    assert code == 1, out
+    line = _one_error_line(out)
+    assert "failed" in line and "the run stopped" in line, line
+
+    # 3. Storage is back: the same command finishes, equal to the uninterrupted run.
+    code, out = _finish(_train(own_emulator, run, data))
     assert code == 0, out
-    return out
+    assert "resumed from" in out
+    reference.wait()
+    assert _losses(own_emulator, run) == _losses(gcs_emulator, "reference")
+    final = own_emulator.read(BUCKET, f"{run}-hf/model.safetensors")
+    assert final == gcs_emulator.read(BUCKET, "reference-hf/model.safetensors")
 
 
 def test_run_dir_on_gcs_holds_checkpoints_metrics_tensorboard_and_export(gcs_emulator, reference):
+    reference.wait()
     objects = gcs_emulator.objects(BUCKET, "reference/")
     steps = sorted({int(n.split("/")[2]) for n in objects if n.startswith("reference/checkpoints/")})
     assert steps == [2, 4, 6], steps
@@ -138,6 +221,7 @@ def test_generate_from_a_gcs_checkpoint_matches_transformers_on_the_export(gcs_e
     import torch
     from transformers import AutoModelForCausalLM
 
+    reference.wait()
     prompt = [128000, 791, 6134, 374, 16447, 13]
     proc = subprocess.run(
         [
@@ -171,37 +255,3 @@ def test_generate_from_a_gcs_checkpoint_matches_transformers_on_the_export(gcs_e
         for _ in range(8):
             ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert got == ids[0, len(prompt) :].tolist()
-
-
-def test_killed_then_storage_lost_mid_save_then_resumed_equals_the_uninterrupted_run(
-    gcs_emulator, reference, data
-):
-    run = "interrupted"
-    # 1. A hard kill right after step 2's checkpoint is complete.
-    proc = _train(gcs_emulator, run, data)
-    _wait_for(gcs_emulator, proc, "step 2 manifest", lambda o: f"{run}/checkpoints/2/{MANIFEST}" in o)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=60)
-
-    # 2. Resumed; storage dies while step 4 is being saved: one line, exit 1, at the next step.
-    proc = _train(gcs_emulator, run, data)
-    try:
-        saving_4 = f"{run}/checkpoints/4/"
-        _wait_for(gcs_emulator, proc, "step 4 save", lambda o: any(n.startswith(saving_4) for n in o))
-        gcs_emulator.kill()
-        code, out = _finish(proc)
-    finally:
-        if not gcs_emulator.alive():
-            gcs_emulator.start()
-    assert f"resumed from gs://{BUCKET}/{run}/checkpoints/2" in out, out
-    assert code == 1, out
-    line = _one_error_line(out)
-    assert "failed" in line and "the run stopped" in line, line
-
-    # 3. Storage is back: the same command finishes, equal to the uninterrupted run.
-    code, out = _finish(_train(gcs_emulator, run, data))
-    assert code == 0, out
-    assert "resumed from" in out
-    assert _losses(gcs_emulator, run) == _losses(gcs_emulator, "reference")
-    final = gcs_emulator.read(BUCKET, f"{run}-hf/model.safetensors")
-    assert final == gcs_emulator.read(BUCKET, "reference-hf/model.safetensors")
