@@ -77,7 +77,7 @@ fi
 install="sudo apt-get update -q && sudo apt-get install -y -q $PYTHON_BIN $PYTHON_BIN-venv"
 install+=" && { [ -x $REMOTE_PY ] || $PYTHON_BIN -m venv $REMOTE_VENV; }"
 install+=" && $REMOTE_PY -m pip install --upgrade pip"
-install+=" && $REMOTE_PY -m pip install $(shell_quote "jax[tpu]==$JAX_VERSION") -e $(shell_quote "./$REMOTE_DIR[gcs]")"
+install+=" && $REMOTE_PY -m pip install $(shell_quote "jax[tpu]==$JAX_VERSION") -e $(shell_quote "./${REMOTE_DIR}[gcs]")"
 tpu_ssh all "set -euo pipefail; $fetch && $install"
 
 # 3. Optional shared run directory: the same bucket mounted at the same path on every worker.
