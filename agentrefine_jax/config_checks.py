@@ -291,6 +291,9 @@ def check_outputs(cfg: Any) -> None:
     from agentrefine_jax.outputs import OutputError, check_dir, check_writable_dir
 
     run = _local(cfg.train.run_dir)
+    for key, url in (("train.run_dir", run), ("train.export_hf_at_end", cfg.train.export_hf_at_end)):
+        if problem := _url_support(url):
+            raise ConfigError(f"invalid config: {key}={url}: {problem}")
     try:
         if "://" not in run:
             check_writable_dir(run, flag="train.run_dir=")
@@ -298,6 +301,20 @@ def check_outputs(cfg: Any) -> None:
             check_dir(target, overwrite=True, protect=[run], flag="train.export_hf_at_end=")
     except OutputError as e:
         raise ConfigError(f"invalid config: {e}") from None
+
+
+def _url_support(path: Any) -> str | None:
+    """A gs:// path needs gcsfs (the `gcs` extra): say so at load, not at the first save."""
+    if not (isinstance(path, str) and path.startswith("gs://")):
+        return None
+    from agentrefine_jax import object_store
+
+    object_store.configure()  # before gcsfs is imported: it reads its settings at import
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:
+        return 'gs:// URLs need gcsfs: pip install -e ".[gcs]"'
+    return None
 
 
 def _general_mix(cfg: Any) -> str | None:

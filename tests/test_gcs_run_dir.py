@@ -257,3 +257,15 @@ def test_generate_from_a_gcs_checkpoint_matches_transformers_on_the_export(gcs_e
         for _ in range(8):
             ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert got == ids[0, len(prompt) :].tolist()
+
+
+def test_a_gs_run_dir_without_gcsfs_is_refused_at_load(monkeypatch):
+    from agentrefine_jax.config import ConfigError, load_config
+    from agentrefine_jax.config_checks import check_outputs
+
+    cfg = load_config("demo", [f"train.run_dir=gs://{BUCKET}/run"])
+    monkeypatch.setitem(sys.modules, "gcsfs", None)  # as if the `gcs` extra were not installed
+    with pytest.raises(
+        ConfigError, match=r'run_dir=gs://\S+: gs:// URLs need gcsfs: pip install -e "\.\[gcs\]"'
+    ):
+        check_outputs(cfg)
