@@ -24,6 +24,7 @@ import pytest
 from test_train_loop import _env
 
 from agentrefine_jax.checkpoint import MANIFEST
+from agentrefine_jax.outputs import MARKER
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BUCKET = "agentrefine-test"
@@ -215,8 +216,9 @@ def test_run_dir_on_gcs_holds_checkpoints_metrics_tensorboard_and_export(gcs_emu
     assert json.loads(gcs_emulator.read(BUCKET, "reference/config.json"))["train"]["max_steps"] == STEPS
     events = [n for n in objects if n.startswith("reference/tensorboard/events.out.tfevents")]
     assert len(events) == 1 and b"loss" in gcs_emulator.read(BUCKET, events[0])
-    export = gcs_emulator.objects(BUCKET, "reference-hf/")
-    assert {"reference-hf/config.json", "reference-hf/model.safetensors"} <= set(export), sorted(export)
+    export = set(gcs_emulator.objects(BUCKET, "reference-hf/"))
+    # written as every project output is: marked as this project's (what --overwrite may replace)
+    assert {f"reference-hf/{f}" for f in ("config.json", "model.safetensors", MARKER)} <= export, export
 
 
 def test_generate_from_a_gcs_checkpoint_matches_transformers_on_the_export(gcs_emulator, reference, tmp_path):
