@@ -25,6 +25,7 @@ from test_train_loop import _env
 
 from agentrefine_jax.checkpoint import MANIFEST
 from agentrefine_jax.outputs import MARKER
+from agentrefine_jax.train.run_lock import LOCK_NAME
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BUCKET = "agentrefine-test"
@@ -100,7 +101,8 @@ def _losses(emulator, run: str) -> dict[int, float]:
 
 
 def _one_error_line(out: str) -> str:
-    assert "Traceback" not in out and "Event loop is closed" not in out, out
+    for noise in ("Traceback", "Event loop is closed", "ERROR:absl", "ERROR:gcsfs"):
+        assert noise not in out, out
     errors = [line for line in out.splitlines() if line.startswith("[train] error:")]
     assert len(errors) == 1, out
     return errors[0]
@@ -181,18 +183,23 @@ def test_storage_lost_mid_save_then_killed_then_resumed_equals_the_uninterrupted
     assert "saving checkpoint step 2" in line and "the run stopped" in line, line
     assert max(_losses(own_emulator, run)) == 2  # stored before the save began; step 3 never counted
 
-    # 2. Storage is back: the same command starts over (no step was completed), and is hard-killed
-    #    right after step 2's checkpoint is complete.
+    # 2. Storage is back: the same command starts over (no step was completed) — taking over the
+    #    lock object the stopped trainer could not remove (a create-if-absent write that failed
+    #    because it exists) — and is hard-killed right after step 2's checkpoint is complete.
+    lock = f"{run}/{LOCK_NAME}"
     proc = _train(own_emulator, run, data)
     _wait_for(own_emulator, proc, "step 2 manifest", lambda o: f"{run}/checkpoints/2/{MANIFEST}" in o)
+    holder = json.loads(own_emulator.read(BUCKET, lock))
     proc.send_signal(signal.SIGKILL)
     out = proc.communicate(timeout=60)[0]
-    assert "resumed from" not in out, out
+    assert holder["pid"] == proc.pid, holder
+    assert "took over the stale lock" in out and "resumed from" not in out, out
 
     # 3. The same command resumes from step 2 and finishes, equal to the uninterrupted run.
     code, out = _finish(_train(own_emulator, run, data))
     assert code == 0, out
     assert f"resumed from gs://{BUCKET}/{run}/checkpoints/2" in out, out
+    assert f"pid {proc.pid} on host" in out and lock not in own_emulator.objects(BUCKET), out
     reference.wait()
     assert _losses(own_emulator, run) == _losses(gcs_emulator, "reference")
     final = own_emulator.read(BUCKET, f"{run}-hf/model.safetensors")
@@ -204,6 +211,7 @@ def test_run_dir_on_gcs_holds_checkpoints_metrics_tensorboard_and_export(gcs_emu
     objects = gcs_emulator.objects(BUCKET, "reference/")
     steps = sorted({int(n.split("/")[2]) for n in objects if n.startswith("reference/checkpoints/")})
     assert steps == [2, 4], steps
+    assert f"reference/{LOCK_NAME}" not in objects  # the run's lock object, removed at exit
     for step in steps:  # every file of a step is in its manifest, with its size and sha256
         prefix = f"reference/checkpoints/{step}/"
         manifest = json.loads(gcs_emulator.read(BUCKET, prefix + MANIFEST))["files"]
