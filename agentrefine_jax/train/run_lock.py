@@ -3,11 +3,11 @@
 Two trainers on one run dir would move each other's fresh checkpoints aside, clean up each
 other's in-flight saves and interleave metrics rows, so a second one is refused before it
 touches anything. The lock is created atomically — `O_CREAT | O_EXCL` on a local (or file://)
-run dir; on an object store (gs://...) a create-if-absent write (`ifGenerationMatch=0`, what
-gcsfs does for mode "xb") — holding {host, pid, pid_start, started, token}. It is removed at
-exit; a lock left behind by a killed trainer is *stale* when its host is this host and its
-process is gone (the pid no longer exists, or now belongs to a process started at another
-time), and is then taken over with a one-line notice. A lock from another host is never
+run dir; on an object store (gs://...) a create-if-absent write (`ifGenerationMatch=0` on one
+upload request: gcsfs's `pipe_file(mode="create")`) — holding {host, pid, pid_start, started,
+token}. It is removed at exit; a lock left behind by a killed trainer is *stale* when its host
+is this host and its process is gone (the pid no longer exists, or now belongs to a process
+started at another time), and is then taken over with a one-line notice. A lock from another host is never
 guessed stale: the message names it and says to remove it once that trainer is known gone.
 Multi-host runs: only process 0 takes it (the others follow process 0's run).
 """
@@ -83,8 +83,10 @@ class RunLock:
 
             fs, path = fsspec.core.url_to_fs(str(self.path))
             try:
-                with fs.open(path, "xb") as f:  # gcsfs: ifGenerationMatch=0
-                    f.write(data)
+                # One multipart upload with ifGenerationMatch=0. (open(mode="xb") puts the
+                # precondition on a resumable upload's start, which emulators such as
+                # fake-gcs-server ignore: there the second trainer silently overwrote the lock.)
+                fs.pipe_file(path, data, mode="create")
             except FileExistsError:
                 return False
             except OSError as e:  # gcsfs reports a failed precondition as an HTTP 412 error
