@@ -129,3 +129,24 @@ def make_checkout(
     if sciworld_lines is not None:
         write(root, "data/scienceworld/test.jsonl", "".join(json.dumps(x) + "\n" for x in sciworld_lines))
     return root
+
+
+SHARED_GAMES = {"gripper": 20, "blockworld": 10, "barman": 20, "tyreworld": 10}
+
+
+def make_shared_pddl_checkout(root: pathlib.Path) -> pathlib.Path:
+    """AgentBoard's 60 PDDL problems (../shared/agentboard, its real files) beside our own protocol texts:
+    the layout a model run needs (config, prompt file, vLLM sentence, text tables, labels)."""
+    import shutil
+
+    make_checkout(root)
+    games = ", ".join(SHARED_GAMES)
+    write(root, "eval_configs/main_results_all_tasks.yaml", CONFIG.replace("[gripper]", f"[{games}]"))
+    write(root, "agentboard/tasks/pddl.py", f"Num_Problems = {SHARED_GAMES!r}\n")
+    prompts = {g: {**PDDL_PROMPT["gripper"], "instruction": f"Solve the {g} problem."} for g in SHARED_GAMES}
+    write(root, "agentboard/prompts/VanillaAgent/pddl_vanilla_prompt.json", json.dumps(prompts))
+    n = sum(SHARED_GAMES.values())
+    write(root, "data/pddl/test.jsonl", "".join(json.dumps({"difficulty": "easy"}) + "\n" for _ in range(n)))
+    shutil.rmtree(root / PDDL_DIR)
+    shutil.copytree(SHARED / PDDL_DIR, root / PDDL_DIR)
+    return root

@@ -57,12 +57,16 @@ def test_greedy_replies_equal_fresh_prefills_and_prefill_only_new_tokens(model) 
     _turns(model, sessions, list("cdefgh"), prompts, rng, turns=2)
 
 
-def test_cache_grows_and_restarts_at_its_limit(model) -> None:
+def test_cache_compacts_then_restarts_at_its_limit(model) -> None:
     rng = np.random.default_rng(1)
     vocab = model.cfg.vocab_size
     sessions = SessionCache(model, slots=2, max_columns=256)
     prompts = {k: rng.integers(1, vocab, 100).tolist() for k in "xy"}
     _turns(model, sessions, ["x", "y"], prompts, rng, turns=5)
+    # Every call appends a block of columns; the dead ones were packed away instead of a restart.
+    assert sessions.stats["compactions"] >= 1 and sessions.stats["resets"] == 0
+    assert sessions.cache["segment_ids"].shape[1] == 256
+    _turns(model, sessions, ["x", "y"], prompts, rng, turns=4)  # the rows alone outgrow the limit
     assert sessions.stats["resets"] >= 1
 
 

@@ -126,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument(
+        "--no-kv-reuse",
+        dest="kv_reuse",
+        action="store_false",
+        help="--checkpoint: prefill every turn's whole prompt again instead of keeping each episode's KV "
+        "cache between turns (same greedy actions, slower; for comparison)",
+    )
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds per HTTP request")
     p.add_argument("--sciworld-simplification", default="easy", help="ScienceWorld simplification string")
     p.add_argument(
@@ -187,7 +194,7 @@ def make_policy(args: argparse.Namespace) -> Policy:
             concurrency=args.batch_size or 8,
             timeout=args.request_timeout,
         )
-    return CheckpointPolicy(args.checkpoint, sampling, template=args.template)
+    return CheckpointPolicy(args.checkpoint, sampling, template=args.template, kv_reuse=args.kv_reuse)
 
 
 def source_of(args: argparse.Namespace) -> str:
@@ -306,7 +313,9 @@ def run_agentboard(args: argparse.Namespace) -> int:
             checkout,
             config,
             steps,
-            lambda path: ab.checkpoint_model(path, args.template, args.context_length),
+            lambda path: ab.checkpoint_model(
+                path, args.template, args.context_length, kv_reuse=args.kv_reuse
+            ),
             log=log,
         )
         print(ab.format_run_table(doc), flush=True)

@@ -26,6 +26,7 @@ from agentrefine_jax.eval.policies import (
     PolicyError,
     SamplingParams,
     ask,
+    forget,
     is_privileged,
     react_turns,
 )
@@ -79,6 +80,11 @@ class EpisodeResult:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def job_key(job: EpisodeJob) -> tuple[str, int, int, int]:
+    """The conversation an episode-sample is to a model actor (distinct among a run's jobs)."""
+    return (job.name, job.perturbation, job.episode, job.sample)
 
 
 def job_seed(seed: int, task: str, perturbation: int, episode: int, sample: int) -> int:
@@ -186,7 +192,16 @@ def run_episodes(
 
     def respond(runs: list[_Running]) -> None:
         requests = [
-            ActRequest(r.request_messages(), r.job.seed, r.steps, r.job.sampling, r.env, r.history, r.actor)
+            ActRequest(
+                r.request_messages(),
+                r.job.seed,
+                r.steps,
+                r.job.sampling,
+                r.env,
+                r.history,
+                r.actor,
+                key=job_key(r.job),
+            )
             for r in runs
         ]
         if getattr(policy, "acts_per_episode", False):
@@ -205,6 +220,7 @@ def run_episodes(
                     run.finish(termination, run.trace[-1].get("error") if termination == "error" else None)
 
     def report(run: _Running) -> None:
+        forget(policy, job_key(run.job))  # its cache row goes to the next episode
         if on_result is not None and run.result is not None:
             on_result(run.result)
 

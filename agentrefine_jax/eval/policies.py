@@ -4,7 +4,9 @@ OpenAI-compatible endpoint, the oracle and the random policy.
 Model actors answer a batch of conversations per call (`act(requests)`); the oracle and random policies are
 privileged (they read the environment) and act per episode, but their action still goes through the
 protocol's reply format and parser like a model's reply. The checkpoint actor is one class with a batched
-`act`, so state kept across turns (e.g. a KV cache per conversation) can live inside it.
+`act`, so state kept across turns lives inside it: each request names its conversation (`ActRequest.key`,
+one per episode-sample), the checkpoint actor keeps that conversation's KV cache between turns (prefilling
+only what is new) and the loops call `forget(key)` when the episode ends.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import concurrent.futures
 import dataclasses
 import os
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
 from agentrefine_jax.layout import CHECK_VALID_ACTIONS
@@ -54,6 +56,9 @@ class ActRequest:
     env: Any = None
     history: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     actor: Any = None
+    # The conversation (episode id + Best-of-N sample), distinct among the requests in flight: an actor may
+    # keep state for it between turns until `forget(key)`. None: nothing is kept.
+    key: Hashable | None = None
 
 
 class Policy(Protocol):
@@ -69,7 +74,18 @@ class Policy(Protocol):
         """One reply per request. Raising fails the whole batch; `ask` then retries one by one."""
         ...
 
+    def forget(self, key: Hashable) -> None:
+        """The conversation `key` is over (state kept for it may go)."""
+        ...
+
     def close(self) -> None: ...
+
+
+def forget(policy: Any, key: Hashable | None) -> None:
+    """Tell a model actor an episode ended (plug-in actors without `forget` keep nothing to free)."""
+    release = getattr(policy, "forget", None)
+    if key is not None and callable(release):
+        release(key)
 
 
 def ask(policy: Any, requests: list[ActRequest]) -> list[str | Exception]:
@@ -209,6 +225,9 @@ class OpenAIChatPolicy:
     def act(self, requests: Sequence[ActRequest]) -> list[str | PolicyError]:
         return list(self._pool.map(self._one, requests))
 
+    def forget(self, key: Hashable) -> None:
+        pass  # the endpoint's own prefix cache (if any) is not ours to manage
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._client.close()
@@ -218,7 +237,9 @@ class CheckpointPolicy:
     """A local checkpoint through `agentrefine_jax.inference.chat.ChatGenerator` (one batched call per turn).
 
     Prompts use the checkpoint's training chat template, so system-prompt placement and control-token
-    escaping match fine-tuning.
+    escaping match fine-tuning. With `kv_reuse` (the default) requests that carry a key keep their
+    conversation's KV cache between turns (`ChatGenerator.complete(keys=...)`): a turn prefills only the
+    tokens after the longest common prefix with what the cache holds; greedy replies are the same without.
     """
 
     needs_oracle = False
@@ -229,6 +250,8 @@ class CheckpointPolicy:
         sampling: SamplingParams,
         template: str | None = None,
         generator: Any | None = None,
+        *,
+        kv_reuse: bool = True,
     ):
         if generator is None:
             from agentrefine_jax.inference.chat import ChatGenerator  # lazy: pulls in JAX and the model
@@ -237,12 +260,15 @@ class CheckpointPolicy:
         self.generator = generator
         self.name = f"checkpoint:{checkpoint}"
         self.sampling = sampling
+        self.kv_reuse = kv_reuse
 
     def act(self, requests: Sequence[ActRequest]) -> list[str | PolicyError]:
         from agentrefine_jax.inference.chat import ContextOverflowError
 
         s = (requests[0].sampling if requests else None) or self.sampling
         seed = (sum(r.seed for r in requests) + max(r.step for r in requests)) % 2**31
+        keys = [r.key for r in requests]
+        keyed = self.kv_reuse and None not in keys and len(set(keys)) == len(keys)
         try:
             return list(
                 self.generator.chat(
@@ -252,12 +278,16 @@ class CheckpointPolicy:
                     top_p=s.top_p,
                     stop=list(s.stop),
                     seed=seed,
+                    keys=keys if keyed else None,
                 )
             )
         except ContextOverflowError as e:
             if len(requests) > 1:
                 raise  # the loop retries one by one to find the conversation that overflows
             return [ContextOverflow(str(e))]
+
+    def forget(self, key: Hashable) -> None:
+        self.generator.forget(key)
 
     def close(self) -> None:
         pass

@@ -5,17 +5,23 @@ exact token layout (and system-prompt placement) the model was fine-tuned on, an
 text that looks like a control token is encoded as plain text. Generation stops on the
 template's end tokens (plus the model's eos ids) and, at the text level, on stop strings,
 which are cut from the reply as the OpenAI API does.
+
+Keyed completion (`complete(..., keys=...)`) names each conversation (an agent episode) so its
+KV cache is kept between calls (`sessions.SessionCache`): a turn prefills only the tokens after
+what that conversation's cache already holds. `stats` counts prefilled and reused prompt tokens
+for both paths, so the two can be compared exactly.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from agentrefine_jax.checkpoint import as_path
 from agentrefine_jax.inference.engine import generate
 from agentrefine_jax.inference.loading import LoadedModel, load_for_inference
+from agentrefine_jax.inference.sessions import SessionCache
 from agentrefine_jax.models.llama import Transformer
 from agentrefine_jax.unicode_text import lone_surrogate
 
@@ -48,6 +54,10 @@ class ChatGenerator:
         # Template end tokens (e.g. <|eot_id|>) plus the model's own eos ids, in order.
         ids = list(template.stop_token_ids) + list(model.cfg.eos_token_ids)
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in ids))
+        # Made on the first keyed call, sized to its batch (one cache row per conversation in flight).
+        self.sessions: SessionCache | None = None
+        # Prompt tokens run through the model (prefill) and taken from a kept cache instead (reused).
+        self.stats = {"prefill_tokens": 0, "reused_tokens": 0}
 
     @classmethod
     def from_checkpoint(
@@ -107,8 +117,13 @@ class ChatGenerator:
         top_p: float = 1.0,
         stop: Sequence[str] | None = None,
         seed: int = 0,
+        keys: Sequence[Hashable] | None = None,
     ) -> list[Completion]:
-        """One reply per conversation (batched). max_new_tokens is reduced to fit the context."""
+        """One reply per conversation (batched). max_new_tokens is reduced to fit the context.
+
+        `keys` (one distinct key per conversation) keeps each conversation's KV cache for its next call;
+        `forget(key)` frees it once the conversation is over. Greedy replies are the same either way.
+        """
         prompts = [self.encode(c) for c in conversations]
         if not prompts:
             return []
@@ -131,9 +146,7 @@ class ChatGenerator:
         def should_stop(_row: int, ids: list[int]) -> bool:
             return first_stop(reply_text(ids), stops) is not None
 
-        gens = generate(
-            self.model,
-            prompts,
+        run = dict(
             max_new_tokens=min(max_new_tokens, room),
             temperature=temperature,
             top_p=top_p,
@@ -141,6 +154,15 @@ class ChatGenerator:
             seed=seed,
             should_stop=should_stop if stops else None,
         )
+        if keys is None:
+            gens = generate(self.model, prompts, **run)  # type: ignore[arg-type]
+            self.stats["prefill_tokens"] += sum(len(p) for p in prompts)
+        else:
+            sessions = self._sessions_for(len(prompts))
+            before = dict(sessions.stats)
+            gens = sessions.generate(keys, prompts, **run)  # type: ignore[arg-type]
+            for k in self.stats:
+                self.stats[k] += sessions.stats[k] - before[k]
         out = []
         for prompt, g in zip(prompts, gens, strict=True):
             text = reply_text(g.tokens)
@@ -151,6 +173,18 @@ class ChatGenerator:
             out.append(Completion(text, len(prompt), len(g.tokens), reason))
         return out
 
+    def forget(self, key: Hashable) -> None:
+        """The conversation `key` is over: its cache row goes to the next new conversation first."""
+        if self.sessions is not None:
+            self.sessions.forget(key)
+
+    def _sessions_for(self, batch: int) -> SessionCache:
+        # Fewer rows than conversations in one call would make them evict each other every turn: a call
+        # wider than the cache starts a wider one (once per run: the loop's width is fixed).
+        if self.sessions is None or len(self.sessions.slots) < batch:
+            self.sessions = SessionCache(self.model, slots=batch)
+        return self.sessions
+
     def chat(
         self,
         conversations: list[list[dict]],
@@ -160,6 +194,7 @@ class ChatGenerator:
         top_p: float = 1.0,
         stop: list[str] | None = None,
         seed: int = 0,
+        keys: Sequence[Hashable] | None = None,
     ) -> list[str]:
         """Reply texts only; see `complete`."""
         done = self.complete(
@@ -169,5 +204,6 @@ class ChatGenerator:
             top_p=top_p,
             stop=stop,
             seed=seed,
+            keys=keys,
         )
         return [c.text for c in done]

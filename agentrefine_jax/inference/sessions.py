@@ -14,8 +14,11 @@ attends (`attention_mask`: equal segments and causal positions), and positions a
 token positions, so a row computes what it would compute alone. Columns of tokens that are no
 longer part of a row (after the common prefix, an evicted conversation's, filler of rows that
 sat out a call, decode steps after a row ended) are set to segment 0 before each call attends.
-When the columns run out the cache grows to the next power of two (one compile per size); at
-`max_columns` every row starts over (fresh prefills).
+When the columns run out, each row's live columns are first packed to the front of the row
+(compaction: a gather, same shape, so the cache stays about as long as its longest conversation
+instead of growing by every call's block); only if they still do not fit does the cache grow to
+the next power of two (one compile per size); at `max_columns` every row starts over (fresh
+prefills).
 
 Slots are assigned per conversation key; a key seen for the first time takes a free slot, or
 the least recently used one not in the current call ("continuous batching": a finished
@@ -69,6 +72,23 @@ def _keep(cache: dict, keep: jax.Array) -> dict:
     return {**cache, "segment_ids": jnp.where(keep, cache["segment_ids"], 0)}
 
 
+def _compact(cache: dict, src: jax.Array, valid: jax.Array, index: jax.Array) -> dict:
+    """Column j of row r becomes old column src[r, j] where `valid`, else empty (segment 0)."""
+
+    def take(a: jax.Array, axis: int) -> jax.Array:
+        shape = [1] * a.ndim
+        shape[axis - 1], shape[axis] = src.shape
+        return jnp.take_along_axis(a, src.reshape(shape), axis=axis)
+
+    return {
+        "k": take(cache["k"], 2),
+        "v": take(cache["v"], 2),
+        "segment_ids": jnp.where(valid, take(cache["segment_ids"], 1), 0),
+        "positions": jnp.where(valid, take(cache["positions"], 1), 0),
+        "index": index,
+    }
+
+
 def _grow(cache: dict, columns: int) -> dict:
     def pad(a: jax.Array, axis: int) -> jax.Array:
         widths = [(0, 0)] * a.ndim
@@ -90,6 +110,7 @@ def _programs() -> tuple:
         jax.jit(_extend, static_argnums=0),
         jax.jit(_keep),
         jax.jit(_grow, static_argnums=1),
+        jax.jit(_compact),
     )
 
 
@@ -111,7 +132,7 @@ class SessionCache:
         self.cache: dict | None = None
         self.index = 0  # host copy of cache["index"]
         self.calls = 0
-        self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "resets": 0}
+        self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "resets": 0, "compactions": 0}
 
     # ------------------------------------------------------------------ API
 
@@ -193,7 +214,7 @@ class SessionCache:
         stops: Stops,
         seed: int,
     ) -> list[Generation]:
-        extend, keep, grow = _programs()
+        extend, keep, grow, _ = _programs()
         self.calls += 1
         rows = self._assign(keys)
         row_to_req.update({r: q for r, q in zip(rows, req_ids, strict=True)})
@@ -207,6 +228,9 @@ class SessionCache:
                 suffixes.append(prompt[common:])
             width = bucket(max(len(s) for s in suffixes))
             need = self.index + width + bucket(max_new_tokens)
+            if self.cache is not None and need > self.cache["segment_ids"].shape[1]:
+                self._compact()  # before growing: the dead columns are usually most of the cache
+                need = self.index + width + bucket(max_new_tokens)
             if need <= self.max_columns:
                 break
             self._reset()
@@ -247,6 +271,19 @@ class SessionCache:
             self.slots[r].tokens += tokens
             self.slots[r].columns += range(start + width, start + width + len(tokens))
         return [gens[r] for r in rows]
+
+    def _compact(self) -> None:
+        assert self.cache is not None
+        src = np.zeros(self.cache["segment_ids"].shape, np.int32)
+        valid = np.zeros(src.shape, bool)
+        for r, slot in enumerate(self.slots):
+            n = len(slot.columns)
+            src[r, :n], valid[r, :n] = slot.columns, True
+            slot.columns = list(range(n))
+        self.index = max(len(slot.columns) for slot in self.slots)
+        compact = _programs()[3]
+        self.cache = compact(self.cache, jnp.asarray(src), jnp.asarray(valid), jnp.int32(self.index))
+        self.stats["compactions"] += 1
 
     def _live_columns(self) -> np.ndarray:
         live = np.zeros(self.cache["segment_ids"].shape, bool)

@@ -16,13 +16,16 @@ Written from the fact sheet (docs/eval.md, "AgentBoard protocol"), not from Agen
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, Checkout, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import AgentBoardEnv, EpisodeSpec
 from agentrefine_jax.eval.core import StepResult, run_loop
-from agentrefine_jax.eval.policies import RandomPolicy  # noqa: F401 - the one random policy, re-exported
+from agentrefine_jax.eval.policies import (
+    RandomPolicy,  # noqa: F401 - the one random policy, re-exported
+    forget,
+)
 from agentrefine_jax.layout import agentboard_head, history_lines
 from agentrefine_jax.layout import agentboard_user as user_prompt
 
@@ -184,7 +187,15 @@ class ModelBackend(Protocol):
 
     def num_tokens(self, system: str, user: str) -> int: ...
 
-    def generate(self, prompts: Sequence[tuple[str, str]]) -> list[str | Exception]: ...
+    def generate(
+        self, prompts: Sequence[tuple[str, str]], keys: Sequence[Hashable] | None = None
+    ) -> list[str | Exception]:
+        """Replies; `keys` name the episodes asking, so a backend may keep state per episode (a KV cache)."""
+        ...
+
+    def forget(self, key: Hashable) -> None:
+        """The episode `key` ended."""
+        ...
 
     def close(self) -> None: ...
 
@@ -394,15 +405,25 @@ def run_episodes(
             ep.log.last_prompt = user
             batch.append((system, user))
         live = [k for k, ep in enumerate(active) if not ep.finished]
-        replies = agent.model.generate([batch[k] for k in live]) if live else []
+        keys = [episode_key(active[k]) for k in live]
+        replies = agent.model.generate([batch[k] for k in live], keys) if live else []
         for k, reply in zip(live, replies, strict=True):
             if isinstance(reply, Exception):
                 active[k].fail(f"model_error: {type(reply).__name__}: {reply}")
             else:
                 _step(active[k], parse_action(reply), reply)
 
-    report = None if on_done is None else (lambda ep: on_done(ep.log))
+    def report(ep: Episode) -> None:
+        forget(agent.model, episode_key(ep))  # its cache row goes to the next episode
+        if on_done is not None:
+            on_done(ep.log)
+
     return [ep.log for ep in run_loop(specs, start, respond, width=width, on_done=report)]
+
+
+def episode_key(ep: Episode) -> tuple[str, int, int]:
+    """The conversation an episode-sample is to the model (distinct among one run_episodes' episodes)."""
+    return (ep.spec.task, ep.spec.index, int(ep.spec.info.get("sample", 0)))
 
 
 def _step(ep: Episode, action: str, reply: str) -> None:

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from agentrefine_jax.eval import registry
@@ -42,6 +42,7 @@ from agentrefine_jax.eval.policies import (
     RandomPolicy,
     SamplingParams,
     ask,
+    forget,
 )
 
 # AgentBoard's own task names (its log file names); ours differ only for ScienceWorld.
@@ -91,13 +92,22 @@ class TemplateModel:
     def num_tokens(self, system: str, user: str) -> int:
         return len(self.template.encode_prompt(self.messages(system, user)))
 
-    def generate(self, prompts: Sequence[tuple[str, str]]) -> list[str | Exception]:
+    def generate(
+        self, prompts: Sequence[tuple[str, str]], keys: Sequence[Hashable] | None = None
+    ) -> list[str | Exception]:
         self._calls += 1
         seed = (self.seed * 1_000_003 + self._calls) % 2**31
+        names = list(keys) if keys is not None else [None] * len(prompts)
         return ask(
             self.actor,
-            [ActRequest(self.messages(s, u), seed + i, 0, self.sampling) for i, (s, u) in enumerate(prompts)],
+            [
+                ActRequest(self.messages(s, u), seed + i, 0, self.sampling, key=k)
+                for i, ((s, u), k) in enumerate(zip(prompts, names, strict=True))
+            ],
         )
+
+    def forget(self, key: Hashable) -> None:
+        forget(self.actor, key)
 
     def close(self) -> None:
         self.actor.close()
@@ -121,9 +131,13 @@ def template_model(actor: Any, template: str | None, context_length: int | None)
     return TemplateModel(actor.name, get_template(template, load_tokenizer(template)), context_length, actor)
 
 
-def checkpoint_model(path: str, template: str | None, context_length: int | None) -> TemplateModel:
+def checkpoint_model(
+    path: str, template: str | None, context_length: int | None, *, kv_reuse: bool = True
+) -> TemplateModel:
     return template_model(
-        CheckpointPolicy(path, SamplingParams(), template=template), template, context_length
+        CheckpointPolicy(path, SamplingParams(), template=template, kv_reuse=kv_reuse),
+        template,
+        context_length,
     )
 
 
