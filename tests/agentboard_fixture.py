@@ -134,9 +134,9 @@ def make_checkout(
 SHARED_GAMES = {"gripper": 20, "blockworld": 10, "barman": 20, "tyreworld": 10}
 
 
-def make_shared_pddl_checkout(root: pathlib.Path) -> pathlib.Path:
-    """AgentBoard's 60 PDDL problems (../shared/agentboard, its real files) beside our own protocol texts:
-    the layout a model run needs (config, prompt file, vLLM sentence, text tables, labels)."""
+def make_shared_pddl_checkout(root: pathlib.Path, source: pathlib.Path = SHARED) -> pathlib.Path:
+    """AgentBoard's 60 PDDL problems (`source`: ../shared/agentboard, its real files) beside our own protocol
+    texts: the layout a model run needs (config, prompt file, vLLM sentence, text tables, labels)."""
     import shutil
 
     make_checkout(root)
@@ -148,5 +148,5 @@ def make_shared_pddl_checkout(root: pathlib.Path) -> pathlib.Path:
     n = sum(SHARED_GAMES.values())
     write(root, "data/pddl/test.jsonl", "".join(json.dumps({"difficulty": "easy"}) + "\n" for _ in range(n)))
     shutil.rmtree(root / PDDL_DIR)
-    shutil.copytree(SHARED / PDDL_DIR, root / PDDL_DIR)
+    shutil.copytree(source / PDDL_DIR, root / PDDL_DIR)
     return root

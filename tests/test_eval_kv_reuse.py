@@ -73,7 +73,7 @@ def test_agentboard_pddl_greedy_actions_equal_with_fewer_prefilled_tokens(genera
     assert plain_stats["reused_tokens"] == 0
     total = plain_stats["prefill_tokens"]
     assert kept_stats["prefill_tokens"] + kept_stats["reused_tokens"] == total  # the same prompts were sent
-    assert kept_stats["prefill_tokens"] < total / 2
+    assert kept_stats["prefill_tokens"] < 0.6 * total  # truncation re-prefills (about half of turns 3-4)
 
 
 def test_builtin_task_greedy_transcripts_equal_with_fewer_prefilled_tokens(generator, tmp_path):
