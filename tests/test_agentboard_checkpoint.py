@@ -57,9 +57,9 @@ def test_prompts_fit_the_context_and_replies_are_the_models(checkpoint, tmp_path
     replies: list[str] = []
     generate = model.generate
 
-    def recording(batch):
+    def recording(batch, keys=None):
         prompts.extend(batch)
-        out = generate(batch)
+        out = generate(batch, keys)  # keyed: each episode's KV cache kept between its turns
         replies.extend(out)
         return out
 
@@ -77,7 +77,8 @@ def test_prompts_fit_the_context_and_replies_are_the_models(checkpoint, tmp_path
     ]
     first_episode = next(r for r in records if r["id"] == 0)
     assert first_episode["history_items_dropped"] > 0
-    # Greedy decoding, 100 new tokens, no stop string: the generator gives the same replies again.
+    # Greedy decoding, 100 new tokens, no stop string: the generator gives the same replies again, here
+    # prefilling every prompt whole (no keys).
     assert generate(prompts) == replies
     # The actions taken are the parser's reading of the replies.
     taken = [t["Action"] for r in records for t in r["trajectory"].values()]

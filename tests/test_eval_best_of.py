@@ -85,9 +85,9 @@ def test_checkpoint_samples_differ_at_temperature_1(tmp_path):
     prompts: list[tuple[str, str]] = []
     generate = model.generate
 
-    def recording(batch):
+    def recording(batch, keys=None):
         prompts.extend(batch)
-        return generate(batch)
+        return generate(batch, keys)
 
     model.generate = recording
     cfg = RunConfig(tasks=("pddl",), max_steps=1, batch_size=4, limit=1, best_of=3, temperature=1.0)
