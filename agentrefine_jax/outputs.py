@@ -98,17 +98,15 @@ def _same(a: pathlib.Path, b: pathlib.Path) -> bool:
 
 
 @contextlib.contextmanager
-def open_atomic(path: PathLike) -> Iterator[TextIO]:
-    """A text file to stream into; it replaces `path` only when the block ends without an error
-    (temporary sibling, fsync, rename; the temporary file never survives)."""
+def atomic_path(path: PathLike) -> Iterator[str]:
+    """A temporary path beside `path` to write (e.g. a figure library's `savefig`); renamed onto
+    `path` only when the block ends without an error. The temporary file never survives."""
     p = pathlib.Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp" + p.suffix)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 is for the temporary name only
         os.replace(tmp, p)
     except BaseException:
@@ -116,6 +114,16 @@ def open_atomic(path: PathLike) -> Iterator[TextIO]:
             os.unlink(tmp)
         raise
     fsync_dir(p.parent)
+
+
+@contextlib.contextmanager
+def open_atomic(path: PathLike, *, newline: str | None = None) -> Iterator[TextIO]:
+    """A text file to stream into; it replaces `path` only when the block ends without an error
+    (temporary sibling, fsync, rename: see `atomic_path`)."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8", newline=newline) as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_text(path: PathLike, text: str) -> None:
