@@ -117,6 +117,7 @@ RULES: dict[str, Check | Callable[[], Check]] = {
     "model.param_dtype": one_of(*DTYPES),
     "model.dtype": one_of(*DTYPES),
     "model.attention_block_size": at_least(0),
+    "model.mlp_chunk_size": at_least(0),
     # data
     "data.eval_fraction": fraction(upper_open=True),
     "data.format": one_of(*DATA_FORMATS),

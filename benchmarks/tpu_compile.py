@@ -2,9 +2,13 @@
 needed) and put the planner's estimate beside the compiler's per-device memory.
 
     python benchmarks/tpu_compile.py [--only llama3_8b] [--attention xla,splash] [--json] [--out F]
+        [--python /path/to/venv/bin/python]
 
 Each row is `python -m agentrefine_jax.plan --config C --topology S --compile --json` in its
-own process, one at a time (a 70B compile holds several GiB of host memory). Rows: the three
+own process, one at a time (a 70B compile holds several GiB of host memory), run by `--python`
+(default: this interpreter) — e.g. a virtual environment with another libtpu, so rows for two
+compilers come from the same tree. The compiler moves a step's memory by 30-40%, so every row
+records the jax / jaxlib / libtpu versions its compile reported and the table names them. Rows: the three
 paper models on their documented slices, and Llama-3-8B also on v5e-256 and v6e-64. The
 Table 2 ablations run the Llama-3-8B step unchanged (they differ only in which turns carry
 loss), so they are not repeated. Splash rows need the `model.attention` config field and are
@@ -41,9 +45,33 @@ def has_attention_field() -> bool:
     return any(f.name == "attention" for f in dataclasses.fields(ModelConfig))
 
 
-def compile_row(config: str, slice_name: str, overrides: tuple[str, ...], attention: str | None) -> dict:
+def interpreter_versions(python: str) -> dict[str, str | None]:
+    """jax, jaxlib and libtpu as `python` sees them (what its compiles will report)."""
+    code = (
+        "import json\nfrom agentrefine_jax.train.aot import compiler_versions\n"
+        "print(json.dumps(compiler_versions()))"
+    )
+    r = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
+    if r.returncode:
+        why = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"[tpu_compile] error: {python} cannot import agentrefine_jax: {why}", file=sys.stderr)
+        raise SystemExit(2)
+    return json.loads(r.stdout)
+
+
+def compiler_name(versions: dict[str, str | None]) -> str:
+    return f"jax {versions.get('jax')} / libtpu {versions.get('libtpu')}"
+
+
+def compile_row(
+    config: str,
+    slice_name: str,
+    overrides: tuple[str, ...],
+    attention: str | None,
+    python: str = sys.executable,
+) -> dict:
     sets = [*overrides, *([f"model.attention={attention}"] if attention else [])]
-    cmd = [sys.executable, "-m", "agentrefine_jax.plan", "--config", config, "--topology", slice_name]
+    cmd = [python, "-m", "agentrefine_jax.plan", "--config", config, "--topology", slice_name]
     cmd += ["--compile", "--json", *[a for s in sets for a in ("--set", s)]]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -59,6 +87,7 @@ def compile_row(config: str, slice_name: str, overrides: tuple[str, ...], attent
         return row
     b = out["compiled"]["bytes_per_device"]
     row.update(
+        versions=out["versions"],
         mesh=out["mesh"],
         compiled_total=b["total"],
         compiled_temp=b["temp"],
@@ -93,17 +122,21 @@ def _g(n: float | None) -> str:
 
 def table(rows: list[dict], skipped: str | None) -> str:
     lines = [
-        "| config | slice | mesh | attention | compiler GiB/device (temp) | fits HBM | planner GiB | "
-        "planner / compiler | splash / xla | compile s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| config | slice | mesh | attention | compiler | compiler GiB/device (temp) | fits HBM | "
+        "planner GiB | planner / compiler | splash / xla | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    xla = {(r["config"], r["slice"]): r for r in rows if r["attention"] in ("xla", "default")}
+
+    def key(r: dict) -> tuple:
+        return r["config"], r["slice"], compiler_name(r.get("versions", {}))
+
+    xla = {key(r): r for r in rows if r["attention"] in ("xla", "default") and "error" not in r}
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['config']} | {r['slice']} | | {r['attention']} | error: {r['error']} |||||")
+            lines.append(f"| {r['config']} | {r['slice']} | | {r['attention']} | | error: {r['error']} |||||")
             continue
         mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1)
-        base = xla.get((r["config"], r["slice"]))
+        base = xla.get(key(r))
         vs = (
             f"{r['compiled_total'] / base['compiled_total']:.2f}"
             if r["attention"] == "splash" and base and base.get("compiled_total")
@@ -113,7 +146,8 @@ def table(rows: list[dict], skipped: str | None) -> str:
         attention = "xla" if r["attention"] == "default" else r["attention"]
         secs = "n/a" if r["compile_seconds"] is None else f"{r['compile_seconds']:.0f}"
         lines.append(
-            f"| {r['config']} | {r['slice']} | {mesh} | {attention} | {_g(r['compiled_total'])} "
+            f"| {r['config']} | {r['slice']} | {mesh} | {attention} | {compiler_name(r.get('versions', {}))} "
+            f"| {_g(r['compiled_total'])} "
             f"({_g(r['compiled_temp'])}) | {'yes' if r['fits'] else 'NO'} of {r['hbm_bytes'] // GiB} | "
             f"{_g(r['planned_total'])} | {ratio} | {vs} | {secs} |"
         )
@@ -127,15 +161,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help="comma-separated config names (default: all)")
     ap.add_argument("--slices", help="comma-separated slice names (default: all)")
     ap.add_argument("--attention", default="xla,splash", help="attention implementations to compile")
+    ap.add_argument(
+        "--python",
+        default=sys.executable,
+        help="interpreter that compiles the rows (e.g. a venv with another libtpu); default: this one",
+    )
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     ap.add_argument("--out", help="append each row as a JSON line to this file as it finishes")
     ap.add_argument(
         "--reuse",
         help="JSON lines from an earlier --out: take the compiler's figures from there (same config, "
-        "slice, overrides, attention) and recompute only the planner's",
+        "slice, overrides, attention and compiler versions as --python's) and recompute only the planner's",
     )
     args = ap.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    versions = interpreter_versions(args.python)
+    print(f"# compiler: {compiler_name(versions)} (jaxlib {versions['jaxlib']}) via {args.python}",
+          file=sys.stderr, flush=True)  # fmt: skip
     wanted = [a.strip() for a in args.attention.split(",") if a.strip()]
     skipped = None
     if not has_attention_field():
@@ -155,18 +197,29 @@ def main(argv: list[str] | None = None) -> int:
         if (only and config not in only) or (slices and sl not in slices):
             continue
         for attention in wanted:
-            key = (config, sl, list(overrides), attention or "default")
+            key = (config, sl, list(overrides), attention or "default", versions)
             row = next(
-                (r for r in reused if (r["config"], r["slice"], r["overrides"], r["attention"]) == key), None
+                (
+                    r
+                    for r in reused
+                    if (r["config"], r["slice"], r["overrides"], r["attention"], r.get("versions")) == key
+                ),
+                None,
             )
-            row = replan(row) if row and "error" not in row else compile_row(config, sl, overrides, attention)
+            if row and "error" not in row:
+                row = replan(row)
+            else:
+                row = compile_row(config, sl, overrides, attention, args.python)
             rows.append(row)
-            print(f"# {config} {sl} {row['attention']}: {row.get('compiled_total', 0) / GiB:.2f} GiB "
-                  f"({row['wall_seconds'] or 'reused'} s)", file=sys.stderr, flush=True)  # fmt: skip
+            used = compiler_name(row.get("versions", versions))
+            gib = row.get("compiled_total", 0) / GiB
+            print(f"# {config} {sl} {row['attention']}: {gib:.2f} GiB ({row['wall_seconds'] or 'reused'} s) "
+                  f"with {used}", file=sys.stderr, flush=True)  # fmt: skip
             if args.out:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
-    print(json.dumps({"rows": rows, "note": skipped}, indent=2) if args.json else table(rows, skipped))
+    out = {"rows": rows, "note": skipped, "versions": versions}
+    print(json.dumps(out, indent=2) if args.json else table(rows, skipped))
     return 0 if rows and all("error" not in r for r in rows) else 1
 
 

@@ -49,6 +49,10 @@ class ModelConfig:
     # Queries are processed in blocks of this many tokens so the [heads, S, S] score
     # matrix never exists whole (0 = one block). Exact: no approximation involved.
     attention_block_size: int = 0
+    # The MLP runs over sequence chunks of this many tokens, each rematerialised in the backward
+    # pass, so its [B, S, intermediate] tensors exist one chunk at a time (0 = whole sequence).
+    # Exact per token; the weight gradients sum the chunks' products in float32.
+    mlp_chunk_size: int = 0
     # "auto" | "xla" | "splash" | "cudnn" (see models/attention.py); auto = splash on TPU,
     # cudnn on GPU (16-bit compute), blocked XLA elsewhere.
     attention: str = "auto"
@@ -118,6 +122,7 @@ NOT_ARCHITECTURE = frozenset(
         "scan_layers",
         "cpu_layout",
         "attention_block_size",
+        "mlp_chunk_size",
         "initializer_range",
         "bos_token_id",
         "eos_token_ids",
