@@ -2,12 +2,22 @@
 global batch 64, max length 8192, 10 epochs. Start from the HF checkpoint with
 `--set train.init_from_hf=/path/to/Meta-Llama-3-8B-Instruct`."""
 
+import dataclasses
+
 from agentrefine_jax.config import Config, paper_setting
 from agentrefine_jax.models import preset
 
 
 def config() -> Config:
+    # MLP in 1024-token chunks and 512-token loss chunks: the layer backward's and the loss's
+    # working sets (docs/scale.md, "Where the 8B step's memory goes").
     model = preset(
-        "llama3_8b", param_dtype="float32", dtype="bfloat16", remat_policy="full", attention_block_size=1024
+        "llama3_8b",
+        param_dtype="float32",
+        dtype="bfloat16",
+        remat_policy="full",
+        attention_block_size=1024,
+        mlp_chunk_size=1024,
     )
-    return paper_setting(model, tokenizer="llama3", max_length=8192, run_dir="runs/llama3_8b")
+    cfg = paper_setting(model, tokenizer="llama3", max_length=8192, run_dir="runs/llama3_8b")
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, loss_chunk_size=512))

@@ -307,10 +307,20 @@ def activation_model(
 
     # One layer's full set of intermediates (remat "none", one vs two layers): what the
     # backward pass rebuilds for the layer it is differentiating, whatever the policy.
-    one = dataclasses.replace(local, remat_policy="none")
-    l1 = saved_residuals(dataclasses.replace(one, num_layers=1), 1, seq_len, loss_chunk)
-    l2 = saved_residuals(dataclasses.replace(one, num_layers=2), 1, seq_len, loss_chunk)
-    layer_recompute = sum(r.nbytes for r in l2) - sum(r.nbytes for r in l1)
+    def one_layer(cfg: Any) -> int:
+        cfg = dataclasses.replace(cfg, remat_policy="none")
+        l1 = saved_residuals(dataclasses.replace(cfg, num_layers=1), 1, seq_len, loss_chunk)
+        l2 = saved_residuals(dataclasses.replace(cfg, num_layers=2), 1, seq_len, loss_chunk)
+        return sum(r.nbytes for r in l2) - sum(r.nbytes for r in l1)
+
+    layer_recompute = one_layer(local)
+    mlp_chunk = model_cfg.mlp_chunk_size
+    if 0 < mlp_chunk < seq_len and seq_len % mlp_chunk == 0:
+        # Chunked MLP (models/llama.mlp_in_chunks): each chunk is rematerialised on its own, so
+        # the trace above saw only the chunks' inputs; one chunk's share of the MLP's
+        # intermediates (the difference to the unchunked layer) is rebuilt at a time.
+        whole = one_layer(dataclasses.replace(local, mlp_chunk_size=0))
+        layer_recompute += (whole - layer_recompute) * mlp_chunk // seq_len
 
     blk = model_cfg.attention_block_size
     blocked = 0 < blk < seq_len and seq_len % blk == 0
