@@ -18,8 +18,9 @@ Two exact implementations (`train.loss_impl`):
   `dh` ([B, T, D]) and `dW` ([D, V], sharded like lm_head) held until the backward pass.
   Evaluation (no gradient) runs the plain chunked loss.
 "auto" picks fused on both platforms: on CPU it was measured faster (benchmarks/train_step.py);
-on TPU the compiler put Llama-3-8B on v5p-64 (8192 x 128k vocabulary) at 20.11 GiB per device
-vs 20.22 GiB for remat (README's compile table), with one vocabulary matmul per chunk fewer.
+on TPU the compiler (libtpu 0.0.42.1, before the chunked MLP) put Llama-3-8B on v5p-64 (8192 x
+128k vocabulary) at 20.11 GiB per device vs 20.22 GiB for remat, with one vocabulary matmul per
+chunk fewer.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ from typing import Any
 
 from agentrefine_jax.models import attention
 from agentrefine_jax.sharding import MESH_AXES, parse_mesh_sizes
-from agentrefine_jax.train.loss import resolve_loss_impl
 from agentrefine_jax.train.topology import HBM_BYTES, PEAK_FLOPS, GiB
 
 
@@ -235,14 +234,13 @@ def saved_residuals(model_cfg: Any, batch: int, seq_len: int, loss_chunk: int) -
 # the loss chunks run, and free their logits, before the layers' backward pass starts.
 # (Calibrated against the XLA TPU compiler: summing them over-estimated the 8B step by 3 GiB,
 # while Llama-3-8B and Mistral-7B, whose loss working sets differ 4x, need the same temp.)
-# Within a layer's backward pass the MLP's (chunked) backward runs, and frees its
-# intermediates, before attention's: the blocked XLA attention's score blocks meet the
-# attention's inputs, not the whole layer's recomputation (compiler, 8B v5p-64 with the XLA
-# path: two float32 [heads, block, S] blocks stacked at the top of its heap, the MLP chunks
-# gone). A component may sit in several phases; it counts once, in the peak one.
 PHASES = {
-    "layer_backward": ("layer_recompute", "fsdp_gathered_layer_weights", "fsdp_gathered_layer_grads"),
-    "attention_backward": ("attention_blocks", "fsdp_gathered_layer_weights", "fsdp_gathered_layer_grads"),
+    "layer_backward": (
+        "layer_recompute",
+        "attention_blocks",
+        "fsdp_gathered_layer_weights",
+        "fsdp_gathered_layer_grads",
+    ),
     "loss": ("logits_chunk", "fsdp_gathered_lm_head"),
 }
 
@@ -293,7 +291,6 @@ def activation_model(
     rules: Sequence[tuple[str, Any]],
     seq_len: int,
     loss_chunk: int,
-    loss_impl: str = "fused",
 ) -> tuple[ActivationModel, list[str]]:
     local, notes = local_model_config(model_cfg, mesh, rules)
     c = _itemsize(model_cfg.dtype)
@@ -330,22 +327,17 @@ def activation_model(
     attention_blocks = 0
     mask = 0
     # The splash kernel (TPU default) tiles scores in VMEM and builds its mask per tile from the
-    # segment ids: no score block or [S, S] mask in HBM (compiler, 8B v5p-64: temp 17.41 -> 13.37 GiB).
+    # segment ids: no score block or [S, S] mask in HBM (8B v5p-64, libtpu 0.0.42.1: temp 17.41 -> 13.37 GiB).
     if attention.resolve(model_cfg, "tpu") != "splash":
         if blocked:
-            # Scores and score cotangents (f32) of one query block, rebuilt inside the block's
-            # checkpoint (the probabilities, compute dtype, live between the two, not beside both).
-            attention_blocks = local.num_heads * blk * seq_len * (4 + 4)
+            # Scores (f32), probabilities (compute dtype) and score cotangents (f32) of one
+            # query block, rebuilt inside the block's checkpoint.
+            attention_blocks = local.num_heads * blk * seq_len * (4 + c + 4)
         # The [S, S] boolean document/causal mask is built whole, even with query blocks.
         mask = seq_len * seq_len
     chunk = max(1, min(loss_chunk, seq_len))
-    if loss_impl == "fused":
-        # One loss chunk's f32 logits and its (softmax - onehot) in the compute dtype, which
-        # feeds both gradient matmuls (train/loss.py "fused").
-        logits_chunk = chunk * local.vocab_size * (4 + c)
-    else:
-        # Logits, softmax and logit cotangents (all f32) of one loss chunk.
-        logits_chunk = chunk * local.vocab_size * 4 * 3
+    # Logits, softmax and logit cotangents (all f32) of one loss chunk.
+    logits_chunk = chunk * local.vocab_size * 4 * 3
 
     fixed = {"weight_derived_saved": weight_derived // fsdp_factor}
     if _itemsize(model_cfg.param_dtype) != c:
@@ -358,18 +350,16 @@ def activation_model(
             if leaf.path.startswith("layers.")
         )
     if fsdp_factor > 1:
-        # FSDP all-gathers a layer's weights one matrix at a time in the compute dtype (two in
-        # flight) and reduce-scatters each matrix's gradient, also in the compute dtype (the
-        # cotangent of the cast weight), before it joins the float32 gradients: the compiler's
-        # heap holds gathered [4096, 14336] matrices for the 8B, never a whole layer. The output
+        # FSDP all-gathers one layer's weights (compute dtype) ahead of use (two in flight)
+        # and holds one layer's gradient (param dtype) before the reduce-scatter; the output
         # projection is gathered whole for the loss. "Gathered" = sharded by tensor only.
         unsharded = abstract_mesh({**{a: mesh.shape[a] for a in MESH_AXES}, "data": 1, "fsdp": 1})
         gathered_layout = param_layout(model_cfg, unsharded, rules)
-        largest = max(
+        per_layer = sum(
             leaf.shard_size // leaf.shape[0] for leaf in gathered_layout if leaf.path.startswith("layers.")
         )
-        fixed["fsdp_gathered_layer_weights"] = 2 * largest * c
-        fixed["fsdp_gathered_layer_grads"] = largest * c
+        fixed["fsdp_gathered_layer_weights"] = 2 * per_layer * c
+        fixed["fsdp_gathered_layer_grads"] = per_layer * _itemsize(model_cfg.param_dtype)
         fixed["fsdp_gathered_lm_head"] = model_cfg.hidden_size * local.vocab_size * c
     per_sample = {
         "saved_residuals": per_sample_saved,
@@ -432,8 +422,7 @@ def plan(
         )
     per_device_batch = micro // batch_shards
 
-    loss_impl = resolve_loss_impl(cfg.train.loss_impl, "tpu")
-    act_model, act_notes = activation_model(model_cfg, mesh, rules, seq, cfg.train.loss_chunk_size, loss_impl)
+    act_model, act_notes = activation_model(model_cfg, mesh, rules, seq, cfg.train.loss_chunk_size)
     notes += act_notes
     act = act_model.breakdown(per_device_batch)
     act_bytes = act_model.total(per_device_batch)
@@ -450,7 +439,7 @@ def plan(
     sizing = act_model
     if attention.resolve(model_cfg, "tpu") == "splash":
         blocked_cfg = dataclasses.replace(model_cfg, attention="xla")
-        sizing, _ = activation_model(blocked_cfg, mesh, rules, seq, cfg.train.loss_chunk_size, loss_impl)
+        sizing, _ = activation_model(blocked_cfg, mesh, rules, seq, cfg.train.loss_chunk_size)
     max_pdb = sizing.max_batch(usable - (param_bytes + param_bytes + opt_bytes))
     max_global = max_pdb * max_batch_shards
     if splits:
@@ -605,7 +594,7 @@ def format_plan(p: dict[str, Any], name: str = "") -> str:
         f"    activations       {_gib(b['activations'])}",
     ]
     peak = p["activation_peak_phase"]
-    off_peak = {k for name, keys in PHASES.items() if name != peak for k in keys} - set(PHASES[peak])
+    off_peak = {k for name, keys in PHASES.items() if name != peak for k in keys}
     for k, v in p["activation_breakdown"].items():
         if v:
             lines.append(f"      {k:<28}{_gib(v)}" + ("  (not live at the peak)" if k in off_peak else ""))
