@@ -5,11 +5,12 @@ other's in-flight saves and interleave metrics rows, so a second one is refused 
 touches anything. The lock is created atomically — `O_CREAT | O_EXCL` on a local (or file://)
 run dir; on an object store (gs://...) a create-if-absent write (`ifGenerationMatch=0` on one
 upload request: gcsfs's `pipe_file(mode="create")`) — holding {host, pid, pid_start, started,
-token}. It is removed at exit; a lock left behind by a killed trainer is *stale* when its host
-is this host and its process is gone (the pid no longer exists, or now belongs to a process
-started at another time), and is then taken over with a one-line notice. A lock from another host is never
-guessed stale: the message names it and says to remove it once that trainer is known gone.
-Multi-host runs: only process 0 takes it (the others follow process 0's run).
+token}. It is removed at exit (except after a failed save to an object store: see `__exit__`);
+a lock left behind by a killed trainer is *stale* when its host is this host and its process is
+gone (the pid no longer exists, or now belongs to a process started at another time), and is
+then taken over with a one-line notice. A lock from another host is never guessed stale: the
+message names it and says to remove it once that trainer is known gone. Multi-host runs: only
+process 0 takes it (the others follow process 0's run).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 from etils import epath
 
-from agentrefine_jax.checkpoint import as_path, is_url
+from agentrefine_jax.checkpoint import CheckpointSaveError, as_path, is_url
 from agentrefine_jax.train.run_dir import TrainingInputError
 
 LOCK_NAME = "trainer.lock"
@@ -181,5 +182,12 @@ class RunLock:
         self.acquire()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if isinstance(exc, CheckpointSaveError) and is_url(self.path):
+            # The run stopped because its object store failed: removing the lock would only add
+            # the client's retries (gcsfs: ~30 s) to the exit. Left, it is stale (pid gone) and the
+            # next run on this host takes it over with its one-line note.
+            self.held = False
+            log.debug(f"run lock {self.path} left in place: its storage just failed")
+            return
         self.release()
