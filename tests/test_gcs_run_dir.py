@@ -17,7 +17,9 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
+from subprocess import PIPE
 from typing import Any
 
 import pytest
@@ -118,13 +120,43 @@ def data(tmp_path_factory) -> pathlib.Path:
     return path
 
 
+PROMPT = [128000, 791, 6134, 374, 16447, 13]
+
+
 class Reference:
-    """The uninterrupted run, started at once and awaited by the tests that read it."""
+    """The uninterrupted run, started at once; as soon as it ends, `inference generate` decodes
+    from its gs:// checkpoint (both overlap the interrupted run's test, which needs no result)."""
 
     def __init__(self, emulator, data: pathlib.Path, log: pathlib.Path) -> None:
         self.log = log
         with open(log, "w") as f:  # a file, not a pipe: nobody reads while it trains
             self.proc = _train(emulator, "reference", data, out=f)
+        self.generated: subprocess.CompletedProcess | BaseException | None = None
+        self.gen_proc: subprocess.Popen | None = None
+        self._generate = threading.Thread(target=self._then_generate, args=(emulator,), daemon=True)
+        self._generate.start()
+
+    def _then_generate(self, emulator) -> None:
+        try:
+            if self.proc.wait(timeout=TIMEOUT_S) != 0:
+                return
+            cmd = [sys.executable, "-m", "agentrefine_jax.inference", "generate"]
+            cmd += ["--checkpoint", f"gs://{BUCKET}/reference", "--prompt-ids", ",".join(map(str, PROMPT))]
+            cmd += ["--max-new-tokens", "8", "--greedy", "--no-stop-ids", "--dtype", "float32"]
+            self.gen_proc = subprocess.Popen(
+                cmd, cwd=REPO, env=emulator.env(_env(REPO)), stdout=PIPE, stderr=PIPE, text=True
+            )
+            out, err = self.gen_proc.communicate(timeout=TIMEOUT_S)
+            self.generated = subprocess.CompletedProcess(cmd, self.gen_proc.returncode, out, err)
+        except BaseException as e:  # noqa: BLE001 - reported by the test that reads it
+            self.generated = e
+
+    def stop(self) -> None:
+        """Kill whatever still runs (a failed or interrupted module)."""
+        for proc in (self.proc, self.gen_proc):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
     def wait(self) -> str:
         try:
@@ -137,6 +169,12 @@ class Reference:
         assert code == 0, out
         return out
 
+    def generate(self) -> subprocess.CompletedProcess:
+        self.wait()
+        self._generate.join(timeout=TIMEOUT_S)
+        assert isinstance(self.generated, subprocess.CompletedProcess), self.generated
+        return self.generated
+
 
 @pytest.fixture(scope="module")
 def reference(gcs_emulator, data):
@@ -145,9 +183,7 @@ def reference(gcs_emulator, data):
     try:
         yield ref
     finally:
-        if ref.proc.poll() is None:
-            ref.proc.kill()
-            ref.proc.wait()
+        ref.stop()
 
 
 @pytest.fixture
@@ -234,40 +270,16 @@ def test_generate_from_a_gcs_checkpoint_matches_transformers_on_the_export(gcs_e
     import torch
     from transformers import AutoModelForCausalLM
 
-    reference.wait()
-    prompt = [128000, 791, 6134, 374, 16447, 13]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "agentrefine_jax.inference",
-            "generate",
-            "--checkpoint",
-            f"gs://{BUCKET}/reference",
-            "--prompt-ids",
-            ",".join(map(str, prompt)),
-            "--max-new-tokens",
-            "8",
-            "--greedy",
-            "--no-stop-ids",
-            "--dtype",
-            "float32",
-        ],  # fmt: skip
-        cwd=REPO,
-        env=gcs_emulator.env(_env(REPO)),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
+    proc = reference.generate()  # `inference generate --checkpoint gs://…/reference`
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     hf_dir = gcs_emulator.download(BUCKET, "reference-hf", tmp_path / "hf")
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([PROMPT])
     with torch.no_grad():  # greedy, by hand: no generation config can stop it early
         for _ in range(8):
             ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    assert got == ids[0, len(prompt) :].tolist()
+    assert got == ids[0, len(PROMPT) :].tolist()
 
 
 def test_a_gs_run_dir_without_gcsfs_is_refused_at_load(monkeypatch):
