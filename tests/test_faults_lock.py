@@ -79,3 +79,7 @@ def test_a_reused_pid_is_stale_a_live_one_or_another_hosts_is_not(tmp_path):
     # Processes other than 0 take no lock at all.
     with RunLock(tmp_path / "c", take=False):
         pass
+    # A run dir the lock created is not left behind empty (a run refused before writing anything).
+    with RunLock(tmp_path / "d" / "run"):
+        assert (tmp_path / "d" / "run" / LOCK_NAME).exists()
+    assert not (tmp_path / "d" / "run").exists() and (tmp_path / "d").is_dir()

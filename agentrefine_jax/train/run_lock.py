@@ -75,6 +75,7 @@ class RunLock:
             "token": uuid.uuid4().hex,
         }
         self.held = False
+        self.created_root = False
 
     # ------------------------------------------------------------------ create-if-absent
     def _create(self) -> bool:
@@ -144,6 +145,7 @@ class RunLock:
     def acquire(self) -> None:
         if not self.take:
             return
+        self.created_root = not is_url(self.root) and not self.root.exists()
         self.root.mkdir(parents=True, exist_ok=True)
         for _ in range(3):
             if self._create():
@@ -175,6 +177,8 @@ class RunLock:
         try:
             if self._holder() == self.body:  # still ours
                 self.path.unlink()
+            if self.created_root and not any(self.root.iterdir()):
+                self.root.rmdir()  # a run that stopped before writing anything leaves no empty dir
         except OSError as e:
             log.warning(f"WARNING: could not remove the run lock {self.path} ({e})")
 
