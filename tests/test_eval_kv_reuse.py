@@ -12,6 +12,7 @@ from agentrefine_jax.eval.agentboard.checkout import Checkout
 from agentrefine_jax.eval.agentboard.protocol import Agent, run_episodes, vllm_system_suffix
 from agentrefine_jax.eval.agentboard.runner import template_model
 from agentrefine_jax.eval.agentboard.tasks.pddl import PddlTask
+from agentrefine_jax.eval.cli import build_parser, make_policy
 from agentrefine_jax.eval.policies import DEFAULT_STOP, CheckpointPolicy, SamplingParams
 from agentrefine_jax.eval.runner import EvalConfig, run_eval
 from agentrefine_jax.inference.chat import ChatGenerator
@@ -23,10 +24,19 @@ CONTEXT = 450
 
 
 @pytest.fixture(scope="module")
-def generator(tmp_path_factory) -> ChatGenerator:
-    return ChatGenerator.from_checkpoint(
-        save_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "run", CFG, 2)
-    )
+def checkpoint(tmp_path_factory) -> str:
+    return save_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "run", CFG, 2)
+
+
+@pytest.fixture(scope="module")
+def generator(checkpoint) -> ChatGenerator:
+    return ChatGenerator.from_checkpoint(checkpoint)
+
+
+def test_reuse_is_the_default_and_the_flag_turns_it_off(checkpoint):
+    for flags, reuse in (([], True), (["--no-kv-reuse"], False)):
+        args = build_parser().parse_args(["--checkpoint", checkpoint, *flags])
+        assert make_policy(args).kv_reuse is reuse
 
 
 def _actor(generator: ChatGenerator, reuse: bool, sampling: SamplingParams) -> CheckpointPolicy:
