@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +47,24 @@ class ActionWord:
     description: str
     # (surface verb phrase, description) for perturbation 1, 2, ...
     variants: tuple[tuple[str, str], ...] = ()
+
+
+def action_words(table: str) -> tuple[ActionWord, ...]:
+    """Words from a table, a line each: `canonical | usage | description` starts a word, an indented
+    `surface | description` adds its next variant, a deeper-indented line continues the description above."""
+    words: list[tuple[str, str, list[str], list[tuple[str, list[str]]]]] = []
+    for line in filter(str.strip, textwrap.dedent(table).splitlines()):
+        indent, cells = len(line) - len(line.lstrip()), [c.strip() for c in line.split("|")]
+        if indent >= 4:
+            variants = words[-1][3]
+            (variants[-1][1] if variants else words[-1][2]).append(cells[0])
+        elif indent:
+            words[-1][3].append((cells[0], [cells[1]]))
+        else:
+            words.append((cells[0], cells[1], [cells[2]], []))
+    return tuple(
+        ActionWord(c, u, " ".join(d), tuple((s, " ".join(sd)) for s, sd in v)) for c, u, d, v in words
+    )
 
 
 class Vocabulary:

@@ -17,7 +17,7 @@ from typing import Any
 
 from agentrefine_jax.eval.envs.base import INVALID_ACTION, EvalTask, Outcome, TextEnv, rejected
 from agentrefine_jax.eval.envs.pddl_plan import bfs_plan, goal_atoms
-from agentrefine_jax.eval.perturb import ActionWord, Vocabulary
+from agentrefine_jax.eval.perturb import ActionWord, Vocabulary, action_words
 
 NOT_APPLICABLE = 'The action "{action}" cannot be applied in the current state (its conditions do not hold).'
 
@@ -36,47 +36,25 @@ DOMAINS: dict[str, DomainText] = {
     "blocks": DomainText(
         "You control a robot hand that rearranges blocks on a table. The hand holds at most one block; "
         "only a block with nothing on top of it (a clear block) can be picked up or stacked upon.",
-        (
-            ActionWord(
-                "pickup",
-                "{verb} X",
-                "pick up the clear block X from the table (your hand must be empty)",
-                (
-                    ("lift", "lift block X off the table when X is clear and the hand is empty"),
-                    ("raise", "raise the clear block X from the table into the empty hand"),
-                    ("grasp", "grasp block X lying clear on the table with the empty hand"),
-                ),
-            ),
-            ActionWord(
-                "putdown",
-                "{verb} X",
-                "put the block X you are holding down on the table",
-                (
-                    ("lower", "lower the held block X onto the table"),
-                    ("set down", "set the block X in your hand down on the table"),
-                    ("release", "release the held block X onto the table"),
-                ),
-            ),
-            ActionWord(
-                "stack",
-                "{verb} X Y",
-                "put the block X you are holding on top of the clear block Y",
-                (
-                    ("place", "place the held block X onto the clear block Y"),
-                    ("pile", "pile the block X from your hand on the clear block Y"),
-                    ("put on", "put the held block X on the clear block Y"),
-                ),
-            ),
-            ActionWord(
-                "unstack",
-                "{verb} X",
-                "take the clear block X off the block it is on (hand must be empty)",
-                (
-                    ("unpile", "lift the clear block X from the block under it into the empty hand"),
-                    ("take off", "take the clear block X off its supporting block with the empty hand"),
-                    ("remove", "remove the clear block X from the top of another block"),
-                ),
-            ),
+        action_words(
+            """
+            pickup | {verb} X | pick up the clear block X from the table (your hand must be empty)
+              lift | lift block X off the table when X is clear and the hand is empty
+              raise | raise the clear block X from the table into the empty hand
+              grasp | grasp block X lying clear on the table with the empty hand
+            putdown | {verb} X | put the block X you are holding down on the table
+              lower | lower the held block X onto the table
+              set down | set the block X in your hand down on the table
+              release | release the held block X onto the table
+            stack | {verb} X Y | put the block X you are holding on top of the clear block Y
+              place | place the held block X onto the clear block Y
+              pile | pile the block X from your hand on the clear block Y
+              put on | put the held block X on the clear block Y
+            unstack | {verb} X | take the clear block X off the block it is on (hand must be empty)
+              unpile | lift the clear block X from the block under it into the empty hand
+              take off | take the clear block X off its supporting block with the empty hand
+              remove | remove the clear block X from the top of another block
+            """
         ),
         {
             "on": "{0} is on top of {1}",
@@ -91,37 +69,21 @@ DOMAINS: dict[str, DomainText] = {
     "gripper": DomainText(
         "A robot with grippers carries balls between rooms. Each gripper holds at most one ball; the robot "
         "can pick up or drop a ball only in the room where it is.",
-        (
-            ActionWord(
-                "move",
-                "{verb} FROM TO",
-                "the robot moves from room FROM to room TO",
-                (
-                    ("go", "the robot goes from room FROM to room TO"),
-                    ("travel", "the robot travels from room FROM into room TO"),
-                    ("walk", "the robot walks from room FROM over to room TO"),
-                ),
-            ),
-            ActionWord(
-                "pick",
-                "{verb} BALL ROOM GRIPPER",
-                "pick up BALL in ROOM with the free GRIPPER",
-                (
-                    ("grab", "grab BALL lying in ROOM using the free GRIPPER"),
-                    ("grasp", "grasp BALL in ROOM with the empty GRIPPER"),
-                    ("take", "take BALL from ROOM into the free GRIPPER"),
-                ),
-            ),
-            ActionWord(
-                "drop",
-                "{verb} BALL ROOM GRIPPER",
-                "drop BALL held by GRIPPER in ROOM",
-                (
-                    ("release", "release BALL from GRIPPER into ROOM"),
-                    ("put", "put BALL held in GRIPPER down in ROOM"),
-                    ("leave", "leave BALL carried by GRIPPER in ROOM"),
-                ),
-            ),
+        action_words(
+            """
+            move | {verb} FROM TO | the robot moves from room FROM to room TO
+              go | the robot goes from room FROM to room TO
+              travel | the robot travels from room FROM into room TO
+              walk | the robot walks from room FROM over to room TO
+            pick | {verb} BALL ROOM GRIPPER | pick up BALL in ROOM with the free GRIPPER
+              grab | grab BALL lying in ROOM using the free GRIPPER
+              grasp | grasp BALL in ROOM with the empty GRIPPER
+              take | take BALL from ROOM into the free GRIPPER
+            drop | {verb} BALL ROOM GRIPPER | drop BALL held by GRIPPER in ROOM
+              release | release BALL from GRIPPER into ROOM
+              put | put BALL held in GRIPPER down in ROOM
+              leave | leave BALL carried by GRIPPER in ROOM
+            """
         ),
         {
             "at-robby": "the robot is in {0}",
@@ -137,47 +99,25 @@ DOMAINS: dict[str, DomainText] = {
     "elevator": DomainText(
         "You operate a lift serving passengers between floors. A passenger boards at their origin floor "
         "and must depart at their destination floor to be served.",
-        (
-            ActionWord(
-                "up",
-                "{verb} F",
-                "move the lift up to floor F",
-                (
-                    ("ascend", "make the lift ascend to floor F"),
-                    ("go up to", "take the lift up to floor F"),
-                    ("rise to", "let the lift rise to floor F"),
-                ),
-            ),
-            ActionWord(
-                "down",
-                "{verb} F",
-                "move the lift down to floor F",
-                (
-                    ("descend", "make the lift descend to floor F"),
-                    ("go down to", "take the lift down to floor F"),
-                    ("sink to", "let the lift sink to floor F"),
-                ),
-            ),
-            ActionWord(
-                "board",
-                "{verb} F P",
-                "passenger P boards the lift at floor F (their origin)",
-                (
-                    ("embark", "passenger P embarks at floor F, where they start"),
-                    ("let in", "let passenger P into the lift at their origin floor F"),
-                    ("pick up passenger", "pick up passenger P at floor F, their origin"),
-                ),
-            ),
-            ActionWord(
-                "depart",
-                "{verb} F P",
-                "passenger P leaves the lift at floor F (their destination)",
-                (
-                    ("disembark", "passenger P disembarks at floor F, their destination"),
-                    ("let out", "let passenger P out of the lift at destination floor F"),
-                    ("drop off passenger", "drop off passenger P at floor F, where they want to go"),
-                ),
-            ),
+        action_words(
+            """
+            up | {verb} F | move the lift up to floor F
+              ascend | make the lift ascend to floor F
+              go up to | take the lift up to floor F
+              rise to | let the lift rise to floor F
+            down | {verb} F | move the lift down to floor F
+              descend | make the lift descend to floor F
+              go down to | take the lift down to floor F
+              sink to | let the lift sink to floor F
+            board | {verb} F P | passenger P boards the lift at floor F (their origin)
+              embark | passenger P embarks at floor F, where they start
+              let in | let passenger P into the lift at their origin floor F
+              pick up passenger | pick up passenger P at floor F, their origin
+            depart | {verb} F P | passenger P leaves the lift at floor F (their destination)
+              disembark | passenger P disembarks at floor F, their destination
+              let out | let passenger P out of the lift at destination floor F
+              drop off passenger | drop off passenger P at floor F, where they want to go
+            """
         ),
         {
             "above": "{1} is above {0}",
@@ -194,17 +134,13 @@ DOMAINS: dict[str, DomainText] = {
     "hanoi": DomainText(
         "Towers of Hanoi: move discs between pegs. Only a clear disc (nothing on it) can move, and only "
         "onto a clear peg or a clear larger disc.",
-        (
-            ActionWord(
-                "move",
-                "{verb} DISC TO",
-                "move the clear DISC onto TO (a clear peg or clear larger disc)",
-                (
-                    ("shift", "shift the clear DISC onto TO, a clear peg or a clear bigger disc"),
-                    ("transfer", "transfer the clear DISC to TO (clear peg, or clear disc larger than it)"),
-                    ("relocate", "relocate the clear DISC on top of TO (a clear peg or larger clear disc)"),
-                ),
-            ),
+        action_words(
+            """
+            move | {verb} DISC TO | move the clear DISC onto TO (a clear peg or clear larger disc)
+              shift | shift the clear DISC onto TO, a clear peg or a clear bigger disc
+              transfer | transfer the clear DISC to TO (clear peg, or clear disc larger than it)
+              relocate | relocate the clear DISC on top of TO (a clear peg or larger clear disc)
+            """
         ),
         {
             "on": "{0} is on {1}",
