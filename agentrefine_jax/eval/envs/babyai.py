@@ -75,21 +75,19 @@ WORDS = action_words(
 
 _VIEW = 7
 _AGENT_X, _AGENT_Y = _VIEW // 2, _VIEW - 1
-_IDX_TO_OBJECT = {
-    0: "unseen",
-    1: "empty",
-    2: "wall",
-    3: "floor",
-    4: "door",
-    5: "key",
-    6: "ball",
-    7: "box",
-    8: "goal",
-    9: "lava",
-    10: "agent",
-}
-_IDX_TO_COLOR = {0: "red", 1: "green", 2: "blue", 3: "purple", 4: "yellow", 5: "grey"}
-_DOOR_STATE = {0: "open", 1: "closed", 2: "locked"}
+# minigrid's encoding tables (minigrid.core.constants), fixed since minigrid 1.x; both sources read them.
+OBJECTS = ("unseen", "empty", "wall", "floor", "door", "key", "ball", "box", "goal", "lava", "agent")
+COLORS = ("red", "green", "blue", "purple", "yellow", "grey")
+DOOR_STATES = ("open", "closed", "locked")
+# minigrid 2.3.0 (AgentBoard's pin) registered BabyAI-GoToObjS6-v0 with room_size=4: GoToObjS4-v0's env.
+LEVEL_ALIASES = {"BabyAI-GoToObjS6-v0": "BabyAI-GoToObjS4-v0"}
+
+
+def make_level(level: str) -> Any:
+    import gymnasium
+    import minigrid  # noqa: F401 - registers the BabyAI ids
+
+    return gymnasium.make(LEVEL_ALIASES.get(level, level))
 
 
 def _steps(n: int) -> str:
@@ -106,10 +104,10 @@ def _relative(fwd: int, lat: int) -> str:
 
 
 def _describe_cell(cell: np.ndarray) -> str:
-    kind = _IDX_TO_OBJECT[int(cell[0])]
-    color = _IDX_TO_COLOR.get(int(cell[1]), "")
+    kind = OBJECTS[int(cell[0])]
+    color = COLORS[int(cell[1])]
     if kind == "door":
-        return f"a {_DOOR_STATE[int(cell[2])]} {color} door"
+        return f"a {DOOR_STATES[int(cell[2])]} {color} door"
     if kind in ("key", "ball", "box"):
         return f"a {color} {kind}"
     if kind == "goal":
@@ -126,7 +124,7 @@ def render_view(image: np.ndarray, carrying: Any) -> str:
         for y in range(_VIEW):
             if (x, y) == (_AGENT_X, _AGENT_Y):
                 continue
-            kind = _IDX_TO_OBJECT[int(image[x, y, 0])]
+            kind = OBJECTS[int(image[x, y, 0])]
             if kind in ("unseen", "empty", "wall", "floor", "agent"):
                 continue
             fwd, lat = _AGENT_Y - y, x - _AGENT_X
@@ -139,7 +137,7 @@ def render_view(image: np.ndarray, carrying: Any) -> str:
     else:
         lines.append("You see no objects around you.")
     front = image[_AGENT_X, _AGENT_Y - 1]
-    front_kind = _IDX_TO_OBJECT[int(front[0])]
+    front_kind = OBJECTS[int(front[0])]
     front_desc = "empty floor" if front_kind == "empty" else _describe_cell(front)
     lines.append(f"Directly in front of you: {front_desc}.")
     lines.append(
@@ -154,7 +152,7 @@ def render_view(image: np.ndarray, carrying: Any) -> str:
 def _wall_distance(image: np.ndarray, dx: int, dy: int) -> str:
     x, y, d = _AGENT_X + dx, _AGENT_Y + dy, 1
     while 0 <= x < _VIEW and 0 <= y < _VIEW:
-        kind = _IDX_TO_OBJECT[int(image[x, y, 0])]
+        kind = OBJECTS[int(image[x, y, 0])]
         if kind == "wall":
             return _steps(d)
         if kind == "unseen":
@@ -186,10 +184,7 @@ class BabyAIEnv(TextEnv):
 
     def __init__(self, spec: dict[str, Any], vocab: Vocabulary):
         super().__init__(spec, vocab)
-        import gymnasium as gym
-        import minigrid  # noqa: F401 - registers the BabyAI environments
-
-        self._env = gym.make(spec["level"], disable_env_checker=True).unwrapped
+        self._env = make_level(spec["level"]).unwrapped
         self._actions = {
             "turn left": self._env.actions.left,
             "turn right": self._env.actions.right,
@@ -300,7 +295,7 @@ class BabyAIEnv(TextEnv):
                 objs = leaf.desc.obj_set
                 facing = any(front is o for o in objs)
                 if kind == "GoToInstr":
-                    checks = [any(_adjacent(env.agent_pos, o) for o in objs), facing]
+                    checks = [any(_next_to(env.agent_pos, o) for o in objs), facing]
                 elif kind == "PickupInstr":
                     carrying = any(env.carrying is o for o in objs)
                     checks = [facing or carrying, carrying]
@@ -323,15 +318,10 @@ def _front_name(cell: Any) -> str:
     return f"a {cell.color} {cell.type}"
 
 
-def _adjacent(agent_pos: Any, obj: Any) -> bool:
-    pos = obj.cur_pos
-    if pos is None or pos[0] < 0:
-        return False
-    return abs(int(pos[0]) - int(agent_pos[0])) + abs(int(pos[1]) - int(agent_pos[1])) == 1
-
-
-def _next_to(a: Any, b: Any) -> bool:
-    pa, pb = a.cur_pos, b.cur_pos
+def _next_to(pos: Any, obj: Any) -> bool:
+    """`obj` stands on a cell beside `pos` (a position, or an object's)."""
+    pb = obj.cur_pos
+    pa = getattr(pos, "cur_pos", pos)
     if pa is None or pb is None or pa[0] < 0 or pb[0] < 0:
         return False
     return abs(int(pa[0]) - int(pb[0])) + abs(int(pa[1]) - int(pb[1])) == 1

@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 from agentrefine_jax.eval.envs.base import INVALID_ACTION, EvalTask, Outcome, TextEnv, rejected
-from agentrefine_jax.eval.envs.pddl_plan import bfs_plan, goal_atoms
+from agentrefine_jax.eval.envs.pddl_plan import bfs_plan, conjuncts, goal_atoms
 from agentrefine_jax.eval.perturb import ActionWord, Vocabulary, action_words
 
 NOT_APPLICABLE = 'The action "{action}" cannot be applied in the current state (its conditions do not hold).'
@@ -177,6 +177,22 @@ def load_pddlgym() -> Any:
     return pddlgym
 
 
+def open_problem(domain: str, folder: str, index: int, operators_as_actions: bool = True) -> Any:
+    """pddlgym's environment for problem `index` of `folder` (pddlgym's string-sorted order); both sources."""
+    env = load_pddlgym().core.PDDLEnv(
+        domain, folder, operators_as_actions=operators_as_actions, dynamic_action_space=True
+    )
+    env.fix_problem_index(index)
+    return env
+
+
+def ground_literals(env: Any, state: Any) -> list[Any]:
+    """The ground actions applicable in `state`, sorted (pddlgym's own order follows the string-hash seed)."""
+    # pddlgym's grounding (Fast Downward's translator) prints parser warnings to stdout.
+    with contextlib.redirect_stdout(io.StringIO()):
+        return sorted(env.action_space.all_ground_literals(state), key=str)
+
+
 def _atom_text(lit: Any, atoms: dict[str, str]) -> str:
     args = [v.name for v in lit.variables]
     template = atoms.get(lit.predicate.name)
@@ -194,18 +210,11 @@ class PDDLEnv(TextEnv):
         pddlgym = load_pddlgym()
         # pddlgym writes grounding scratch files to /dev/shm and never deletes them; keep them ours.
         pddlgym.spaces.TMP_PDDL_DIR = workdir
-        from pddlgym.core import PDDLEnv as GymPDDLEnv
-
         self.text = DOMAINS[spec["domain"]]
         base = os.path.join(os.path.dirname(pddlgym.__file__), "pddl")
         problem_dir, problem_file = os.path.split(spec["problem"])
-        domain_name = _DOMAIN_FILE_FOR_DIR.get(problem_dir, spec["domain"])
-        self._env = GymPDDLEnv(
-            os.path.join(base, f"{domain_name}.pddl"),
-            os.path.join(base, problem_dir),
-            operators_as_actions=self.text.operators_as_actions,
-            dynamic_action_space=True,
-        )
+        domain = os.path.join(base, f"{_DOMAIN_FILE_FOR_DIR.get(problem_dir, spec['domain'])}.pddl")
+        self._env = open_problem(domain, os.path.join(base, problem_dir), 0, self.text.operators_as_actions)
         names = [os.path.basename(p.problem_fname) for p in self._env.problems]
         if problem_file not in names:
             raise FileNotFoundError(f"pddlgym has no problem {spec['problem']!r} (found {names})")
@@ -230,9 +239,7 @@ class PDDLEnv(TextEnv):
         self._plan = []
         goal = (
             "reach a state where "
-            + "; ".join(
-                _atom_text(lit, self.text.atoms) for lit in sorted(_goal_literals(state.goal), key=str)
-            )
+            + "; ".join(_atom_text(lit, self.text.atoms) for lit in sorted(conjuncts(state.goal), key=str))
             + "."
         )
         return goal, self._render(state)
@@ -253,9 +260,7 @@ class PDDLEnv(TextEnv):
         return self._progress(self._env.get_state())
 
     def _valid_literals(self) -> list[Any]:
-        # pddlgym's grounding (Fast Downward's translator) prints parser warnings to stdout.
-        with contextlib.redirect_stdout(io.StringIO()):
-            return sorted(self._env.action_space.all_ground_literals(self._env.get_state()), key=str)
+        return ground_literals(self._env, self._env.get_state())
 
     def _valid_canonical(self) -> list[str]:
         return [_command(lit) for lit in self._valid_literals()]
@@ -287,12 +292,6 @@ class PDDLEnv(TextEnv):
         if done:
             obs += " The goal is reached."
         return Outcome(obs, bool(done), bool(done), self._progress(state))
-
-
-def _goal_literals(goal: Any) -> list[Any]:
-    from agentrefine_jax.eval.envs.pddl_plan import _conj
-
-    return _conj(goal)
 
 
 def _command(lit: Any) -> str:

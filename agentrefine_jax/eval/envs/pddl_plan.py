@@ -28,13 +28,13 @@ class UnsupportedDomain(ValueError):
     pass
 
 
-def _conj(struct: Any) -> list[Any]:
+def conjuncts(struct: Any) -> list[Any]:
     from pddlgym.structs import Literal, LiteralConjunction
 
     if isinstance(struct, LiteralConjunction):
         out = []
         for lit in struct.literals:
-            out.extend(_conj(lit))
+            out.extend(conjuncts(lit))
         return out
     if isinstance(struct, Literal):
         return [struct]
@@ -54,15 +54,15 @@ def ground_actions(env: Any, state: Any) -> list[GroundAction]:
     # Static atoms (never added or deleted) prune the grounding early.
     changing = set()
     for op in domain.operators.values():
-        for eff in _conj(op.effects):
+        for eff in conjuncts(op.effects):
             changing.add(eff.predicate.name)
     static = {str(lit) for lit in state.literals if lit.predicate.name not in changing}
     static_names = {lit.predicate.name for lit in state.literals} - changing
     static_names |= {p for p in domain.predicates if p not in changing and p not in action_pred_names}
     out = []
     for op in domain.operators.values():
-        pre = _conj(op.preconds)
-        effects = _conj(op.effects)
+        pre = conjuncts(op.preconds)
+        effects = conjuncts(op.effects)
         domains = [_objects_of_type(objects, p.var_type, parents) for p in op.params]
         for combo in itertools.product(*domains):
             subs = dict(zip(op.params, combo, strict=True))
@@ -103,7 +103,7 @@ def ground_actions(env: Any, state: Any) -> list[GroundAction]:
 def goal_atoms(goal: Any) -> tuple[frozenset[str], frozenset[str]]:
     """(atoms that must hold, atoms that must not hold) of a conjunctive goal."""
     pos, neg = set(), set()
-    for lit in _conj(goal):
+    for lit in conjuncts(goal):
         if lit.is_negative:
             neg.add(str(lit.positive))
         else:

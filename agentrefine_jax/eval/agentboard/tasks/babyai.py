@@ -31,18 +31,12 @@ import numpy as np
 from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
 from agentrefine_jax.eval.core import StepResult
+from agentrefine_jax.eval.envs.babyai import COLORS, DOOR_STATES, OBJECTS, make_level
 
 LEVELS_FILE = "agentboard/environment/babyai_env.py"
 LABELS_FILE = "data/babyai/test.jsonl"
 PROMPT_FILE = "agentboard/prompts/VanillaAgent/babyai_vanilla_prompt.json"
 
-# minigrid 2.3.0 registered BabyAI-GoToObjS6-v0 with room_size=4: the same env as GoToObjS4-v0.
-LEVEL_ALIASES = {"BabyAI-GoToObjS6-v0": "BabyAI-GoToObjS4-v0"}
-
-# minigrid's encoding tables (minigrid.core.constants), fixed since minigrid 1.x.
-OBJECTS = ("unseen", "empty", "wall", "floor", "door", "key", "ball", "box", "goal", "lava", "agent")
-COLORS = ("red", "green", "blue", "purple", "yellow", "grey")
-DOOR_STATES = ("open", "closed", "locked")
 NAMED = ("door", "key", "ball", "box", "goal", "lava", "wall")
 DIRS = ((1, 0), (0, 1), (-1, 0), (0, -1))  # minigrid's DIR_TO_VEC: right, down, left, up
 # Objects the path search may not step onto, and cells where `drop` is refused (name substrings).
@@ -51,13 +45,6 @@ LEFT, RIGHT, FORWARD, PICKUP, DROP, TOGGLE = 0, 1, 2, 3, 4, 5
 
 COMPLETED = "\n The task is completed."
 NOT_RECOGNIZED = "The action is not recognized. Please check valid actions."
-
-
-def make_level(level: str) -> Any:
-    import gymnasium
-    import minigrid  # noqa: F401 - registers the BabyAI ids
-
-    return gymnasium.make(LEVEL_ALIASES.get(level, level))
 
 
 # ------------------------------------------------------------------------------------ the view

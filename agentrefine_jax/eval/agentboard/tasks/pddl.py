@@ -30,7 +30,7 @@ from typing import Any
 from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA, Checkout, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
 from agentrefine_jax.eval.core import StepResult
-from agentrefine_jax.eval.envs.pddl import load_pddlgym
+from agentrefine_jax.eval.envs.pddl import ground_literals, open_problem
 from agentrefine_jax.eval.policies import Replay
 
 PDDL_DIR = "agentboard/environment/pddl_env/pddlgym/pddl"
@@ -227,15 +227,11 @@ class PddlEnv:
         self.episode = episode
         self.game = episode.info["game"]
         self.texts = texts
-        core = load_pddlgym().core
         folder = os.path.dirname(episode.info["problem"])
         try:
-            self._env = core.PDDLEnv(
-                episode.info["domain"], folder, operators_as_actions=True, dynamic_action_space=True
-            )
+            self._env = open_problem(episode.info["domain"], folder, episode.info["problem_index"])
         except Exception as e:  # noqa: BLE001 - pddlgym's parser reports bad files as Index/Attribute/AssertionError
             raise CheckoutError(_unparsable(episode.info["domain"], folder, e)) from None
-        self._env.fix_problem_index(episode.info["problem_index"])
         self.goal = ""
         self.success = False
         self.progress = 0.0
@@ -269,7 +265,7 @@ class PddlEnv:
         return self._state_text(obs.literals)
 
     def _valid_literals(self) -> list[Any]:
-        return sorted(self._env.action_space.all_ground_literals(self._state), key=str)
+        return ground_literals(self._env, self._state)
 
     def valid_actions(self) -> list[str]:
         extra = [CHECK, LOOK] if self.game in DIFF_GAMES else [CHECK]
