@@ -204,17 +204,6 @@ class RewordedEnv:
     def __init__(self, env: Any, rw: Rewording):
         self.env, self.rw = env, rw
 
-    @property
-    def goal(self) -> str:
-        return self.env.goal
-
-    @property
-    def success(self) -> bool:
-        return self.env.success
-
-    def reset(self) -> str:
-        return self.env.reset()
-
     def _table(self) -> dict[str, str]:
         return {self.rw.surface(c): c for c in self.env.valid_actions()}
 
@@ -240,10 +229,9 @@ class RewordedEnv:
         result = self.env.step(command)
         return StepResult(result.observation, result.done, result.progress, valid)
 
-    def close(self) -> None:
-        self.env.close()
-
-    def __getattr__(self, name: str) -> Any:  # expert plan etc. of the wrapped episode
+    def __getattr__(
+        self, name: str
+    ) -> Any:  # goal, success, reset, close, expert plan... of the wrapped episode
         return getattr(self.env, name)
 
 

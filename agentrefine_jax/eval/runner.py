@@ -108,14 +108,7 @@ def _run_task(
     n_pert = min(config.num_perturbations, task.num_perturbations) if config.perturb else 0
     if config.perturb and n_pert < config.num_perturbations:
         log(f"{name}: only {task.num_perturbations} perturbations defined; running {n_pert}")
-    jobs = [
-        EpisodeJob(
-            name, task, spec, i, p, k, max_steps, job_seed(config.seed, name, p, i, k), config.prompt_style
-        )
-        for p in range(n_pert + 1)
-        for i, spec in enumerate(specs)
-        for k in range(config.best_of)
-    ]
+    jobs = _jobs(name, task, specs, config, n_pert + 1, config.best_of)
     log(
         f"{name}: {len(specs)} episodes x {n_pert + 1} variant(s) x {config.best_of} sample(s), "
         f"max {max_steps} steps, policy {policy.name}"
@@ -134,6 +127,21 @@ def _run_task(
     return results
 
 
+def _jobs(
+    name: str, task: EvalTask, specs: list, cfg: EvalConfig, variants: int, samples: int, sampling: Any = None
+) -> list[EpisodeJob]:
+    """Every (variant, episode, sample) of `specs`, in that order, each with its own seed."""
+    steps = cfg.max_steps or task.default_max_steps
+    return [
+        EpisodeJob(
+            name, task, s, i, p, k, steps, job_seed(cfg.seed, name, p, i, k), cfg.prompt_style, sampling
+        )
+        for p in range(variants)
+        for i, s in enumerate(specs)
+        for k in range(samples)
+    ]
+
+
 def _greedy(
     name: str, task: EvalTask, policy: Policy, config: EvalConfig, results: list[EpisodeResult], log: Any
 ) -> list[EpisodeResult]:
@@ -143,22 +151,7 @@ def _greedy(
     if is_privileged(policy):
         return [r for r in original if r.sample == 0]
     greedy = dataclasses.replace(policy.sampling, temperature=0.0)
-    jobs = [
-        EpisodeJob(
-            name,
-            task,
-            r.spec,
-            r.episode,
-            0,
-            0,
-            config.max_steps or task.default_max_steps,
-            job_seed(config.seed, name, 0, r.episode, 0),
-            config.prompt_style,
-            greedy,
-        )
-        for r in original
-        if r.sample == 0
-    ]
+    jobs = _jobs(name, task, [r.spec for r in original if r.sample == 0], config, 1, 1, greedy)
     log(f"{name}: greedy run of {len(jobs)} episodes beside Best-of-{config.best_of}")
     return run_episodes(jobs, policy, batch_size=config.batch_size)
 

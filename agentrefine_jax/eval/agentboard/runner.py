@@ -304,8 +304,7 @@ def run(
                     for x in samples
                 ]
         finally:
-            if callable(getattr(task, "close", None)):
-                task.close()
+            task.close()
         metrics = task_metrics(logs) | {"seconds": round(time.time() - t0, 1)}
         if config.limit:
             metrics["limited_to"] = config.limit

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA, CheckoutError
-from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
+from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec, Task
 from agentrefine_jax.eval.core import StepResult
 
 BASE_CONFIG = "agentboard/environment/alfworld/base_config.yaml"
@@ -265,13 +265,12 @@ class ExpertOracle:
         return rewording.surface(env.expert_plan[0]) if rewording else env.expert_plan[0]
 
 
-class ALFWorldTask:
+class ALFWorldTask(Task):
     name = "alfworld"
     prompt_file = PROMPT_FILE
-    check_actions: str | None = HELP
-    check_inventory = True
 
     def __init__(self, expert: bool = False):
+        super().__init__()
         self.expert = expert  # load the handcoded expert with each game (the oracle policy needs it)
 
     def episodes(self, checkout: Any) -> list[EpisodeSpec]:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA, CheckoutError
-from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
+from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec, Task
 from agentrefine_jax.eval.core import StepResult
 from agentrefine_jax.eval.envs.babyai import COLORS, DOOR_STATES, OBJECTS, make_level
 
@@ -468,11 +468,9 @@ class BotOracle:
 # ------------------------------------------------------------------------------------ the task
 
 
-class BabyAITask:
+class BabyAITask(Task):
     name = "babyai"
-    prompt_file = PROMPT_FILE
-    check_actions: str | None = "check valid actions"
-    check_inventory = True  # CFG env.babyai.check_inventory: "inventory"
+    prompt_file = PROMPT_FILE  # CFG env.babyai.check_inventory: "inventory" (the default: on)
 
     def episodes(self, checkout: Any) -> list[EpisodeSpec]:
         cfg = checkout.env_config("babyai")
@@ -515,9 +513,6 @@ class BabyAITask:
     def make_env(self, checkout: Any, episode: EpisodeSpec) -> BabyAIEnv:
         info = episode.info
         return BabyAIEnv(info["level"], int(info["seed"]), info["subgoals"])
-
-    def examples_key(self, episode: EpisodeSpec) -> str | None:
-        return None
 
     def oracle(self, env: Any) -> BotOracle:
         return BotOracle()

@@ -33,19 +33,34 @@ class AgentBoardEnv(Protocol):
     def close(self) -> None: ...
 
 
-class Task(Protocol):
+class Task:
+    """An AgentBoard-source task; the defaults are what most of AgentBoard's tasks use."""
+
     name: str  # as in AgentBoard: "alfworld", "babyai", "scienceworld"->"sciworld" here, "pddl", "jericho"
     # path relative to the checkout, e.g. "agentboard/prompts/VanillaAgent/babyai_vanilla_prompt.json"
     prompt_file: str
-    check_actions: str | None  # CFG env.<task>.check_actions
-    check_inventory: bool
+    check_actions: str | None = "check valid actions"  # CFG env.<task>.check_actions
+    check_inventory = True
 
-    def episodes(self, checkout: Any) -> list[EpisodeSpec]: ...
+    def __init__(self, strict: bool = True):
+        # strict: every protocol file must exist (a model run). Otherwise (oracle/random runs) what a task can
+        # do without falls back to AgentBoard's published defaults, each recorded in `notes`.
+        self.strict = strict
+        self.notes: list[str] = []
 
-    def make_env(self, checkout: Any, episode: EpisodeSpec) -> AgentBoardEnv: ...
+    def episodes(self, checkout: Any) -> list[EpisodeSpec]:
+        raise NotImplementedError
 
-    # which prompt example set (alfworld/pddl), None for a task with one
-    def examples_key(self, episode: EpisodeSpec) -> str | None: ...
+    def make_env(self, checkout: Any, episode: EpisodeSpec) -> AgentBoardEnv:
+        raise NotImplementedError
 
-    # a policy object with act(env, history: list[tuple[str, str]]) -> str, or None
-    def oracle(self, env: AgentBoardEnv) -> Any | None: ...
+    def examples_key(self, episode: EpisodeSpec) -> str | None:
+        """Which prompt example set (alfworld/pddl); None for a task with one."""
+        return None
+
+    def oracle(self, env: AgentBoardEnv) -> Any | None:
+        """A policy object with act(env, history: list[tuple[str, str]]) -> str, or None."""
+        return None
+
+    def close(self) -> None:
+        pass

@@ -28,7 +28,7 @@ import re
 from typing import Any
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA, CheckoutError
-from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
+from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec, Task
 from agentrefine_jax.eval.core import StepResult
 from agentrefine_jax.eval.policies import Replay
 
@@ -125,11 +125,9 @@ class JerichoEnv:
             self.env = None
 
 
-class JerichoTask:
+class JerichoTask(Task):
     name = "jericho"
-    prompt_file = PROMPT_FILE
-    check_actions: str | None = HELP
-    check_inventory = True  # CFG env.jericho.check_inventory: "inventory"
+    prompt_file = PROMPT_FILE  # CFG env.jericho.check_inventory: "inventory" (the default: on)
 
     def episodes(self, checkout: Any) -> list[EpisodeSpec]:
         cfg = checkout.env_config("jericho")
@@ -172,9 +170,6 @@ class JerichoTask:
         info = episode.info
         game_file = checkout.path(info["game_file"], DATA)
         return JerichoEnv(str(game_file), info["goal"], info["init_obs"], info["subgoals"])
-
-    def examples_key(self, episode: EpisodeSpec) -> str | None:
-        return None
 
     def oracle(self, env: Any) -> Replay:
         return Replay(env.walkthrough)

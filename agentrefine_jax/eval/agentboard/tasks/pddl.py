@@ -28,7 +28,7 @@ import tempfile
 from typing import Any
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA, Checkout, CheckoutError
-from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
+from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec, Task
 from agentrefine_jax.eval.core import StepResult
 from agentrefine_jax.eval.envs.pddl import ground_literals, open_problem
 from agentrefine_jax.eval.policies import Replay
@@ -80,18 +80,13 @@ def _hint_sentences(path: pathlib.Path) -> tuple[str, str] | None:
     return other[0], no_effect[0]
 
 
-class PddlTask:
+class PddlTask(Task):
     name = "pddl"
-    agentboard_name = "pddl"
     prompt_file = PROMPT_FILE
     check_inventory = False
 
     def __init__(self, strict: bool = True):
-        # strict: every protocol file must exist (a model run). Otherwise (oracle/random runs) missing text
-        # tables fall back to AgentBoard's published defaults, each recorded in `notes`.
-        self.strict = strict
-        self.notes: list[str] = []
-        self.check_actions: str | None = CHECK
+        super().__init__(strict)
         self._texts: PddlTexts | None = None
 
     # ------------------------------------------------------------------ checkout

@@ -19,7 +19,7 @@ import re
 from typing import Any
 
 from agentrefine_jax.eval.agentboard.checkout import CONFIG_FILE, DATA, Checkout, CheckoutError
-from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
+from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec, Task
 from agentrefine_jax.eval.core import StepResult
 from agentrefine_jax.eval.envs.sciworld import JVMPool
 from agentrefine_jax.eval.policies import Replay
@@ -31,17 +31,13 @@ ENV_STEP_LIMIT = 30  # CFG env.scienceworld.envStepLimit
 CHECK = "check valid actions"
 
 
-class SciWorldTask:
+class SciWorldTask(Task):
     name = "sciworld"
-    agentboard_name = "scienceworld"
     prompt_file = PROMPT_FILE
     max_in_flight = 4  # each episode in flight holds a simulator JVM (~0.5 GB)
 
     def __init__(self, strict: bool = True):
-        self.strict = strict
-        self.notes: list[str] = []
-        self.check_actions: str | None = CHECK
-        self.check_inventory = True  # CFG env.scienceworld.check_inventory: True
+        super().__init__(strict)  # check_actions, check_inventory: from the config (CFG env.scienceworld)
         self.gold_paths = False  # set by `oracle`: gold paths cost time at load, so only an oracle run asks
         self._pool = JVMPool(ENV_STEP_LIMIT)
 
@@ -87,9 +83,6 @@ class SciWorldTask:
         return [
             EpisodeSpec("sciworld", i, key, v["difficulty"], v) for i, (key, v) in enumerate(by_key.items())
         ]
-
-    def examples_key(self, episode: EpisodeSpec) -> str | None:
-        return None
 
     def make_env(self, checkout: Checkout, episode: EpisodeSpec) -> SciWorldEnv:
         return SciWorldEnv(episode, self._pool.acquire(), self._pool.release, self.gold_paths)
