@@ -9,10 +9,12 @@ turn is a step, as in AgentBoard: malformed replies and "check valid actions" co
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import time
 import traceback
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,7 +25,6 @@ from agentrefine_jax.eval.policies import (
     ActRequest,
     ContextOverflow,
     Policy,
-    PolicyError,
     SamplingParams,
     ask,
     forget,
@@ -171,16 +172,6 @@ def _start(job: EpisodeJob, policy: Policy) -> _Running:
     return run
 
 
-class _ReactTurns:
-    """A per-episode policy (random) as a batch actor of the chat protocol."""
-
-    def __init__(self, policy: Any):
-        self.policy = policy
-
-    def act(self, requests: list[ActRequest]) -> list[str | PolicyError]:
-        return react_turns(self.policy, requests)
-
-
 def run_episodes(
     jobs: Sequence[EpisodeJob],
     policy: Policy,
@@ -204,10 +195,10 @@ def run_episodes(
             )
             for r in runs
         ]
-        if getattr(policy, "acts_per_episode", False):
-            replies = ask(_ReactTurns(policy), requests)
-        else:
-            replies = ask(policy, requests)
+        actor: Any = policy
+        if getattr(policy, "acts_per_episode", False):  # a per-episode policy (random) as a batch actor
+            actor = types.SimpleNamespace(act=functools.partial(react_turns, policy))
+        replies = ask(actor, requests)
         for run, reply in zip(runs, replies, strict=True):
             if isinstance(reply, ContextOverflow):
                 run.finish("context_overflow", str(reply))

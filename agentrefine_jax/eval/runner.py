@@ -29,11 +29,6 @@ from agentrefine_jax.layout import check_style
 TASK_NAMES = default_tasks("builtin")
 
 
-def canonical_tasks(names: Sequence[str], source: str) -> tuple[str, ...]:
-    """Registered names or aliases -> the names `source`'s results carry (built-in jericho: textworld)."""
-    return tuple(lookup(n, source).result_name(source) for n in names)
-
-
 @dataclasses.dataclass
 class EvalConfig:
     tasks: tuple[str, ...] = TASK_NAMES
@@ -52,7 +47,8 @@ class EvalConfig:
     name: str | None = None  # a label for the run, stored in the results
 
     def validate(self) -> None:
-        self.tasks = canonical_tasks(self.tasks, "builtin")
+        # registered names or aliases -> the names the results carry (built-in jericho: textworld)
+        self.tasks = tuple(lookup(n, "builtin").result_name("builtin") for n in self.tasks)
         if not self.tasks:
             raise ValueError("no tasks selected")
         for field in ("episodes", "best_of", "batch_size"):

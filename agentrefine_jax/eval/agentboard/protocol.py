@@ -200,10 +200,6 @@ class ModelBackend(Protocol):
     def close(self) -> None: ...
 
 
-class OraclePolicy(Protocol):
-    def act(self, env: AgentBoardEnv, history: list[tuple[str, str]]) -> str: ...
-
-
 # ----------------------------------------------------------------------------------------- episodes
 
 
@@ -236,7 +232,6 @@ class AgentBoardTaskSetup:
 
     check_actions: str | None
     check_inventory: bool
-    need_goal: bool = True
 
 
 class Episode:
@@ -262,11 +257,7 @@ class Episode:
     def head(self) -> str:
         assert self.prompt_set is not None
         return prompt_head(
-            self.prompt_set,
-            self.log.goal,
-            self.setup.check_actions,
-            self.setup.check_inventory,
-            self.setup.need_goal,
+            self.prompt_set, self.log.goal, self.setup.check_actions, self.setup.check_inventory
         )
 
     def history(self) -> list[tuple[str, str]]:
@@ -322,7 +313,8 @@ class Agent:
     """Who answers: a model backend (`model`), or a privileged policy made per episode (`policy_for`)."""
 
     model: ModelBackend | None = None
-    policy_for: Callable[[Any, AgentBoardEnv, EpisodeSpec], OraclePolicy] | None = None
+    # (task, env, spec) -> a per-episode policy: act(env, history: list[tuple[str, str]]) -> str
+    policy_for: Callable[[Any, AgentBoardEnv, EpisodeSpec], Any] | None = None
     system_suffix: str = ""  # appended to every system message (AgentBoard's vLLM sentence for open models)
 
     def __post_init__(self) -> None:

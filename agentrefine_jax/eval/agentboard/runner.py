@@ -49,12 +49,6 @@ from agentrefine_jax.eval.policies import (
 AGENTBOARD_NAMES = {"sciworld": "scienceworld"}
 
 
-def make_task(name: str, strict: bool) -> Any:
-    """The registered AgentBoard-source task `name` (strict = every protocol file is required, as for a model
-    run)."""
-    return registry.make_task(name, source="agentboard", strict=strict)
-
-
 # ----------------------------------------------------------------------------------------- model backends
 
 
@@ -260,7 +254,8 @@ def run(
         raise ValueError("give exactly one of a model or a policy")
     if policy not in (None, "oracle", "random"):
         raise ValueError(f"unknown policy {policy!r}")
-    tasks = [make_task(t, strict=model is not None) for t in config.tasks]
+    # strict (a model run): every protocol file is required
+    tasks = [registry.make_task(t, source="agentboard", strict=model is not None) for t in config.tasks]
     for task in tasks:
         if policy == "oracle" and hasattr(task, "gold_paths"):
             task.gold_paths = True  # tasks whose oracle data costs time at load (ScienceWorld) make it now
@@ -295,10 +290,12 @@ def run(
             logs = _episodes(task, checkout, specs, agent, config, on_done=report)
             if config.best_of > 1:
                 samples = _samples(task, checkout, specs, logs, model, policy, suffix, config, log)
-                doc.setdefault("best_of", best_of_section(config))["tasks"][task.name] = best_of_metrics(
+                head = {"n": config.best_of, "temperature": config.temperature, "top_p": config.top_p}
+                bon = doc.setdefault("best_of", head | {"tasks": {}, "episodes": []})
+                bon["tasks"][task.name] = best_of_metrics(
                     [_rec(x, task.name) for x in logs], [_rec(x, task.name) for x in samples]
                 )
-                doc["best_of"]["episodes"] += [
+                bon["episodes"] += [
                     episode_record(x, task.name)
                     | {"sample": x.sample, "actions": [t["action"] for t in x.turns]}
                     for x in samples
@@ -387,16 +384,6 @@ def _rec(x: EpisodeLog, task: str) -> dict[str, Any]:
         "sample": x.sample,
         "success": x.success,
         "progress": x.progress,
-    }
-
-
-def best_of_section(config: RunConfig) -> dict[str, Any]:
-    return {
-        "n": config.best_of,
-        "temperature": config.temperature,
-        "top_p": config.top_p,
-        "tasks": {},
-        "episodes": [],
     }
 
 

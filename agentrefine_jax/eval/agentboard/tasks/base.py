@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol
 
+from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA
 from agentrefine_jax.eval.core import StepResult
 
 
@@ -47,6 +48,12 @@ class Task:
         # do without falls back to AgentBoard's published defaults, each recorded in `notes`.
         self.strict = strict
         self.notes: list[str] = []
+
+    def note_missing(self, checkout: Any, rel: str, fallback: str) -> None:
+        """A protocol file is absent: the one-line error for a strict task, else a note of the fallback."""
+        if self.strict:
+            checkout.path(rel, DATA if rel.startswith("data/") else CLONE)  # raises the one-line error
+        self.notes.append(f"{checkout.root / rel} absent: {fallback}")
 
     def episodes(self, checkout: Any) -> list[EpisodeSpec]:
         raise NotImplementedError

@@ -27,7 +27,7 @@ import sys
 import tempfile
 from typing import Any
 
-from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA, Checkout, CheckoutError
+from agentrefine_jax.eval.agentboard.checkout import CLONE, Checkout, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec, Task
 from agentrefine_jax.eval.core import StepResult
 from agentrefine_jax.eval.envs.pddl import ground_literals, open_problem
@@ -91,11 +91,6 @@ class PddlTask(Task):
 
     # ------------------------------------------------------------------ checkout
 
-    def _note_missing(self, checkout: Checkout, rel: str, fallback: str) -> None:
-        if self.strict:
-            checkout.path(rel, DATA if rel.startswith("data/") else CLONE)  # raises the one-line error
-        self.notes.append(f"{checkout.root / rel} absent: {fallback}")
-
     def texts(self, checkout: Checkout) -> PddlTexts:
         if self._texts is None:
             if checkout.exists(ENV_FILE):
@@ -107,7 +102,7 @@ class PddlTask(Task):
                     raise CheckoutError(f"{checkout.root / ENV_FILE}: invalid-action replies not found")
                 self._texts = PddlTexts(dict(pmap), *hints)
             else:
-                self._note_missing(
+                self.note_missing(
                     checkout, ENV_FILE, "literals rendered as `name arg1 arg2`, no hint sentences"
                 )
                 self._texts = PddlTexts({}, NOT_VALID, NOT_VALID)
@@ -120,7 +115,7 @@ class PddlTask(Task):
             per_task = int(cfg.get("env_num_per_task", DEFAULT_PER_TASK))
             self.check_actions = cfg.get("check_actions")
             return [str(g) for g in games], per_task
-        self._note_missing(
+        self.note_missing(
             checkout, "eval_configs/main_results_all_tasks.yaml", "games and counts from defaults"
         )
         return list(DEFAULT_GAMES), DEFAULT_PER_TASK
@@ -130,13 +125,13 @@ class PddlTask(Task):
         if checkout.exists(TASK_FILE):
             num_problems = checkout.literal(TASK_FILE, "Num_Problems")
         else:
-            self._note_missing(checkout, TASK_FILE, "Num_Problems = 20/10/20/10")
+            self.note_missing(checkout, TASK_FILE, "Num_Problems = 20/10/20/10")
             num_problems = DEFAULT_NUM_PROBLEMS
         difficulties: list[str] | None = None
         if checkout.exists(LABELS):
             difficulties = [str(row.get("difficulty", "")) for row in checkout.read_jsonl(LABELS)]
         else:
-            self._note_missing(checkout, LABELS, "difficulty unknown, no easy/hard split")
+            self.note_missing(checkout, LABELS, "difficulty unknown, no easy/hard split")
         specs: list[EpisodeSpec] = []
         for game in games:
             if game not in num_problems:

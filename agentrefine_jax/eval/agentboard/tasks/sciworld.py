@@ -47,10 +47,8 @@ class SciWorldTask(Task):
             self.check_actions = cfg.get("check_actions")
             # AgentBoard adds the inventory line whenever the key is set (`is not None`), even to False.
             self.check_inventory = cfg.get("check_inventory") is not None
-        elif self.strict:
-            checkout.config()  # raises the one-line missing-file error
         else:
-            self.notes.append(f"{checkout.root / CONFIG_FILE} absent: check_actions and check_inventory on")
+            self.note_missing(checkout, CONFIG_FILE, "check_actions and check_inventory on")
         rows = checkout.read_jsonl(LABELS, DATA)
         by_key: dict[str, dict[str, Any]] = {}
         for n, row in enumerate(rows, 1):
