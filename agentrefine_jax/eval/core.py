@@ -17,9 +17,10 @@ from typing import Any, Protocol, TypeVar
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     observation: str
-    done: bool  # the episode is over (success or the game ended)
-    progress: float  # best-so-far progress rate in [0, 1] (monotone)
-    valid: bool  # grounding: the action was valid (each task's rule)
+    done: bool = False  # the episode is over (success or the game ended)
+    # best-so-far progress rate in [0, 1] (monotone); a built-in env's `_step` gives its new state's
+    progress: float = 0.0
+    valid: bool = True  # grounding: the action was valid (each task's rule)
     # Built-in environments report success here; AgentBoard's expose `env.success`.
     success: bool = False
     # False when the command never reached the simulator ("check valid actions", a rejected command).

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from agentrefine_jax.eval.envs.base import INVALID_ACTION, EvalTask, Outcome, TextEnv, rejected
+from agentrefine_jax.eval.envs.base import INVALID_ACTION, EvalTask, StepResult, TextEnv, rejected
 from agentrefine_jax.eval.perturb import Vocabulary, action_words
 
 # Single-room and one-door levels whose bot solutions fit in the step budget (<= 25 steps measured).
@@ -227,7 +227,7 @@ class BabyAIEnv(TextEnv):
                 return name
         raise RuntimeError(f"BabyAIBot suggested {action!r} on an unfinished {self.spec['level']} episode")
 
-    def _step(self, canonical: str) -> Outcome:
+    def _step(self, canonical: str) -> StepResult:
         key = canonical.lower()
         if key not in self._actions:
             return rejected(INVALID_ACTION.format(action=self.vocab.to_surface(canonical)))
@@ -245,7 +245,7 @@ class BabyAIEnv(TextEnv):
         if terminated and not success:
             text += "\nThe mission has failed."
         progress = len(self._subgoals_done) / self._num_subgoals
-        return Outcome(text, bool(terminated or truncated), success, progress)
+        return StepResult(text, bool(terminated or truncated), progress, success=success)
 
     # ------------------------------------------------------------------ helpers
 

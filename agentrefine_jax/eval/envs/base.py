@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 from agentrefine_jax.eval.core import StepResult
 from agentrefine_jax.eval.perturb import ActionWord, Vocabulary
@@ -27,21 +27,9 @@ RENAMED_ACTION = (
 MAX_LISTED = 150
 
 
-class Outcome(NamedTuple):
-    """What an environment's `_step` reports for one canonical command."""
-
-    observation: str
-    done: bool = False
-    success: bool = False
-    # Progress of the current state in [0, 1]; the base class keeps the best so far.
-    progress: float = 0.0
-    valid: bool = True
-    executed: bool = True
-
-
-def rejected(observation: str) -> Outcome:
+def rejected(observation: str) -> StepResult:
     """A command refused before reaching the simulator."""
-    return Outcome(observation, valid=False, executed=False)
+    return StepResult(observation, valid=False, executed=False)
 
 
 class TextEnv(abc.ABC):
@@ -66,8 +54,8 @@ class TextEnv(abc.ABC):
         """Start the episode; return (goal, first observation)."""
 
     @abc.abstractmethod
-    def _step(self, canonical: str) -> Outcome:
-        """Apply a canonical command."""
+    def _step(self, canonical: str) -> StepResult:
+        """Apply a canonical command; `progress` is the new state's (`step` keeps the best so far)."""
 
     @abc.abstractmethod
     def _valid_canonical(self) -> list[str]:

@@ -15,7 +15,7 @@ import os
 import re
 from typing import Any
 
-from agentrefine_jax.eval.envs.base import INVALID_ACTION, EvalTask, Outcome, TextEnv, rejected
+from agentrefine_jax.eval.envs.base import INVALID_ACTION, EvalTask, StepResult, TextEnv, rejected
 from agentrefine_jax.eval.envs.pddl_plan import bfs_plan, conjuncts, goal_atoms
 from agentrefine_jax.eval.perturb import ActionWord, Vocabulary, action_words
 
@@ -274,7 +274,7 @@ class PDDLEnv(TextEnv):
             self._plan = plan
         return _command(self._plan[0])
 
-    def _step(self, canonical: str) -> Outcome:
+    def _step(self, canonical: str) -> StepResult:
         tokens = re.sub(r"[(),]", " ", canonical.lower()).split()
         valid = {tuple(_command(lit).split()): lit for lit in self._valid_literals()}
         lit = valid.get(tuple(tokens))
@@ -291,7 +291,7 @@ class PDDLEnv(TextEnv):
         obs = f'You executed "{self.vocab.to_surface(_command(lit))}". {self._render(state)}'
         if done:
             obs += " The goal is reached."
-        return Outcome(obs, bool(done), bool(done), self._progress(state))
+        return StepResult(obs, bool(done), self._progress(state), success=bool(done))
 
 
 def _command(lit: Any) -> str:

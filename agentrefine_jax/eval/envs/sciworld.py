@@ -11,7 +11,7 @@ import re
 import threading
 from typing import Any
 
-from agentrefine_jax.eval.envs.base import INVALID_ACTION, EvalTask, Outcome, TextEnv, rejected
+from agentrefine_jax.eval.envs.base import INVALID_ACTION, EvalTask, StepResult, TextEnv, rejected
 from agentrefine_jax.eval.perturb import Vocabulary, action_words
 
 # Task types whose gold paths (simplification "easy", test variations) finish in <= 31 steps. Left out:
@@ -244,7 +244,7 @@ class SciWorldEnv(TextEnv):
             raise RuntimeError(f"gold path of {self.spec} exhausted before the task completed")
         return self._gold[self._gold_pos]
 
-    def _step(self, canonical: str) -> Outcome:
+    def _step(self, canonical: str) -> StepResult:
         if canonical.strip().lower() in _BLOCKED:
             return rejected(INVALID_ACTION.format(action=canonical))
         if self._oracle and self._gold_pos < len(self._gold):
@@ -260,7 +260,7 @@ class SciWorldEnv(TextEnv):
         success = bool(completed) and score >= 100
         if completed and not success:
             obs += "\nThe task has ended unsuccessfully."
-        return Outcome(self._surface_text(obs), bool(completed), success, max(0, score) / 100.0, accepted)
+        return StepResult(self._surface_text(obs), bool(completed), max(0, score) / 100.0, accepted, success)
 
 
 class SciWorldTask(EvalTask):

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from agentrefine_jax.eval.envs.base import EvalTask, Outcome, TextEnv
+from agentrefine_jax.eval.envs.base import EvalTask, StepResult, TextEnv
 from agentrefine_jax.eval.perturb import Vocabulary, action_words
 
 # Difficulty levels cycled over episodes (tw-cooking options); walkthroughs are <= ~20 commands.
@@ -221,7 +221,7 @@ class TextWorldEnv(TextEnv):
             f"TextWorld has no policy command left for {self.spec} (score {self._state.score})"
         )
 
-    def _step(self, canonical: str) -> Outcome:
+    def _step(self, canonical: str) -> StepResult:
         accepted = canonical.lower() in {c.lower() for c in self._state.admissible_commands or []}
         self._state, _, done = self._env.step(canonical)
         s = self._state
@@ -229,7 +229,7 @@ class TextWorldEnv(TextEnv):
         if s.lost:
             obs += "\nYou have lost the game."
         progress = (s.score / s.max_score) if s.max_score else 0.0
-        return Outcome(obs, bool(done), bool(s.won), progress, accepted)
+        return StepResult(obs, bool(done), progress, accepted, bool(s.won))
 
 
 class TextWorldTask(EvalTask):

@@ -15,7 +15,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from agentrefine_jax.eval.envs.base import EvalTask, Outcome, TextEnv, rejected
+from agentrefine_jax.eval.envs.base import EvalTask, StepResult, TextEnv, rejected
 from agentrefine_jax.eval.hotpotqa import prompt
 from agentrefine_jax.eval.hotpotqa.data import PAPER_NUM_QUESTIONS, Question, load_questions, sample_indices
 from agentrefine_jax.eval.hotpotqa.scoring import exact_match, f1_score
@@ -83,7 +83,7 @@ class HotpotQAEnv(TextEnv):
         self.answer, self._sentences, self._lookup, self._searched = None, None, None, set()
         return f"answer this question: {self.question.question}", START
 
-    def _step(self, canonical: str) -> Outcome:
+    def _step(self, canonical: str) -> StepResult:
         match = _ACTION.match(canonical.strip())
         if match is None:
             return rejected(INVALID.format(action=canonical))
@@ -91,7 +91,7 @@ class HotpotQAEnv(TextEnv):
         if verb == "finish":
             self.answer = arg
             em = exact_match(arg, self.question.answer)
-            return Outcome(
+            return StepResult(
                 f"Episode finished, reward = {int(em)}",
                 done=True,
                 success=em,
@@ -100,8 +100,8 @@ class HotpotQAEnv(TextEnv):
         if not arg:
             return rejected(f"Invalid action: {verb}[] needs an argument inside the brackets.")
         if verb == "search":
-            return Outcome(self._search(arg))
-        return Outcome(self._lookup_next(arg))
+            return StepResult(self._search(arg))
+        return StepResult(self._lookup_next(arg))
 
     def _search(self, entity: str) -> str:
         self._searched.add(title_key(entity))
