@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentrefine_jax.eval.core import StepResult
+from agentrefine_jax.layout import CHECK_VALID_ACTIONS as HELP
 
 ORIGINAL = 0
 
@@ -148,7 +149,6 @@ def _starts_with_phrase(text: str, phrase: str) -> bool:
 
 # ----------------------------------------------------------------------------------------- ALFWorld
 
-HELP = "check valid actions"
 
 _RULES: dict[str, tuple[str, str]] = {
     "go-to-move": (r"go to (?P<r>.+)", "move to {r}"),

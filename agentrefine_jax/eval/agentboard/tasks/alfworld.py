@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA, CheckoutError
-from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec, Task
+from agentrefine_jax.eval.agentboard.tasks.base import HELP, EpisodeSpec, Task
 from agentrefine_jax.eval.core import StepResult
 
 BASE_CONFIG = "agentboard/environment/alfworld/base_config.yaml"
@@ -52,7 +52,6 @@ EXAMPLE_SETS = (
     ("look_at_obj", "examine"),
     ("pick_two_obj", "puttwo"),
 )
-HELP = "check valid actions"
 
 
 def post_process(action: str) -> str:
@@ -109,7 +108,6 @@ def example_set(name: str) -> str | None:
 
 
 _PUT = re.compile(r"put (.+) in/on (.+)")
-_MOVE = re.compile(r"move (.+) to (.+)")
 
 
 def _expert_wrapper(base: Any, kind: str) -> Any:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA, CheckoutError
+from agentrefine_jax.eval.agentboard.checkout import DATA, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec, Task
 from agentrefine_jax.eval.core import StepResult
 from agentrefine_jax.eval.envs.babyai import COLORS, DOOR_STATES, OBJECTS, make_level
@@ -516,6 +516,3 @@ class BabyAITask(Task):
 
     def oracle(self, env: Any) -> BotOracle:
         return BotOracle()
-
-
-__all__ = ["BabyAIEnv", "BabyAITask", "BotOracle", "SubgoalProgress", "View", "matches", "CLONE"]

@@ -7,6 +7,7 @@ from typing import Any, Protocol
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA
 from agentrefine_jax.eval.core import StepResult
+from agentrefine_jax.layout import CHECK_VALID_ACTIONS as HELP  # AgentBoard's help action, all tasks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Task:
     name: str  # as in AgentBoard: "alfworld", "babyai", "scienceworld"->"sciworld" here, "pddl", "jericho"
     # path relative to the checkout, e.g. "agentboard/prompts/VanillaAgent/babyai_vanilla_prompt.json"
     prompt_file: str
-    check_actions: str | None = "check valid actions"  # CFG env.<task>.check_actions
+    check_actions: str | None = HELP  # CFG env.<task>.check_actions
     check_inventory = True
 
     def __init__(self, strict: bool = True):

@@ -28,7 +28,7 @@ import re
 from typing import Any
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA, CheckoutError
-from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec, Task
+from agentrefine_jax.eval.agentboard.tasks.base import HELP, EpisodeSpec, Task
 from agentrefine_jax.eval.core import StepResult
 from agentrefine_jax.eval.policies import Replay
 
@@ -38,7 +38,6 @@ GAME_DIR = "data/jericho/z-machine-games-master/jericho-game-suite"
 PROMPT_FILE = "agentboard/prompts/VanillaAgent/jericho_vanilla_prompt.json"
 Z8_GAMES = ("afflicted", "anchor", "snacktime", "partyfoul")
 NOT_WRITTEN = "Not written yet."
-HELP = "check valid actions"
 
 
 def parse_action(action: str) -> str:

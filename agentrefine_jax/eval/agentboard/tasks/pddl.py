@@ -28,7 +28,7 @@ import tempfile
 from typing import Any
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, Checkout, CheckoutError
-from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec, Task
+from agentrefine_jax.eval.agentboard.tasks.base import HELP, EpisodeSpec, Task
 from agentrefine_jax.eval.core import StepResult
 from agentrefine_jax.eval.envs.pddl import ground_literals, open_problem
 from agentrefine_jax.eval.policies import Replay
@@ -43,7 +43,6 @@ PROMPT_FILE = "agentboard/prompts/VanillaAgent/pddl_vanilla_prompt.json"
 DEFAULT_GAMES = ("gripper", "blockworld", "barman", "tyreworld")
 DEFAULT_NUM_PROBLEMS = {"barman": 20, "blockworld": 10, "gripper": 20, "tyreworld": 10}
 DEFAULT_PER_TASK = 20
-CHECK = "check valid actions"
 LOOK = "look around"
 DIFF_GAMES = ("barman", "tyreworld")  # games whose step observation lists only the new literals
 NOT_VALID = "The action is not valid and therefore takes no effect."
@@ -258,7 +257,7 @@ class PddlEnv:
         return ground_literals(self._env, self._state)
 
     def valid_actions(self) -> list[str]:
-        extra = [CHECK, LOOK] if self.game in DIFF_GAMES else [CHECK]
+        extra = [HELP, LOOK] if self.game in DIFF_GAMES else [HELP]
         return sorted(self.literal_text(lit) for lit in self._valid_literals()) + extra
 
     def _satisfied(self, literals: Any) -> float:

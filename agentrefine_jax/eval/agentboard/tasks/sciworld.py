@@ -19,7 +19,7 @@ import re
 from typing import Any
 
 from agentrefine_jax.eval.agentboard.checkout import CONFIG_FILE, DATA, Checkout, CheckoutError
-from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec, Task
+from agentrefine_jax.eval.agentboard.tasks.base import HELP, EpisodeSpec, Task
 from agentrefine_jax.eval.core import StepResult
 from agentrefine_jax.eval.envs.sciworld import JVMPool
 from agentrefine_jax.eval.policies import Replay
@@ -28,7 +28,6 @@ LABELS = "data/scienceworld/test.jsonl"
 PROMPT_FILE = "agentboard/prompts/VanillaAgent/scienceworld_base.json"
 SIMPLIFICATION = "selfWateringFlowerPots,openContainers,openDoors,noElectricalAction"
 ENV_STEP_LIMIT = 30  # CFG env.scienceworld.envStepLimit
-CHECK = "check valid actions"
 
 
 class SciWorldTask(Task):
@@ -123,7 +122,7 @@ class SciWorldEnv:
     def valid_actions(self) -> list[str]:
         """What `check valid actions` lists: the simulator's action templates (no `reset`), then the help."""
         templates = [a for a in self._sim.get_possible_actions() if "reset" not in a]
-        return templates + ([] if CHECK in templates else [CHECK])
+        return templates + ([] if HELP in templates else [HELP])
 
     def candidate_actions(self) -> list[str]:
         """Concrete valid action-object combinations (what the random policy samples from)."""
@@ -131,7 +130,7 @@ class SciWorldEnv:
 
     def step(self, action: str) -> StepResult:
         action = action.strip()
-        if action == CHECK:
+        if action == HELP:
             listing = "Choose an action from these valid actions: " + ", ".join(self.valid_actions())
             return StepResult(listing, False, self.progress, True)
         obs = self._sim.step(action)[0]
@@ -140,7 +139,7 @@ class SciWorldEnv:
                 self.found[i] = True
         self.success = all(self.found)
         # AgentBoard checks grounding after the step, on the new state's combinations.
-        valid = action in self.candidate_actions() or action == CHECK
+        valid = action in self.candidate_actions() or action == HELP
         return StepResult(obs, self.success, self.progress, valid)
 
     def close(self) -> None:
