@@ -51,21 +51,14 @@ class ActionWord:
 
 
 def action_words(table: str) -> tuple[ActionWord, ...]:
-    """Words from a table, a line each: `canonical | usage | description` starts a word, an indented
-    `surface | description` adds its next variant, a deeper-indented line continues the description above."""
-    words: list[tuple[str, str, list[str], list[tuple[str, list[str]]]]] = []
-    for line in filter(str.strip, textwrap.dedent(table).splitlines()):
-        indent, cells = len(line) - len(line.lstrip()), [c.strip() for c in line.split("|")]
-        if indent >= 4:
-            variants = words[-1][3]
-            (variants[-1][1] if variants else words[-1][2]).append(cells[0])
-        elif indent:
-            words[-1][3].append((cells[0], [cells[1]]))
-        else:
-            words.append((cells[0], cells[1], [cells[2]], []))
-    return tuple(
-        ActionWord(c, u, " ".join(d), tuple((s, " ".join(sd)) for s, sd in v)) for c, u, d, v in words
-    )
+    """Words from a table: a line `canonical | usage | description`, then `|| surface | description` for each
+    reworded variant (perturbation 1, 2, ...); an indented line continues the line above."""
+    text = re.sub(r"\n[ \t]+", " ", textwrap.dedent(table).strip())
+    words = []
+    for line in text.splitlines():
+        (canonical, usage, description), *variants = (part.split(" | ") for part in line.split(" || "))
+        words.append(ActionWord(canonical, usage, description, tuple((s, d) for s, d in variants)))
+    return tuple(words)
 
 
 class Vocabulary:

@@ -43,33 +43,33 @@ DEFAULT_LEVELS = (
 WORDS = action_words(
     """
     turn left | {verb} | turn 90 degrees to your left, staying on the same cell
-      rotate left | rotate a quarter turn counter-clockwise without moving
-      face left | change your heading to the direction on your left
-      spin anticlockwise | spin 90 degrees anticlockwise in place
+      || rotate left | rotate a quarter turn counter-clockwise without moving
+      || face left | change your heading to the direction on your left
+      || spin anticlockwise | spin 90 degrees anticlockwise in place
     turn right | {verb} | turn 90 degrees to your right, staying on the same cell
-      rotate right | rotate a quarter turn clockwise without moving
-      face right | change your heading to the direction on your right
-      spin clockwise | spin 90 degrees clockwise in place
+      || rotate right | rotate a quarter turn clockwise without moving
+      || face right | change your heading to the direction on your right
+      || spin clockwise | spin 90 degrees clockwise in place
     move forward | {verb} | move one cell ahead, if that cell is free (empty floor or an open door)
-      step ahead | advance by one cell in the direction you face, if it is free
-      advance | go one square forward when the square in front is not blocked
-      walk forward | walk a single cell forward unless something blocks you
+      || step ahead | advance by one cell in the direction you face, if it is free
+      || advance | go one square forward when the square in front is not blocked
+      || walk forward | walk a single cell forward unless something blocks you
     pick up | {verb} | pick up the object directly in front of you (you can carry one object)
-      grab | grab the item right in front of you; your hands hold a single item
-      collect | collect the object on the cell ahead of you (only one at a time)
-      lift | lift the thing in front of you and carry it (capacity: one thing)
+      || grab | grab the item right in front of you; your hands hold a single item
+      || collect | collect the object on the cell ahead of you (only one at a time)
+      || lift | lift the thing in front of you and carry it (capacity: one thing)
     drop | {verb} | put the object you carry on the free cell directly in front of you
-      put down | put the carried item down on the empty cell ahead
-      release | release what you hold onto the free square in front of you
-      place | place your carried object on the unoccupied cell before you
+      || put down | put the carried item down on the empty cell ahead
+      || release | release what you hold onto the free square in front of you
+      || place | place your carried object on the unoccupied cell before you
     toggle | {verb} | interact with the object in front of you: open or close a door (a locked door needs a
-          key of the same colour), or open a box
-      interact | use the thing ahead of you: opens or shuts doors (locked ones need the matching key in hand)
-          and opens boxes
-      activate | activate the object before you to open/close a door (same-coloured key needed if locked) or
-          open a box
-      operate | operate the cell in front: doors swing open or closed (a locked door wants its colour's key),
-          boxes open
+      key of the same colour), or open a box
+      || interact | use the thing ahead of you: opens or shuts doors (locked ones need the matching key in
+      hand) and opens boxes
+      || activate | activate the object before you to open/close a door (same-coloured key needed if locked)
+      or open a box
+      || operate | operate the cell in front: doors swing open or closed (a locked door wants its colour's
+      key), boxes open
     """
 )
 

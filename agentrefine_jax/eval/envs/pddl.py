@@ -39,21 +39,21 @@ DOMAINS: dict[str, DomainText] = {
         action_words(
             """
             pickup | {verb} X | pick up the clear block X from the table (your hand must be empty)
-              lift | lift block X off the table when X is clear and the hand is empty
-              raise | raise the clear block X from the table into the empty hand
-              grasp | grasp block X lying clear on the table with the empty hand
+              || lift | lift block X off the table when X is clear and the hand is empty
+              || raise | raise the clear block X from the table into the empty hand
+              || grasp | grasp block X lying clear on the table with the empty hand
             putdown | {verb} X | put the block X you are holding down on the table
-              lower | lower the held block X onto the table
-              set down | set the block X in your hand down on the table
-              release | release the held block X onto the table
+              || lower | lower the held block X onto the table
+              || set down | set the block X in your hand down on the table
+              || release | release the held block X onto the table
             stack | {verb} X Y | put the block X you are holding on top of the clear block Y
-              place | place the held block X onto the clear block Y
-              pile | pile the block X from your hand on the clear block Y
-              put on | put the held block X on the clear block Y
+              || place | place the held block X onto the clear block Y
+              || pile | pile the block X from your hand on the clear block Y
+              || put on | put the held block X on the clear block Y
             unstack | {verb} X | take the clear block X off the block it is on (hand must be empty)
-              unpile | lift the clear block X from the block under it into the empty hand
-              take off | take the clear block X off its supporting block with the empty hand
-              remove | remove the clear block X from the top of another block
+              || unpile | lift the clear block X from the block under it into the empty hand
+              || take off | take the clear block X off its supporting block with the empty hand
+              || remove | remove the clear block X from the top of another block
             """
         ),
         {
@@ -72,17 +72,16 @@ DOMAINS: dict[str, DomainText] = {
         action_words(
             """
             move | {verb} FROM TO | the robot moves from room FROM to room TO
-              go | the robot goes from room FROM to room TO
-              travel | the robot travels from room FROM into room TO
-              walk | the robot walks from room FROM over to room TO
+              || go | the robot goes from room FROM to room TO
+              || travel | the robot travels from room FROM into room TO
+              || walk | the robot walks from room FROM over to room TO
             pick | {verb} BALL ROOM GRIPPER | pick up BALL in ROOM with the free GRIPPER
-              grab | grab BALL lying in ROOM using the free GRIPPER
-              grasp | grasp BALL in ROOM with the empty GRIPPER
-              take | take BALL from ROOM into the free GRIPPER
+              || grab | grab BALL lying in ROOM using the free GRIPPER
+              || grasp | grasp BALL in ROOM with the empty GRIPPER
+              || take | take BALL from ROOM into the free GRIPPER
             drop | {verb} BALL ROOM GRIPPER | drop BALL held by GRIPPER in ROOM
-              release | release BALL from GRIPPER into ROOM
-              put | put BALL held in GRIPPER down in ROOM
-              leave | leave BALL carried by GRIPPER in ROOM
+              || release | release BALL from GRIPPER into ROOM || put | put BALL held in GRIPPER down in ROOM
+              || leave | leave BALL carried by GRIPPER in ROOM
             """
         ),
         {
@@ -102,21 +101,19 @@ DOMAINS: dict[str, DomainText] = {
         action_words(
             """
             up | {verb} F | move the lift up to floor F
-              ascend | make the lift ascend to floor F
-              go up to | take the lift up to floor F
-              rise to | let the lift rise to floor F
+              || ascend | make the lift ascend to floor F || go up to | take the lift up to floor F
+              || rise to | let the lift rise to floor F
             down | {verb} F | move the lift down to floor F
-              descend | make the lift descend to floor F
-              go down to | take the lift down to floor F
-              sink to | let the lift sink to floor F
+              || descend | make the lift descend to floor F || go down to | take the lift down to floor F
+              || sink to | let the lift sink to floor F
             board | {verb} F P | passenger P boards the lift at floor F (their origin)
-              embark | passenger P embarks at floor F, where they start
-              let in | let passenger P into the lift at their origin floor F
-              pick up passenger | pick up passenger P at floor F, their origin
+              || embark | passenger P embarks at floor F, where they start
+              || let in | let passenger P into the lift at their origin floor F
+              || pick up passenger | pick up passenger P at floor F, their origin
             depart | {verb} F P | passenger P leaves the lift at floor F (their destination)
-              disembark | passenger P disembarks at floor F, their destination
-              let out | let passenger P out of the lift at destination floor F
-              drop off passenger | drop off passenger P at floor F, where they want to go
+              || disembark | passenger P disembarks at floor F, their destination
+              || let out | let passenger P out of the lift at destination floor F
+              || drop off passenger | drop off passenger P at floor F, where they want to go
             """
         ),
         {
@@ -137,9 +134,9 @@ DOMAINS: dict[str, DomainText] = {
         action_words(
             """
             move | {verb} DISC TO | move the clear DISC onto TO (a clear peg or clear larger disc)
-              shift | shift the clear DISC onto TO, a clear peg or a clear bigger disc
-              transfer | transfer the clear DISC to TO (clear peg, or clear disc larger than it)
-              relocate | relocate the clear DISC on top of TO (a clear peg or larger clear disc)
+              || shift | shift the clear DISC onto TO, a clear peg or a clear bigger disc
+              || transfer | transfer the clear DISC to TO (clear peg, or clear disc larger than it)
+              || relocate | relocate the clear DISC on top of TO (a clear peg or larger clear disc)
             """
         ),
         {

@@ -44,110 +44,83 @@ _BLOCKED = ("reset task",)
 WORDS = action_words(
     """
     open | {verb} OBJ | open a container or door
-      open up | open up a container or a door
-      unclose | make a container or door open
-      pry open | pry a container or door open
+      || open up | open up a container or a door || unclose | make a container or door open
+      || pry open | pry a container or door open
     close | {verb} OBJ | close a container or door
-      shut | shut a container or a door
-      seal | seal a container or door closed
-      close up | close up a container or door
+      || shut | shut a container or a door || seal | seal a container or door closed
+      || close up | close up a container or door
     activate | {verb} OBJ | turn on a device
-      switch on | switch a device on
-      turn on | turn a device on
-      power on | power a device on
+      || switch on | switch a device on || turn on | turn a device on || power on | power a device on
     deactivate | {verb} OBJ | turn off a device
-      switch off | switch a device off
-      turn off | turn a device off
-      power off | power a device off
+      || switch off | switch a device off || turn off | turn a device off || power off | power a device off
     connect | {verb} OBJ to OBJ | connect two electrical components
-      attach | attach one electrical component to another
-      link | link two electrical components
-      wire | wire an electrical component to another
+      || attach | attach one electrical component to another || link | link two electrical components
+      || wire | wire an electrical component to another
     disconnect | {verb} OBJ | disconnect an electrical component
-      detach | detach an electrical component
-      unlink | unlink an electrical component
-      unwire | unwire an electrical component
+      || detach | detach an electrical component || unlink | unlink an electrical component
+      || unwire | unwire an electrical component
     use | {verb} OBJ [on OBJ] | use a device or item, optionally on another object
-      apply | apply a device or item, optionally on another object
-      utilize | utilize an item or device, optionally on something
-      employ | employ a device or item, optionally on another object
+      || apply | apply a device or item, optionally on another object
+      || utilize | utilize an item or device, optionally on something
+      || employ | employ a device or item, optionally on another object
     look around | {verb} | describe the current room
-      survey the room | get a description of the room you are in
-      scan surroundings | scan the surroundings of your current room
-      observe the area | observe the area you are in
+      || survey the room | get a description of the room you are in
+      || scan surroundings | scan the surroundings of your current room
+      || observe the area | observe the area you are in
     look at | {verb} OBJ | describe an object in detail
-      examine | examine an object closely
-      inspect | inspect an object in detail
-      study | study an object carefully
+      || examine | examine an object closely || inspect | inspect an object in detail
+      || study | study an object carefully
     look in | {verb} OBJ | describe a container's contents
-      peek into | peek into a container to see its contents
-      search | search a container and list what is inside
-      peer into | peer into a container to list its contents
+      || peek into | peek into a container to see its contents
+      || search | search a container and list what is inside
+      || peer into | peer into a container to list its contents
     read | {verb} OBJ | read a note or book
-      peruse | peruse a note or a book
-      skim | skim through a note or book
-      scan | scan a note or a book
+      || peruse | peruse a note or a book || skim | skim through a note or book
+      || scan | scan a note or a book
     move | {verb} OBJ to OBJ | move an object to a container
-      transfer | transfer an object into a container
-      relocate | relocate an object to a container
-      shift | shift an object into a container
+      || transfer | transfer an object into a container || relocate | relocate an object to a container
+      || shift | shift an object into a container
     pick up | {verb} OBJ | move an object to the inventory
-      grab | grab an object and keep it in the inventory
-      take | take an object into your inventory
-      collect | collect an object into the inventory
+      || grab | grab an object and keep it in the inventory || take | take an object into your inventory
+      || collect | collect an object into the inventory
     put down | {verb} OBJ | drop an inventory item
-      drop | drop an item from the inventory
-      set down | set down an item you carry
-      release | release an inventory item
+      || drop | drop an item from the inventory || set down | set down an item you carry
+      || release | release an inventory item
     pour | {verb} OBJ in OBJ | pour a liquid into a container
-      decant | decant a liquid into a container
-      tip | tip a liquid into a container
-      spill | spill a liquid into a container
+      || decant | decant a liquid into a container || tip | tip a liquid into a container
+      || spill | spill a liquid into a container
     dunk | {verb} OBJ in OBJ | dunk a container into a liquid
-      dip | dip a container into a liquid
-      submerge | submerge a container in a liquid
-      plunge | plunge a container into a liquid
+      || dip | dip a container into a liquid || submerge | submerge a container in a liquid
+      || plunge | plunge a container into a liquid
     mix | {verb} OBJ | chemically mix a container's contents
-      stir | stir the contents of a container together
-      blend | blend a container's contents
-      combine | combine the contents of a container
+      || stir | stir the contents of a container together || blend | blend a container's contents
+      || combine | combine the contents of a container
     go to | {verb} LOC | move to a new location
-      walk to | walk to another location
-      head to | head to a different location
-      travel to | travel to another location
+      || walk to | walk to another location || head to | head to a different location
+      || travel to | travel to another location
     teleport to | {verb} LOC | teleport to a specific room
-      warp to | warp directly to a room
-      jump to | jump straight to a room
-      transport to | get transported to a room
+      || warp to | warp directly to a room || jump to | jump straight to a room
+      || transport to | get transported to a room
     eat | {verb} OBJ | eat a food
-      consume | consume some food
-      devour | devour some food
-      ingest | ingest a food
+      || consume | consume some food || devour | devour some food || ingest | ingest a food
     flush | {verb} OBJ | flush a toilet
-      drain | drain a toilet
-      purge | purge a toilet
-      empty | empty a toilet by flushing
+      || drain | drain a toilet || purge | purge a toilet || empty | empty a toilet by flushing
     focus on | {verb} OBJ | signal the object the task is about (irreversible: focusing on a wrong object
-          fails the task)
-      concentrate on | declare the object the task is about (focusing on a wrong one fails the task)
-      select | select the task-relevant object; a wrong selection fails the task
-      mark | mark the object the task asks about; marking a wrong one fails the task
+      fails the task)
+      || concentrate on | declare the object the task is about (focusing on a wrong one fails the task)
+      || select | select the task-relevant object; a wrong selection fails the task
+      || mark | mark the object the task asks about; marking a wrong one fails the task
     wait | {verb} | take no action for 10 steps
-      pause | do nothing for 10 steps
-      idle | stay idle for 10 steps
-      hold on | hold on for 10 steps
+      || pause | do nothing for 10 steps || idle | stay idle for 10 steps || hold on | hold on for 10 steps
     wait1 | {verb} | take no action for 1 step
-      pause1 | do nothing for a single step
-      idle1 | stay idle for one step
-      hold on1 | hold on for one step
+      || pause1 | do nothing for a single step || idle1 | stay idle for one step
+      || hold on1 | hold on for one step
     task | {verb} | describe the current task
-      show task | show the current task
-      describe task | describe the task again
-      repeat task | repeat the task description
+      || show task | show the current task || describe task | describe the task again
+      || repeat task | repeat the task description
     inventory | {verb} | list your inventory
-      show inventory | show what you are carrying
-      list items | list the items you carry
-      view inventory | view your inventory
+      || show inventory | show what you are carrying || list items | list the items you carry
+      || view inventory | view your inventory
     """
 )
 

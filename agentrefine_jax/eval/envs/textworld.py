@@ -32,81 +32,63 @@ DEFAULT_LEVELS: tuple[str, ...] = (
 WORDS = action_words(
     """
     go | {verb} DIRECTION | move north, south, east or west
-      walk | walk north, south, east or west
-      head | head north, south, east or west
-      travel | travel north, south, east or west
+      || walk | walk north, south, east or west || head | head north, south, east or west
+      || travel | travel north, south, east or west
     take | {verb} OBJ [from CONTAINER/SUPPORTER] | pick up an object
-      grab | grab an object
-      pick up | pick an object up
-      get | get an object
+      || grab | grab an object || pick up | pick an object up || get | get an object
     put | {verb} OBJ on SUPPORTER | place an object on a supporter (table, counter, ...)
-      place | place an object on a supporter
-      set | set an object on a supporter
-      rest | rest an object on a supporter
+      || place | place an object on a supporter || set | set an object on a supporter
+      || rest | rest an object on a supporter
     insert | {verb} OBJ into CONTAINER | put an object into a container
-      stick | stick an object into a container
-      slide | slide an object into a container
-      stuff | stuff an object into a container
+      || stick | stick an object into a container || slide | slide an object into a container
+      || stuff | stuff an object into a container
     drop | {verb} OBJ | drop an object you carry
-      discard | discard an object you carry
-      let go of | let go of a carried object
-      put down | put down an object you carry
+      || discard | discard an object you carry || let go of | let go of a carried object
+      || put down | put down an object you carry
     open | {verb} OBJ | open a door or container
-      open up | open up a door or container
-      unfasten | unfasten a door or container
-      pull open | pull a door or container open
+      || open up | open up a door or container || unfasten | unfasten a door or container
+      || pull open | pull a door or container open
     close | {verb} OBJ | close a door or container
-      shut | shut a door or container
-      close up | close up a door or container
-      push shut | push a door or container shut
+      || shut | shut a door or container || close up | close up a door or container
+      || push shut | push a door or container shut
     unlock | {verb} OBJ with KEY | unlock a door or container with a key
-      unbolt | unbolt a door or container with a key
-      unlatch | unlatch a door or container with a key
-      undo the lock of | undo the lock of a door or container with a key
+      || unbolt | unbolt a door or container with a key || unlatch | unlatch a door or container with a key
+      || undo the lock of | undo the lock of a door or container with a key
     lock | {verb} OBJ with KEY | lock a door or container with a key
-      bolt | bolt a door or container with a key
-      latch | latch a door or container with a key
-      secure | secure a door or container with a key
+      || bolt | bolt a door or container with a key || latch | latch a door or container with a key
+      || secure | secure a door or container with a key
     eat | {verb} OBJ | eat something edible
-      consume | consume something edible
-      devour | devour something edible
-      ingest | ingest something edible
+      || consume | consume something edible || devour | devour something edible
+      || ingest | ingest something edible
     drink | {verb} OBJ | drink something drinkable
-      sip | sip something drinkable
-      gulp | gulp something drinkable
-      quaff | quaff something drinkable
+      || sip | sip something drinkable || gulp | gulp something drinkable || quaff | quaff something drinkable
     examine | {verb} OBJ | look closely at something (e.g. read the cookbook)
-      inspect | inspect something closely
-      study | study something closely
-      scrutinize | scrutinize something
+      || inspect | inspect something closely || study | study something closely
+      || scrutinize | scrutinize something
     look | {verb} | describe the current room
-      look around | describe the room around you
-      observe | observe the current room
-      survey | survey the current room
+      || look around | describe the room around you || observe | observe the current room
+      || survey | survey the current room
     inventory | {verb} | list what you carry
-      show inventory | show what you carry
-      list items | list the items you carry
-      view inventory | view what you carry
+      || show inventory | show what you carry || list items | list the items you carry
+      || view inventory | view what you carry
     cook | {verb} OBJ with APPLIANCE | cook food with a stove (fry), oven (roast) or BBQ (grill)
-      heat | heat food with a stove (fry), oven (roast) or BBQ (grill)
-      warm | warm food with a stove (fry), oven (roast) or BBQ (grill)
-      prepare using heat | heat food using a stove (fry), oven (roast) or BBQ (grill)
+      || heat | heat food with a stove (fry), oven (roast) or BBQ (grill)
+      || warm | warm food with a stove (fry), oven (roast) or BBQ (grill)
+      || prepare using heat | heat food using a stove (fry), oven (roast) or BBQ (grill)
     slice | {verb} OBJ with KNIFE | slice food with a knife you hold
-      carve | carve food into slices with a knife you hold
-      shave | shave food into slices with a held knife
-      cut into slices | cut food into slices with a knife you hold
+      || carve | carve food into slices with a knife you hold
+      || shave | shave food into slices with a held knife
+      || cut into slices | cut food into slices with a knife you hold
     dice | {verb} OBJ with KNIFE | dice food with a knife you hold
-      cube | cut food into cubes with a knife you hold
-      mince | mince food with a held knife
-      cut into cubes | cut food into cubes with a knife you hold
+      || cube | cut food into cubes with a knife you hold || mince | mince food with a held knife
+      || cut into cubes | cut food into cubes with a knife you hold
     chop | {verb} OBJ with KNIFE | chop food with a knife you hold
-      hack | hack food into pieces with a knife you hold
-      hew | hew food with a held knife
-      cut into pieces | cut food into pieces with a knife you hold
+      || hack | hack food into pieces with a knife you hold || hew | hew food with a held knife
+      || cut into pieces | cut food into pieces with a knife you hold
     prepare meal | {verb} | prepare the meal once all ingredients are processed (in the kitchen)
-      make meal | make the meal once the ingredients are ready (in the kitchen)
-      assemble meal | assemble the meal when the ingredients are processed (in the kitchen)
-      put together meal | put the meal together once all ingredients are ready (in the kitchen)
+      || make meal | make the meal once the ingredients are ready (in the kitchen)
+      || assemble meal | assemble the meal when the ingredients are processed (in the kitchen)
+      || put together meal | put the meal together once all ingredients are ready (in the kitchen)
     """
 )
 
