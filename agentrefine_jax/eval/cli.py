@@ -215,6 +215,10 @@ def task_options(specs: list[str]) -> dict[str, dict[str, str]]:
     return out
 
 
+def task_names(args: argparse.Namespace, source: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in (args.tasks or ",".join(default_tasks(source))).split(",") if t.strip())
+
+
 def run(args: argparse.Namespace) -> int:
     # Output paths first: a long evaluation must never end in results that cannot be written.
     if args.out:
@@ -230,9 +234,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             "--agentboard-dir/--context-length/--log-dir/--all-checkpoints need the agentboard source"
         )
-    tasks = tuple(
-        t.strip() for t in (args.tasks or ",".join(default_tasks("builtin"))).split(",") if t.strip()
-    )
     options = task_options(args.task_option)
     options.setdefault("sciworld", {}).setdefault("simplification", args.sciworld_simplification)
     own_workdir = args.workdir is None
@@ -240,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
     workdir = args.workdir or "<temporary>"
     batch_size = args.batch_size or (1 if args.policy else 8)
     config = EvalConfig(
-        tasks=tasks,
+        tasks=task_names(args, "builtin"),
         episodes=10 if args.episodes is None else args.episodes,
         best_of=args.best_of,
         perturb=args.perturb,
@@ -281,14 +282,11 @@ def run_agentboard(args: argparse.Namespace) -> int:
         raise ValueError("the agentboard source needs --agentboard-dir DIR (an AgentBoard checkout)")
     if args.task_option:
         raise ValueError("--task-option applies to built-in episode sources only")
-    tasks = tuple(
-        t.strip() for t in (args.tasks or ",".join(default_tasks("agentboard"))).split(",") if t.strip()
-    )
     temperature = args.temperature
     if args.best_of > 1 and temperature is None:
         temperature = BEST_OF_TEMPERATURE
     config = ab.RunConfig(
-        tasks=tasks,
+        tasks=task_names(args, "agentboard"),
         max_steps=DEFAULT_MAX_STEPS if args.max_steps is None else args.max_steps,
         batch_size=args.batch_size or (1 if args.policy else 8),
         seed=args.seed,

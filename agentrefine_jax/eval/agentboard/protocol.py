@@ -226,20 +226,12 @@ class EpisodeLog:
         return self.valid_steps / self.steps if self.steps else 0.0
 
 
-@dataclasses.dataclass
-class AgentBoardTaskSetup:
-    """A task's prompt-side settings as used by the loop (prompt file resolved per episode)."""
-
-    check_actions: str | None
-    check_inventory: bool
-
-
 class Episode:
     """One running AgentBoard episode: env, memory and log. Drives the loop one step at a time so a model
     backend can answer many episodes in one batched call."""
 
-    def __init__(self, spec: EpisodeSpec, env: AgentBoardEnv, setup: AgentBoardTaskSetup, max_steps: int):
-        self.spec, self.env, self.setup, self.max_steps = spec, env, setup, max_steps
+    def __init__(self, spec: EpisodeSpec, env: AgentBoardEnv, task: Any, max_steps: int):
+        self.spec, self.env, self.task, self.max_steps = spec, env, task, max_steps
         self.log = EpisodeLog(spec)
         self.memory: list[tuple[str, str]] = []
         self.finished = False
@@ -256,9 +248,8 @@ class Episode:
 
     def head(self) -> str:
         assert self.prompt_set is not None
-        return prompt_head(
-            self.prompt_set, self.log.goal, self.setup.check_actions, self.setup.check_inventory
-        )
+        task = self.task  # its prompt-side settings: the help and inventory lines
+        return prompt_head(self.prompt_set, self.log.goal, task.check_actions, bool(task.check_inventory))
 
     def history(self) -> list[tuple[str, str]]:
         return list(self.memory)
@@ -349,7 +340,6 @@ def run_episodes(
     (and therefore the prompt file) are only built for a model; a privileged policy sees the env and history.
     `wrap_env` and `reword_prompt` apply a perturbation (reworded actions) to every episode's env and prompt.
     """
-    setup = AgentBoardTaskSetup(task.check_actions, bool(task.check_inventory))
     width = max(1, batch_size if agent.model is not None else 1)
     width = min(width, getattr(task, "max_in_flight", width))  # e.g. one JVM per ScienceWorld episode
 
@@ -357,7 +347,7 @@ def run_episodes(
         env = task.make_env(checkout, spec)
         if wrap_env is not None:
             env = wrap_env(env)
-        ep = Episode(spec, env, setup, max_steps)
+        ep = Episode(spec, env, task, max_steps)
         try:
             if agent.model is not None:
                 ep.prompt_set = load_prompt_set(checkout, task.prompt_file, task.examples_key(spec))

@@ -267,11 +267,7 @@ class SciWorldTask(EvalTask):
                 if task_name not in known:
                     raise ValueError(f"unknown ScienceWorld task {task_name!r}; known: {known}")
                 sw.load(task_name, 0, self.simplification)
-                getter = {
-                    "train": sw.get_variations_train,
-                    "dev": sw.get_variations_dev,
-                    "test": sw.get_variations_test,
-                }[self.split]
+                getter = getattr(sw, f"get_variations_{self.split}")  # train | dev | test, checked at init
                 self._variations[task_name] = sorted(int(v) for v in getter())
             finally:
                 self._pool.release(sw)

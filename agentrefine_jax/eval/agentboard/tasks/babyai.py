@@ -24,6 +24,7 @@ import collections
 import contextlib
 import copy
 import io
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -268,9 +269,11 @@ def matches(observation: str, pattern: str) -> bool:
 
 
 class SubgoalProgress:
-    """AgentBoard's annotated-subgoal progress: a flat pattern list, or alternative sequences."""
+    """AgentBoard's annotated-subgoal progress (BabyAI, Jericho): a flat pattern list, or alternative
+    sequences; per observation the first remaining pattern `match(observation, pattern)` accepts scores."""
 
-    def __init__(self, subgoals: list[Any]):
+    def __init__(self, subgoals: list[Any], match: Callable[[str, str], bool] = matches):
+        self.match = match
         self.alternatives = bool(subgoals) and isinstance(subgoals[0], list)
         self.remaining: list[Any] = [list(s) for s in subgoals] if self.alternatives else list(subgoals)
         self.total = (len(subgoals[0]) if self.alternatives else len(subgoals)) if subgoals else 0
@@ -283,7 +286,7 @@ class SubgoalProgress:
         if self.alternatives:
             for i in range(len(self.remaining[0])):
                 # A shorter alternative would crash AgentBoard (IndexError); here it just cannot match.
-                if any(i < len(seq) and matches(observation, seq[i]) for seq in self.remaining):
+                if any(i < len(seq) and self.match(observation, seq[i]) for seq in self.remaining):
                     self._score()
                     for seq in self.remaining:
                         if i < len(seq):
@@ -291,7 +294,7 @@ class SubgoalProgress:
                     return
         else:
             for pattern in self.remaining:
-                if matches(observation, pattern):
+                if self.match(observation, pattern):
                     self._score()
                     self.remaining.remove(pattern)
                     return

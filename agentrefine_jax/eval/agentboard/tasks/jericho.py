@@ -28,6 +28,7 @@ import re
 from typing import Any
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA, CheckoutError
+from agentrefine_jax.eval.agentboard.tasks.babyai import SubgoalProgress
 from agentrefine_jax.eval.agentboard.tasks.base import HELP, EpisodeSpec, Task
 from agentrefine_jax.eval.core import StepResult
 from agentrefine_jax.eval.policies import Replay
@@ -52,8 +53,8 @@ def clean_feedback(text: str) -> str:
     return re.sub(r"\[Your score .*?\]", "", text)
 
 
-def _alnum(text: str) -> str:
-    return re.sub(r"[^a-zA-Z0-9\s]", "", text)
+def _contains(text: str, subgoal: str) -> bool:
+    return re.sub(r"[^a-zA-Z0-9\s]", "", subgoal) in re.sub(r"[^a-zA-Z0-9\s]", "", text)
 
 
 class JerichoEnv:
@@ -63,10 +64,12 @@ class JerichoEnv:
         self.game_file, self.subgoals = game_file, list(subgoals)
         self.goal, self.init_obs = goal, init_obs
         self.env: Any = None
-        self.remaining = list(self.subgoals)
-        self.points = 0
-        self.progress = 0.0
+        self.tracker = SubgoalProgress(self.subgoals, _contains)
         self.done = False
+
+    @property
+    def progress(self) -> float:
+        return self.tracker.value
 
     @property
     def success(self) -> bool:
@@ -78,7 +81,7 @@ class JerichoEnv:
         if self.env is None:
             self.env = FrotzEnv(self.game_file)
         self.env.reset()
-        self.remaining, self.points, self.progress, self.done = list(self.subgoals), 0, 0.0, False
+        self.tracker, self.done = SubgoalProgress(self.subgoals, _contains), False
         return self.init_obs
 
     def valid_actions(self) -> list[str]:
@@ -92,20 +95,9 @@ class JerichoEnv:
             return StepResult(text, self.done, self.progress, True)
         feedback, _, game_over, _ = self.env.step(action)
         text = clean_feedback(feedback)
-        self._score(text)
+        self.tracker.update(text)
         self.done = self.progress == 1 or bool(game_over)
         return StepResult(text, self.done, self.progress, "[!" not in text)
-
-    def _score(self, text: str) -> None:
-        if not self.remaining:
-            return
-        seen = _alnum(text)
-        for subgoal in self.remaining:
-            if _alnum(subgoal) in seen:
-                self.points += 1
-                self.progress = max(self.progress, self.points / len(self.subgoals))
-                self.remaining.remove(subgoal)
-                return
 
     def walkthrough(self) -> list[str]:
         steps = self.env.get_walkthrough() if self.env.is_fully_supported else []
