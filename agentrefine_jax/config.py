@@ -17,6 +17,7 @@ from typing import Any
 
 from agentrefine_jax.config_checks import ConfigError, ConfigKeyError, ConfigNotFoundError, validate
 from agentrefine_jax.models.config import ModelConfig, RopeScaling
+from agentrefine_jax.sharding import DEFAULT_RULES
 
 
 def _configs_dir() -> pathlib.Path:
@@ -88,23 +89,7 @@ class MeshConfig:
     fsdp: int = -1
     tensor: int = 1
     # Logical axis name -> mesh axis (or tuple of mesh axes, or None for replicated).
-    rules: tuple[tuple[str, Any], ...] = (
-        ("batch", ("data", "fsdp")),
-        ("activation_seq", None),
-        ("activation_embed", None),
-        ("activation_heads", "tensor"),
-        ("activation_kv_heads", "tensor"),
-        ("activation_mlp", "tensor"),
-        ("activation_vocab", "tensor"),
-        ("layers", None),
-        ("vocab", "tensor"),
-        ("embed", "fsdp"),
-        ("heads", "tensor"),
-        ("kv_heads", "tensor"),
-        ("head_dim", None),
-        ("mlp", "tensor"),
-        ("norm", None),
-    )
+    rules: tuple[tuple[str, Any], ...] = DEFAULT_RULES
 
 
 @dataclasses.dataclass

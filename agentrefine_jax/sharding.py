@@ -17,10 +17,30 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 MESH_AXES = ("data", "fsdp", "tensor")
 Rules = Sequence[tuple[str, Any]]
+
+# Logical axis name -> mesh axis (or tuple of mesh axes, or None for replicated): the default of
+# `mesh.rules` in the config, and what a loader uses when it is given no rules.
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("activation_seq", None),
+    ("activation_embed", None),
+    ("activation_heads", "tensor"),
+    ("activation_kv_heads", "tensor"),
+    ("activation_mlp", "tensor"),
+    ("activation_vocab", "tensor"),
+    ("layers", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("norm", None),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,3 +171,12 @@ def batch_sharding(mesh: Mesh, rules: Rules, ndim: int = 2) -> NamedSharding:
     """Sharding for a [batch, seq, ...] input array."""
     names = ("batch",) + (None,) * (ndim - 1)
     return NamedSharding(mesh, logical_to_spec(names, rules, None, mesh))
+
+
+def param_shardings(params: nnx.State, mesh: Mesh | None, rules: Rules | None = None) -> Any:
+    """Per-leaf shardings of a parameter state as a pure dict: from the logical axes on `mesh`
+    (`DEFAULT_RULES` unless given), or the first device when `mesh` is None."""
+    if mesh is None:
+        single = SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(lambda _: single, nnx.to_pure_dict(params))
+    return nnx.to_pure_dict(state_shardings(params, mesh, DEFAULT_RULES if rules is None else rules))

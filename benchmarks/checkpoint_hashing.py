@@ -50,9 +50,10 @@ def _setup(root: str, batch: int, seq: int) -> tuple[Any, Any, dict, int]:
     import numpy as np
 
     from agentrefine_jax import sharding as shd
-    from agentrefine_jax.checkpoint import TrainCheckpoints, as_path, make_meta
+    from agentrefine_jax.checkpoint import TrainCheckpoints, make_meta
     from agentrefine_jax.config import MeshConfig, OptimConfig
     from agentrefine_jax.models import preset
+    from agentrefine_jax.paths import as_path
     from agentrefine_jax.train.optimizer import make_optimizer
     from agentrefine_jax.train.step import build_steps
 

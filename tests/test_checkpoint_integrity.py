@@ -11,6 +11,7 @@ import pathlib
 import pytest
 
 from agentrefine_jax import checkpoint as ckpt
+from agentrefine_jax import paths as url_paths
 from agentrefine_jax.models import ModelConfig, RopeScaling, llama, preset
 from agentrefine_jax.models.config import NOT_ARCHITECTURE
 
@@ -116,17 +117,21 @@ def test_gs_urls_survive_config_and_path_handling_untouched(tmp_path, monkeypatc
     paths = RunPaths(cfg.train.run_dir)  # touches no file system
     assert str(paths.checkpoints) == "gs://bucket/runs/x/checkpoints"
     assert str(paths.metrics) == "gs://bucket/runs/x/metrics.jsonl"
-    assert str(ckpt.as_path("gs://bucket/runs/x")) == "gs://bucket/runs/x"
-    assert str(ckpt.join(cfg.train.run_dir, "hf")) == "gs://bucket/runs/x/hf"
-    assert str(ckpt.join(cfg.train.run_dir, cfg.train.export_hf_at_end)) == "gs://b2/hf"
-    assert ckpt.is_url("gs://bucket/x") and not ckpt.is_url("file:///tmp/x") and not ckpt.is_url("a/b")
+    assert str(url_paths.as_path("gs://bucket/runs/x")) == "gs://bucket/runs/x"
+    assert str(url_paths.join(cfg.train.run_dir, "hf")) == "gs://bucket/runs/x/hf"
+    assert str(url_paths.join(cfg.train.run_dir, cfg.train.export_hf_at_end)) == "gs://b2/hf"
+    assert (
+        url_paths.is_url("gs://bucket/x")
+        and not url_paths.is_url("file:///tmp/x")
+        and not url_paths.is_url("a/b")
+    )
     assert not list(tmp_path.iterdir())  # no local ./gs: directory
 
 
 def test_file_urls_are_local_paths() -> None:
-    assert str(ckpt.as_path("file:///tmp/some/run")) == "/tmp/some/run"
+    assert str(url_paths.as_path("file:///tmp/some/run")) == "/tmp/some/run"
     with pytest.raises(ValueError, match="absolute"):
-        ckpt.as_path("file://relative/run")
+        url_paths.as_path("file://relative/run")
 
 
 # ----------------------------------------------------------------------------------- metrics
@@ -236,7 +241,8 @@ def test_epoch_checkpoints_survive_the_keep_policy(tmp_path, keep_epochs) -> Non
     cfg = Config(model=CFG, train=TrainConfig(keep_checkpoints=1, keep_epoch_checkpoints=keep_epochs))
     paths = RunPaths(str(tmp_path / "run"))
     ckpts = ckpt.TrainCheckpoints(paths.checkpoints, keep=1, keep_every=2 if keep_epochs else 0)
-    hook = Checkpointing(ckpts, cfg, {"steps_per_epoch": 2}, every=1, steps_per_epoch=2, start_step=0)
+    meta = ckpt.make_meta(CFG, step=0, config=cfg, steps_per_epoch=2)
+    hook = Checkpointing(ckpts, cfg, meta, every=1, steps_per_epoch=2, start_step=0)
     state = RunState(0, 5, 0, None, None)
     for step in range(1, 6):
         state.step, state.params, state.opt_state = step, {"w": jnp.full(3, step)}, {"mu": jnp.zeros(3)}
@@ -246,5 +252,5 @@ def test_epoch_checkpoints_survive_the_keep_policy(tmp_path, keep_epochs) -> Non
     assert kept == ([2, 4, 5] if keep_epochs else [5])
     for step in kept:
         ckpt.verify_step(paths.checkpoints / str(step))  # each one got its manifest
-    epochs = {s: ckpt.read_meta(paths.checkpoints, s)["epoch"] for s in kept}
+    epochs = {s: ckpt.read_meta(paths.checkpoints, s).epoch for s in kept}
     assert epochs == ({2: 1, 4: 2, 5: None} if keep_epochs else {5: None})

@@ -49,9 +49,9 @@ def test_save_load_round_trip_with_meta(tmp_path, model) -> None:
     assert step_dir.name == "7"
     cfg, loaded, meta = ckpt.load_model(tmp_path / "ck")
     assert cfg == CFG
-    assert ckpt.model_config_from_meta(meta) == CFG
-    assert meta["tokenizer"] == "llama3" and meta["template"] == "llama3" and meta["step"] == 7
-    assert from_dict(meta["config"]).model == CFG
+    assert meta.model == CFG
+    assert meta.tokenizer == "llama3" and meta.template == "llama3" and meta.step == 7
+    assert from_dict(meta.config).model == CFG
     _assert_same_params(model, loaded)
     x = jnp.arange(12, dtype=jnp.int32)[None]
     forward = nnx.jit(lambda m, ids: m(ids))
@@ -70,7 +70,7 @@ def test_resolve_checkpoint_forms(tmp_path, model) -> None:
     assert ckpt.resolve_checkpoint(root) == (root, 12)
     assert ckpt.resolve_checkpoint(root / "3") == (root, 3)
     _, _, meta = ckpt.load_model(run)
-    assert meta["step"] == 12
+    assert meta.step == 12
 
     with pytest.raises(FileNotFoundError, match="does not exist"):
         ckpt.resolve_checkpoint(tmp_path / "nope")
@@ -93,14 +93,14 @@ def test_trainer_items_in_the_same_manager_are_ignored(tmp_path, model) -> None:
             4,
             args=ocp.args.Composite(
                 params=ocp.args.StandardSave(params),
-                meta=ocp.args.JsonSave(ckpt.make_meta(CFG, step=4)),
+                meta=ocp.args.JsonSave(ckpt.make_meta(CFG, step=4).to_json()),
                 opt_state=ocp.args.StandardSave({"mu": jnp.ones(3), "count": jnp.array(4)}),
                 data_iter=ocp.args.JsonSave({"position": 17}),
             ),
         )
         mngr.wait_until_finished()
     cfg, loaded, meta = ckpt.load_model(tmp_path / "ck")
-    assert meta["step"] == 4
+    assert meta.step == 4
     _assert_same_params(model, loaded)
 
 
@@ -110,7 +110,7 @@ def _raw_save(path, params: dict, cfg=CFG) -> None:
         mngr.save(
             0,
             args=ocp.args.Composite(
-                params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(ckpt.make_meta(cfg, step=0))
+                params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(ckpt.make_meta(cfg, step=0).to_json())
             ),
         )
         mngr.wait_until_finished()

@@ -98,7 +98,7 @@ def test_mistral_round_trip_bfloat16_with_tokenizer(hf_dirs, tmp_path, capsys) -
     progress = capsys.readouterr().err
     assert "[30/30] model.norm.weight -> final_norm" in progress
     _, _, meta = ckpt.load_model(ck)
-    assert meta["tokenizer"] == "mistral" and meta["template"] == "mistral"
+    assert meta.tokenizer == "mistral" and meta.template == "mistral"
 
     out = tmp_path / "hf"
     assert main(["to-hf", "--checkpoint", str(ck), "--out", str(out), "--export-dtype", "bfloat16"]) == 0

@@ -14,7 +14,7 @@ import sys
 import pytest
 from test_train_loop import FAST, REPO, _env
 
-from agentrefine_jax.checkpoint import load_model, read_meta, shapes_digest, weights_digest
+from agentrefine_jax.checkpoint import LoraBase, load_model, read_meta, shapes_digest, weights_digest
 
 
 def _cfg(tmp: pathlib.Path, hf_dir: pathlib.Path | None, *extra: str):
@@ -70,7 +70,7 @@ def test_other_weights_of_the_same_shapes_are_refused_on_resume_merge_and_load(h
 
     tmp, hf_dir = hf_lora_run
     meta = read_meta(tmp / "run" / "checkpoints", 2)
-    assert meta["lora"]["base"] == {"init_from_hf": str(hf_dir), "sha256": weights_digest(hf_dir)}
+    assert meta.lora.base == LoraBase(init_from_hf=str(hf_dir), sha256=weights_digest(hf_dir))
     original = tmp_path / "original"
     shutil.copytree(hf_dir, original)
     try:
@@ -79,7 +79,7 @@ def test_other_weights_of_the_same_shapes_are_refused_on_resume_merge_and_load(h
             f.unlink()
         for f in (tmp_path / "other").glob("*.safetensors"):
             shutil.copy(f, hf_dir / f.name)
-        assert weights_digest(hf_dir) != meta["lora"]["base"]["sha256"]
+        assert weights_digest(hf_dir) != meta.lora.base.sha256
         # Resume.
         cfg = _cfg(tmp, hf_dir, "train.max_steps=3", "train.allow_schedule_change=true")
         with pytest.raises(TrainingInputError, match="holds other weights than the adapters were trained on"):
@@ -117,11 +117,11 @@ def test_random_base_identity_is_its_seed_and_shapes(tmp_path):
     from agentrefine_jax.models import preset
 
     cfg = _cfg(tmp_path, None)
-    from agentrefine_jax.train.loop import lora_base_reference
+    from agentrefine_jax.checkpoint import lora_reference
 
-    ref = lora_base_reference(cfg)["base"]
-    assert ref == {"seed": cfg.train.seed, "shapes": shapes_digest(cfg.model)}
+    ref = lora_reference(cfg).base
+    assert ref == LoraBase(seed=cfg.train.seed, shapes=shapes_digest(cfg.model))
     wider = dataclasses.replace(cfg.model, intermediate_size=cfg.model.intermediate_size * 2)
     with pytest.raises(ValueError, match="other parameter shapes"):
-        check_lora_base(ref, {"shapes": shapes_digest(wider)}, what="x")
-    check_lora_base(ref, {"shapes": shapes_digest(preset("tiny"))}, what="x")  # the demo's own model
+        check_lora_base(ref, LoraBase(shapes=shapes_digest(wider)), what="x")
+    check_lora_base(ref, LoraBase(shapes=shapes_digest(preset("tiny"))), what="x")  # the demo's own model

@@ -88,7 +88,7 @@ def test_lora_loss_on_a_packed_masked_batch_is_the_merged_models_per_example_mas
     """Refinement masks and packing are unchanged under LoRA: the training loss (adapters applied in
     the forward) on a packed batch equals the merged-weights model run on each example alone,
     counting only the unmasked (correct / refinement) tokens of that example."""
-    from agentrefine_jax.checkpoint import abstract_params
+    from agentrefine_jax.models.llama import abstract_params
     from agentrefine_jax.train.step import loss_sums
 
     rng = np.random.RandomState(1)

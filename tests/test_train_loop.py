@@ -133,7 +133,7 @@ def test_run_exports_a_directory_transformers_loads(reference_run):
     ids = tok("Thought: the door is locked.\nAction: take key from table")["input_ids"]
     assert ids[0] == 128000  # <|begin_of_text|>, from the exported tokenizer files
     _, model, meta = load_model(reference_run)  # a run directory resolves to its latest step
-    assert meta["step"] == 8
+    assert meta.step == 8
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits.numpy()
     got = np.asarray(model(np.asarray([ids], np.int32)))

@@ -116,7 +116,7 @@ def _run_config(doc: Mapping[str, Any], agent: str) -> dict[str, Any]:
 
     try:
         root, step = resolve_checkpoint(path)
-        config = read_meta(root, step).get("config")
+        config = read_meta(root, step).config
     except (FileNotFoundError, ValueError) as e:
         log.warning(f"{path}: no training config read ({e})")
         return {}

@@ -109,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="reworded variants with --perturb (default 3; AgentBoard protocol: ALFWorld's 5)",
     )
+    _add_run_args(p)
+    p.add_argument("--out", help="write the results JSON (metrics + per-episode transcripts) here")
+    logs.add_flags(p)  # -q: no per-episode progress lines
+    return p
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    """How episodes run: seed, step limit, batching, sampling, request timeout, tools and prompts."""
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--max-steps",
@@ -159,9 +167,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="our harness's prompt layout (agentrefine_jax.layout): chat = multi-turn, as `synth convert "
         "--prompt-style chat` writes; agentboard = AgentBoard's single user message with the history",
     )
-    p.add_argument("--out", help="write the results JSON (metrics + per-episode transcripts) here")
-    logs.add_flags(p)  # -q: no per-episode progress lines
-    return p
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:

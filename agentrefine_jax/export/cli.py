@@ -89,34 +89,35 @@ def cmd_from_hf(args: argparse.Namespace) -> int:
             step=0,
             tokenizer=tokenizer,
             template=args.template,
-            extra={"source_dtype": source_dtype},
+            source_dtype=source_dtype,
         )
     log.info(f"done: {pathlib.Path(args.out) / '0'}")
     return 0
 
 
 def cmd_to_hf(args: argparse.Namespace) -> int:
-    from agentrefine_jax.checkpoint import is_url, load_model, read_meta, resolve_checkpoint
+    from agentrefine_jax.checkpoint import load_model, read_meta, resolve_checkpoint
     from agentrefine_jax.hf.io import parse_size, resolve_export_dtype, write_hf
+    from agentrefine_jax.paths import is_url
 
     root, step = resolve_checkpoint(args.checkpoint)
     if not is_url(args.out):  # before loading anything: a refused --out costs nothing
         outputs.check_dir(args.out, overwrite=args.overwrite, protect=[args.checkpoint])
     mesh = parse_mesh(args.mesh)
     max_shard = parse_size(args.max_shard_size)
-    is_lora = bool(read_meta(root, step).get("lora"))
+    is_lora = read_meta(root, step).lora is not None
     if args.merge_lora and not is_lora:
         raise ValueError(f"--merge-lora: {root} step {step} is not a LoRA run")
     if is_lora and not args.merge_lora:
         return _to_peft(args, root / str(step), mesh, max_shard)
     log.info(f"loading checkpoint {root} step {step} on {_describe_mesh(mesh)}")
     cfg, model, meta = load_model(args.checkpoint, mesh=mesh)
-    tokenizer = args.tokenizer or meta.get("tokenizer")
+    tokenizer = args.tokenizer or meta.tokenizer
     dtype = resolve_export_dtype(
-        args.export_dtype, source_dtype=meta.get("source_dtype"), param_dtype=cfg.param_dtype
+        args.export_dtype, source_dtype=meta.source_dtype, param_dtype=cfg.param_dtype
     )
     if args.export_dtype == "auto":
-        why = "the dtype it was imported from" if meta.get("source_dtype") else "the parameter dtype"
+        why = "the dtype it was imported from" if meta.source_dtype else "the parameter dtype"
         log.info(f"--export-dtype auto: {dtype}, {why}")
     log.info(f"writing {param_count(model):,} parameters as {dtype} to {args.out}")
     write_hf(
@@ -139,13 +140,14 @@ def _to_peft(args: argparse.Namespace, step_dir: Any, mesh: Any, max_shard: int)
     """A LoRA run without --merge-lora: a PEFT adapter directory (plus the base when it is not an HF dir)."""
     from flax import nnx
 
-    from agentrefine_jax.checkpoint import abstract_params, load_lora, read_meta
+    from agentrefine_jax.checkpoint import load_lora, read_meta
     from agentrefine_jax.hf.io import save_hf
     from agentrefine_jax.hf.peft import write_peft_adapter
+    from agentrefine_jax.models.llama import abstract_params
 
     meta = read_meta(step_dir.parent, int(step_dir.name))
     base_cfg, base, spec, adapters = load_lora(step_dir, meta, mesh=mesh)
-    tokenizer = args.tokenizer or meta.get("tokenizer")
+    tokenizer = args.tokenizer or meta.tokenizer
 
     def write_base(where: Any) -> None:
         dtype = base_cfg.param_dtype if args.export_dtype == "auto" else args.export_dtype
@@ -162,7 +164,7 @@ def _to_peft(args: argparse.Namespace, step_dir: Any, mesh: Any, max_shard: int)
         protect=[args.checkpoint],
         writer=jax.process_index() == 0,
     ) as tmp:
-        write_peft_adapter(tmp, spec, adapters, meta["lora"]["base"], write_base=write_base)
+        write_peft_adapter(tmp, spec, adapters, meta.lora.base.init_from_hf, write_base=write_base)
     log.info(f"done: PEFT adapter (rank {spec.rank}, {', '.join(spec.targets)}) in {args.out}")
     return 0
 

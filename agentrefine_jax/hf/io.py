@@ -41,9 +41,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from agentrefine_jax import outputs
-from agentrefine_jax.checkpoint import abstract_params, as_path, is_url, param_shardings
 from agentrefine_jax.models import families, llama, params
 from agentrefine_jax.models.config import ModelConfig, RopeScaling
+from agentrefine_jax.models.llama import abstract_params
+from agentrefine_jax.paths import as_path, is_url
+from agentrefine_jax.sharding import param_shardings
 
 Log = Callable[[str], None]
 

@@ -46,7 +46,7 @@ def write_peft_adapter(
     out: str | pathlib.Path,
     spec: lora.LoraSpec,
     adapters: lora.Adapters,
-    base_ref: dict[str, Any],
+    base_hf_dir: str | None,
     *,
     write_base: Callable[[pathlib.Path], None],
 ) -> pathlib.Path:
@@ -55,8 +55,8 @@ def write_peft_adapter(
     if (out / ADAPTER_CONFIG).exists() or (out / "config.json").exists():
         raise FileExistsError(f"{out} already holds a model or adapter; choose an empty directory")
     out.mkdir(parents=True, exist_ok=True)
-    if "init_from_hf" in base_ref:
-        base = str(pathlib.Path(base_ref["init_from_hf"]).resolve())
+    if base_hf_dir is not None:
+        base = str(pathlib.Path(base_hf_dir).resolve())
     else:
         write_base(out / BASE_SUBDIR)
         base = BASE_SUBDIR

@@ -18,11 +18,11 @@ import dataclasses
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-from agentrefine_jax.checkpoint import as_path
 from agentrefine_jax.inference.engine import generate
 from agentrefine_jax.inference.loading import LoadedModel, load_for_inference
 from agentrefine_jax.inference.sessions import SessionCache
 from agentrefine_jax.models.llama import Transformer
+from agentrefine_jax.paths import as_path
 from agentrefine_jax.unicode_text import lone_surrogate
 
 

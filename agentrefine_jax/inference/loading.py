@@ -33,7 +33,7 @@ class LoadedModel:
 
 
 def is_hf_dir(path: str | pathlib.Path) -> bool:
-    from agentrefine_jax.checkpoint import as_path, is_url
+    from agentrefine_jax.paths import as_path, is_url
 
     if is_url(path):
         return False
@@ -48,7 +48,8 @@ def load_for_inference(
     overrides: dict[str, Any] = dict(load_kwargs)
     if dtype is not None:
         overrides["dtype"] = dtype
-    from agentrefine_jax.checkpoint import as_path, load_model
+    from agentrefine_jax.checkpoint import load_model
+    from agentrefine_jax.paths import as_path
 
     if is_hf_dir(path):
         p = pathlib.Path(as_path(path))
@@ -58,4 +59,4 @@ def load_for_inference(
         has_tok = any((p / f).is_file() for f in _TOKENIZER_FILES)
         return LoadedModel(cfg, model, str(p) if has_tok else None, None, "hf")
     cfg, model, meta = load_model(path, **overrides)
-    return LoadedModel(cfg, model, meta.get("tokenizer"), meta.get("template"), "checkpoint")
+    return LoadedModel(cfg, model, meta.tokenizer, meta.template, "checkpoint")

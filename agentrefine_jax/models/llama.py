@@ -276,6 +276,14 @@ def abstract(cfg: ModelConfig) -> Transformer:
     return nnx.eval_shape(lambda: create(cfg))
 
 
+def abstract_params(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """GraphDef and ShapeDtypeStruct parameter state of the model `cfg` describes (no memory)."""
+    graphdef, state, rest = nnx.split(abstract(cfg), nnx.Param, ...)
+    if jax.tree.leaves(rest):
+        raise RuntimeError("Transformer holds non-parameter state; the checkpoint format must be extended")
+    return graphdef, state
+
+
 def param_count(model_or_state: Any) -> int:
     state = nnx.state(model_or_state, nnx.Param) if isinstance(model_or_state, nnx.Module) else model_or_state
     return sum(int(x.size) for x in jax.tree.leaves(state))

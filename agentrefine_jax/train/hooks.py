@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from agentrefine_jax.checkpoint import TrainCheckpoints, make_meta
+from agentrefine_jax.checkpoint import CheckpointMeta, TrainCheckpoints
 from agentrefine_jax.config import Config
 from agentrefine_jax.train.metrics import MetricsWriter, format_eta
 from agentrefine_jax.train.run_dir import TrainingError
@@ -146,13 +146,14 @@ class Evaluate(Hook):
 
 class Checkpointing(Hook):
     """Saves every `every` steps, at each epoch's end when asked, on request (preemption) and
-    after the last step; the meta item carries the run facts readers need (`facts`)."""
+    after the last step; `meta` is the run's CheckpointMeta (the facts readers need), each save
+    stamped with its step and, on a step that closes an epoch, the epoch."""
 
     def __init__(
         self,
         ckpts: TrainCheckpoints,
         cfg: Config,
-        facts: dict[str, Any],
+        meta: CheckpointMeta,
         *,
         every: int,
         steps_per_epoch: int,
@@ -160,7 +161,7 @@ class Checkpointing(Hook):
         saved: Callable[[Any], Any] = lambda params: params,
         before_save: Callable[[], None] | None = None,
     ) -> None:
-        self.ckpts, self.cfg, self.facts = ckpts, cfg, facts
+        self.ckpts, self.cfg, self.meta = ckpts, cfg, meta
         self.saved = saved  # the part of the params a checkpoint holds (LoRA: the adapters)
         self.before_save = before_save  # e.g. store metrics.jsonl up to this step first
         self.every, self.steps_per_epoch = every, steps_per_epoch
@@ -187,15 +188,8 @@ class Checkpointing(Hook):
                     f"({type(e).__name__}: {first}); the run stopped. {self.ckpts.last_good_note()}"
                 ) from None
         spe = self.steps_per_epoch
-        extra = {**self.facts, "epoch": state.step // spe if spe and state.step % spe == 0 else None}
-        meta = make_meta(
-            self.cfg.model,
-            step=state.step,
-            tokenizer=self.cfg.data.tokenizer,
-            template=self.cfg.data.template,
-            config=self.cfg,
-            extra=extra,
-        )
+        epoch = state.step // spe if spe and state.step % spe == 0 else None
+        meta = dataclasses.replace(self.meta, step=state.step, epoch=epoch)
         self.ckpts.save(state.step, self.saved(state.params), state.opt_state, meta)
         self.last_saved = state.step
 

@@ -20,18 +20,23 @@ from agentrefine_jax import faults
 from agentrefine_jax import sharding as shd
 from agentrefine_jax.checkpoint import (
     CheckpointIntegrityError,
+    CheckpointMeta,
+    LoraBase,
+    LoraMeta,
     TrainCheckpoints,
-    as_path,
+    base_config,
     check_lora_base,
     choose_resume_step,
-    join,
-    lora_base_identity,
+    lora_reference,
+    make_meta,
     read_meta,
+    rebuild_base,
     restore_train_state,
 )
 from agentrefine_jax.config import Config
 from agentrefine_jax.data.packing import BATCH_KEYS
 from agentrefine_jax.models.lora import LoraSpec
+from agentrefine_jax.paths import as_path, join
 from agentrefine_jax.train import flops
 from agentrefine_jax.train.hooks import Checkpointing, Evaluate, ExportAtEnd, Hook, MetricsLog, RunState
 from agentrefine_jax.train.metrics import MetricsWriter
@@ -195,22 +200,75 @@ def train(cfg: Config) -> dict[str, Any]:
 
 
 def _train(cfg: Config, paths: RunPaths) -> dict[str, Any]:
-    from agentrefine_jax.data.pipeline import DataError, make_pipeline, process_batch_rows
-
     tc = cfg.train
+    mesh = _mesh(cfg)
+    check_resume_config(paths, cfg)
+    if tc.init_from_hf:
+        check_init_from_hf(cfg)
+    pipeline, batch_rows, total_steps = _train_pipeline(cfg, mesh)
+    fns, schedule = build_train_step(cfg, mesh, total_steps)
+    try:
+        resume_step = choose_resume_step(paths.checkpoints, paths.rejected)
+    except CheckpointIntegrityError as e:
+        raise TrainingError(str(e)) from None
+    meta = _run_meta(cfg, paths, resume_step, total_steps, pipeline.steps_per_epoch)
+    keep_every = pipeline.steps_per_epoch if tc.keep_epoch_checkpoints else 0
+    ckpts = TrainCheckpoints(paths.checkpoints, keep=tc.keep_checkpoints, keep_every=keep_every)
+    state = _start_state(cfg, paths, fns, mesh, ckpts, resume_step, total_steps, meta.lora)
+    writer = MetricsWriter(paths, state.start_step)
+    metrics_log, checkpointing, hooks = _hooks(cfg, fns, schedule, writer, ckpts, meta, state, batch_rows)
+    log.info(
+        f"training steps {state.start_step} -> {total_steps} ({pipeline.steps_per_epoch} steps/epoch, "
+        f"{tc.num_epochs} epochs, global batch {tc.global_batch_size} x {cfg.data.max_length} tokens)"
+    )
+    preempt = _Preemption()
+    ok = False
+    try:
+        run_steps(
+            fns,
+            state,
+            pipeline.iterator(state.start_step),  # the data position is the global step
+            tc.global_batch_size,
+            hooks,
+            ckpts,
+            checkpointing,
+            paths,
+            preempt,
+        )
+        for h in hooks:
+            h.at_end(state)
+        ok = True
+    finally:
+        writer.close(failing=not ok, storage_failed=ckpts.failed)
+        if not ckpts.failed:
+            ckpts.finish()
+    log.info(f"done: step {state.step}, checkpoint {paths.checkpoints}/{state.step}")
+    if tc.export_hf_at_end:
+        with preempt.interrupting():
+            ExportAtEnd(lambda p, s: export_final(fns, p, cfg, s, meta.source_dtype)).at_end(state)
+    return {"step": state.step, "losses": metrics_log.losses, "run_dir": str(paths.root)}
+
+
+def _mesh(cfg: Config) -> jax.sharding.Mesh:
     try:
         mesh = shd.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     except ValueError as e:  # mesh sizes that this host's devices cannot fill: the config's fault
         raise TrainingInputError(f"mesh.data/fsdp/tensor: {e}") from None
     pc = jax.process_count()
-    if tc.global_batch_size % pc:
-        raise TrainingError(f"train.global_batch_size={tc.global_batch_size} not divisible by {pc} processes")
+    if cfg.train.global_batch_size % pc:
+        raise TrainingError(
+            f"train.global_batch_size={cfg.train.global_batch_size} not divisible by {pc} processes"
+        )
     check_batch_split(cfg, mesh)
     log.info(f"mesh {dict(mesh.shape)} over {jax.device_count()} devices ({pc} processes)")
+    return mesh
 
-    check_resume_config(paths, cfg)
-    if tc.init_from_hf:
-        check_init_from_hf(cfg)
+
+def _train_pipeline(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[Any, Any, int]:
+    """(the training data pipeline, the rows of each global batch this process holds, total steps)."""
+    from agentrefine_jax.data.pipeline import DataError, make_pipeline, process_batch_rows
+
+    tc = cfg.train
     # Each process materialises exactly the rows of the global batch its devices hold.
     batch_rows = process_batch_rows(shd.batch_sharding(mesh, cfg.mesh.rules), tc.global_batch_size)
     try:
@@ -231,61 +289,94 @@ def _train(cfg: Config, paths: RunPaths) -> dict[str, Any]:
     total_steps = pipeline.steps_per_epoch * tc.num_epochs
     if tc.max_steps is not None:
         total_steps = min(total_steps, tc.max_steps)
-    fns, schedule = build_train_step(cfg, mesh, total_steps)
-    try:
-        resume_step = choose_resume_step(paths.checkpoints, paths.rejected)
-    except CheckpointIntegrityError as e:
-        raise TrainingError(str(e)) from None
-    facts: dict[str, Any] = {"schedule_steps": total_steps, "steps_per_epoch": pipeline.steps_per_epoch}
-    if resume_step is not None:
-        meta = read_meta(paths.checkpoints, resume_step)
-        check_schedule(paths, meta, total_steps, cfg)
-        facts["source_dtype"] = meta.get("source_dtype")
-    if fns.lora_spec:
-        facts["lora"] = lora_base_reference(cfg)
-        if resume_step is not None:
-            try:
-                stored = (meta.get("lora") or {}).get("base") or {}
-                check_lora_base(stored, facts["lora"]["base"], what=f"resuming {paths.checkpoints}")
-            except ValueError as e:
-                raise TrainingInputError(str(e)) from None
+    return pipeline, batch_rows, total_steps
 
-    keep_every = pipeline.steps_per_epoch if tc.keep_epoch_checkpoints else 0
-    ckpts = TrainCheckpoints(paths.checkpoints, keep=tc.keep_checkpoints, keep_every=keep_every)
-    if resume_step is not None:
+
+def _run_meta(
+    cfg: Config, paths: RunPaths, resume_step: int | None, total_steps: int, steps_per_epoch: int
+) -> CheckpointMeta:
+    """The meta every checkpoint of this run carries (each save stamps its step and epoch); on
+    resume, checked against the checkpoint's: the schedule's horizon and the LoRA base."""
+    source_dtype = None
+    stored = read_meta(paths.checkpoints, resume_step) if resume_step is not None else None
+    if stored is not None:
+        check_schedule(paths, stored, total_steps, cfg)
+        source_dtype = stored.source_dtype
+    elif cfg.train.init_from_hf:
+        from agentrefine_jax.hf.io import hf_storage_dtype
+
+        source_dtype = hf_storage_dtype(cfg.train.init_from_hf)
+    lora_ref = lora_reference(cfg) if LoraSpec.of(cfg.train.lora) is not None else None
+    if lora_ref is not None and stored is not None:
         try:
-            restored = restore_train_state(
-                ckpts.mngr,
-                resume_step,
-                {"params": fns.abstract_trainable, "opt_state": fns.abstract_opt},
-                {"params": fns.trainable_shardings, "opt_state": fns.opt_shardings},
-            )
+            was = stored.lora.base if stored.lora is not None else LoraBase()
+            check_lora_base(was, lora_ref.base, what=f"resuming {paths.checkpoints}")
         except ValueError as e:
-            raise TrainingError(str(e)) from None
-        params, opt_state = restored["params"], restored["opt_state"]
-        if fns.lora_spec:  # the checkpoint holds the adapters; the base is rebuilt from its reference
-            params = {"base": _initial_params(cfg, fns, mesh)["base"], "lora": params}
-        log.info(f"resumed from {paths.checkpoints}/{resume_step}")
-    else:
-        params = _initial_params(cfg, fns, mesh)
-        opt_state = fns.init_opt(params)
-        if tc.init_from_hf:
-            from agentrefine_jax.hf.io import hf_storage_dtype
+            raise TrainingInputError(str(e)) from None
+    return make_meta(
+        cfg.model,
+        step=resume_step or 0,
+        config=cfg,
+        tokenizer=cfg.data.tokenizer,
+        template=cfg.data.template,
+        source_dtype=source_dtype,
+        schedule_steps=total_steps,
+        steps_per_epoch=steps_per_epoch,
+        lora=lora_ref,
+    )
 
-            facts["source_dtype"] = hf_storage_dtype(tc.init_from_hf)
+
+def _start_state(
+    cfg: Config,
+    paths: RunPaths,
+    fns: StepFns,
+    mesh: jax.sharding.Mesh,
+    ckpts: TrainCheckpoints,
+    resume_step: int | None,
+    total_steps: int,
+    lora_ref: LoraMeta | None,
+) -> RunState:
+    """Params and optimizer state restored from `resume_step`, or fresh (then config.json is written)."""
+    if resume_step is None:
+        params = _initial_params(cfg, fns, mesh, lora_ref)
+        opt_state = fns.init_opt(params)
         if jax.process_index() == 0:
             paths.write_config(cfg)
-    start_step = resume_step or 0
-    state = RunState(start_step, total_steps, start_step, params, opt_state)
+        return RunState(0, total_steps, 0, params, opt_state)
+    try:
+        restored = restore_train_state(
+            ckpts.mngr,
+            resume_step,
+            {"params": fns.abstract_trainable, "opt_state": fns.abstract_opt},
+            {"params": fns.trainable_shardings, "opt_state": fns.opt_shardings},
+        )
+    except ValueError as e:
+        raise TrainingError(str(e)) from None
+    params = restored["params"]
+    if lora_ref is not None:  # the checkpoint holds the adapters; the base is rebuilt from its reference
+        params = {"base": _lora_base(cfg, fns, mesh, lora_ref), "lora": params}
+    log.info(f"resumed from {paths.checkpoints}/{resume_step}")
+    return RunState(resume_step, total_steps, resume_step, params, restored["opt_state"])
 
-    seq_len = cfg.data.max_length
-    writer = MetricsWriter(paths, start_step)
+
+def _hooks(
+    cfg: Config,
+    fns: StepFns,
+    schedule: Any,
+    writer: MetricsWriter,
+    ckpts: TrainCheckpoints,
+    meta: CheckpointMeta,
+    state: RunState,
+    batch_rows: Any,
+) -> tuple[MetricsLog, Checkpointing, list[Hook]]:
+    """The run's hooks in order: metrics log, evaluation (when asked), checkpointing."""
+    tc, seq_len = cfg.train, cfg.data.max_length
     metrics_log = MetricsLog(
         writer,
         schedule,
         log_every=tc.log_every,
-        total_steps=total_steps,
-        start_step=start_step,
+        total_steps=state.total_steps,
+        start_step=state.start_step,
         flops_per_step=flops.flops_per_token(cfg.model, seq_len) * tc.global_batch_size * seq_len,
         peak_flops=flops.device_peak_flops(tc.peak_flops_per_device),
         last_good=ckpts.last_good_note,
@@ -293,15 +384,17 @@ def _train(cfg: Config, paths: RunPaths) -> dict[str, Any]:
     checkpointing = Checkpointing(
         ckpts,
         cfg,
-        facts,
+        meta,
         saved=fns.trainable,
         every=tc.checkpoint_every,
-        steps_per_epoch=pipeline.steps_per_epoch,
-        start_step=start_step,
+        steps_per_epoch=meta.steps_per_epoch or 0,
+        start_step=state.start_step,
         before_save=writer.sync,
     )
     hooks: list[Hook] = [metrics_log]
     if tc.eval_every and (cfg.data.eval_files or cfg.data.eval_fraction > 0):
+        from agentrefine_jax.data.pipeline import make_pipeline
+
         eval_pipeline = make_pipeline(
             cfg.data,
             split="eval",
@@ -313,36 +406,7 @@ def _train(cfg: Config, paths: RunPaths) -> dict[str, Any]:
             Evaluate(tc.eval_every, lambda p: evaluate(fns, p, eval_pipeline, tc.global_batch_size), writer)
         )
     hooks.append(checkpointing)
-    log.info(
-        f"training steps {start_step} -> {total_steps} ({pipeline.steps_per_epoch} steps/epoch, "
-        f"{tc.num_epochs} epochs, global batch {tc.global_batch_size} x {seq_len} tokens)"
-    )
-    preempt = _Preemption()
-    ok = False
-    try:
-        run_steps(
-            fns,
-            state,
-            pipeline.iterator(start_step),  # the data position is the global step
-            tc.global_batch_size,
-            hooks,
-            ckpts,
-            checkpointing,
-            paths,
-            preempt,
-        )
-        for h in hooks:
-            h.at_end(state)
-        ok = True
-    finally:
-        writer.close(failing=not ok, storage_failed=ckpts.failed)
-        if not ckpts.failed:
-            ckpts.finish()
-    log.info(f"done: step {state.step}, checkpoint {paths.checkpoints}/{state.step}")
-    if tc.export_hf_at_end:
-        with preempt.interrupting():
-            ExportAtEnd(lambda p, s: export_final(fns, p, cfg, s, facts.get("source_dtype"))).at_end(state)
-    return {"step": state.step, "losses": metrics_log.losses, "run_dir": str(paths.root)}
+    return metrics_log, checkpointing, hooks
 
 
 def export_final(fns: StepFns, params: Any, cfg: Config, step: int, source_dtype: str | None = None) -> None:
@@ -382,25 +446,6 @@ def evaluate(fns: StepFns, params: Any, pipeline: Any, global_batch: int) -> flo
     return total / max(count, 1.0)
 
 
-def lora_base_reference(cfg: Config) -> dict[str, Any]:
-    """What a LoRA checkpoint stores instead of the frozen base: how to rebuild it exactly."""
-    lc = cfg.train.lora
-    ref: dict[str, Any] = {
-        "rank": lc.rank,
-        "alpha": lc.alpha,
-        "dropout": lc.dropout,
-        "targets": list(lc.targets),
-    }
-    ref["base_dtype"] = lc.base_dtype
-    # With the base's identity, checked on resume, merge, export and load: same-shape other
-    # weights put in the init_from_hf directory must not silently become the base.
-    base: dict[str, Any] = (
-        {"init_from_hf": str(cfg.train.init_from_hf)} if cfg.train.init_from_hf else {"seed": cfg.train.seed}
-    )
-    ref["base"] = base | lora_base_identity(base, cfg.model)
-    return ref
-
-
 def check_init_from_hf(cfg: Config) -> None:
     """`train.init_from_hf` checked from its headers before any data work: a pickle-only or foreign
     directory, files outside it, corrupt files, wrong names, dtypes or shapes fail in one line."""
@@ -424,27 +469,35 @@ def check_init_from_hf(cfg: Config) -> None:
         )
 
 
-def _initial_params(cfg: Config, fns: StepFns, mesh: jax.sharding.Mesh) -> Any:
+def _initial_params(cfg: Config, fns: StepFns, mesh: jax.sharding.Mesh, lora_ref: LoraMeta | None) -> Any:
+    """Fresh params: the model (seeded, or read from train.init_from_hf); a LoRA run's frozen base
+    (the one rebuild loaders use too) with fresh adapters."""
+    if lora_ref is not None:
+        return {"base": _lora_base(cfg, fns, mesh, lora_ref), "lora": fns.init_adapters(cfg.train.seed)}
     if not cfg.train.init_from_hf:
         return fns.init_params(cfg.train.seed)
     from flax import nnx
 
     from agentrefine_jax.hf.io import load_hf_model
-    from agentrefine_jax.models.quant import storage_dtype
 
-    param_dtype = storage_dtype(cfg.train.lora.base_dtype) if fns.lora_spec else cfg.model.param_dtype
     try:  # the weights' contents (NaN/Inf) are checked only here, as they are read
         _, model = load_hf_model(
-            cfg.train.init_from_hf, mesh=mesh, rules=cfg.mesh.rules, param_dtype=param_dtype
+            cfg.train.init_from_hf, mesh=mesh, rules=cfg.mesh.rules, param_dtype=cfg.model.param_dtype
         )
     except (ValueError, FileNotFoundError) as e:
         raise TrainingInputError(f"train.init_from_hf={cfg.train.init_from_hf}: {e}") from None
     log.info(f"initialised from {cfg.train.init_from_hf}")
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    if fns.lora_spec:
-        if fns.prepare_base is not None:  # int8: quantised once, here, from the bfloat16 import
-            base = fns.prepare_base(params)
-        else:
-            base = jax.device_put(params, fns.param_shardings["base"])
-        return {"base": base, "lora": fns.init_adapters(cfg.train.seed)}
-    return jax.device_put(params, fns.param_shardings)
+    return jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)), fns.param_shardings)
+
+
+def _lora_base(cfg: Config, fns: StepFns, mesh: jax.sharding.Mesh, ref: LoraMeta) -> Any:
+    """The frozen base as the trainer holds it (int8: quantised once, here, from the bfloat16 build)."""
+    try:  # an HF base's contents (NaN/Inf) are checked only here, as they are read
+        base = rebuild_base(ref.base, base_config(cfg.model, ref.base_dtype), mesh=mesh, rules=cfg.mesh.rules)
+    except (ValueError, FileNotFoundError) as e:
+        raise TrainingInputError(f"train.init_from_hf={cfg.train.init_from_hf}: {e}") from None
+    if ref.base.init_from_hf is not None:
+        log.info(f"initialised from {ref.base.init_from_hf}")
+    if fns.prepare_base is not None:
+        return fns.prepare_base(base)
+    return jax.device_put(base, fns.param_shardings["base"])

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from agentrefine_jax.checkpoint import is_url
+from agentrefine_jax.paths import is_url
 from agentrefine_jax.train.run_dir import RunPaths
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from agentrefine_jax import sharding as shd
-from agentrefine_jax.checkpoint import abstract_params, param_shardings
-from agentrefine_jax.models import lora, quant
+from agentrefine_jax.models import llama, lora, quant
 from agentrefine_jax.models.config import ModelConfig
 
 Params = dict[str, Any]
@@ -65,8 +64,8 @@ class ParamMode:
 
     def build(self, mesh: Mesh, rules: shd.Rules) -> Built:
         """Jitted initialisers, shardings and abstract shapes on `mesh`."""
-        graphdef, abs_state = abstract_params(self.model_cfg)
-        base_shard = param_shardings(abs_state, mesh, rules)
+        graphdef, abs_state = llama.abstract_params(self.model_cfg)
+        base_shard = shd.param_shardings(abs_state, mesh, rules)
         init = jax.jit(self.init_base, static_argnums=0, out_shardings=base_shard)
         with shd.use_sharding(mesh, rules):
             abstract = jax.eval_shape(lambda: self.init_base(0))

@@ -8,12 +8,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from typing import Any
 
 from etils import epath
 
-from agentrefine_jax.checkpoint import RUN_CHECKPOINTS_SUBDIR, as_path
+from agentrefine_jax.checkpoint import RUN_CHECKPOINTS_SUBDIR, CheckpointMeta
 from agentrefine_jax.config import Config, to_dict
+from agentrefine_jax.paths import as_path
 from agentrefine_jax.train.optimizer import horizon_matters
 
 log = logging.getLogger(__name__)
@@ -87,11 +87,11 @@ def check_resume_config(paths: RunPaths, cfg: Config) -> None:
         )
 
 
-def check_schedule(paths: RunPaths, meta: dict[str, Any], total_steps: int, cfg: Config) -> None:
+def check_schedule(paths: RunPaths, meta: CheckpointMeta, total_steps: int, cfg: Config) -> None:
     """The LR schedule is part of the optimizer state's meaning: a new horizon must be asked for
     (only where it changes the learning rate: cosine, not constant)."""
-    old = meta.get("schedule_steps")
-    if old is None or int(old) == total_steps or not horizon_matters(cfg.optim):
+    old = meta.schedule_steps
+    if old is None or old == total_steps or not horizon_matters(cfg.optim):
         return
     if not cfg.train.allow_schedule_change:
         raise TrainingError(

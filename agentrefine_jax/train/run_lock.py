@@ -25,7 +25,8 @@ from typing import Any
 
 from etils import epath
 
-from agentrefine_jax.checkpoint import CheckpointSaveError, as_path, is_url
+from agentrefine_jax.checkpoint import CheckpointSaveError
+from agentrefine_jax.paths import as_path, is_url
 from agentrefine_jax.train.run_dir import TrainingInputError
 
 LOCK_NAME = "trainer.lock"

@@ -461,7 +461,8 @@ def format_table(doc: dict[str, Any]) -> str:
 
 def kept_checkpoints(path: str) -> list[tuple[int, str]]:
     """(step, step dir) of every finished checkpoint of a training run dir or checkpoint root, ascending."""
-    from agentrefine_jax.checkpoint import RUN_CHECKPOINTS_SUBDIR, as_path, checkpoint_steps
+    from agentrefine_jax.checkpoint import RUN_CHECKPOINTS_SUBDIR, checkpoint_steps
+    from agentrefine_jax.paths import as_path
 
     p = as_path(path)
     root = p / RUN_CHECKPOINTS_SUBDIR if (p / RUN_CHECKPOINTS_SUBDIR).is_dir() else p
