@@ -116,7 +116,7 @@ class TrainConfig:
     eval_every: int = 0
     checkpoint_every: int = 500
     keep_checkpoints: int = 3
-    # Also save (and never delete) the checkpoint that closes each epoch; meta["epoch"] names it.
+    # Also save (and never delete) the checkpoint that closes each epoch; its meta's `epoch` names it.
     keep_epoch_checkpoints: bool = False
     # Resuming under a different LR-schedule horizon (max_steps / num_epochs) is refused unless set.
     allow_schedule_change: bool = False

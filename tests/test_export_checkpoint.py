@@ -110,7 +110,8 @@ def _raw_save(path, params: dict, cfg=CFG) -> None:
         mngr.save(
             0,
             args=ocp.args.Composite(
-                params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(ckpt.make_meta(cfg, step=0).to_json())
+                params=ocp.args.StandardSave(params),
+                meta=ocp.args.JsonSave(ckpt.make_meta(cfg, step=0).to_json()),
             ),
         )
         mngr.wait_until_finished()
