@@ -168,7 +168,6 @@ class TextWorldEnv(TextEnv):
         super().__init__(spec, vocab)
         import textworld
 
-        self._path = path
         infos = textworld.EnvInfos(
             admissible_commands=True,
             policy_commands=True,
@@ -177,7 +176,6 @@ class TextWorldEnv(TextEnv):
             won=True,
             lost=True,
             objective=True,
-            extras=["walkthrough"],
         )
         self._env = textworld.start(path, request_infos=infos)
         self._state: Any = None
@@ -189,7 +187,6 @@ class TextWorldEnv(TextEnv):
 
     def _reset(self) -> tuple[str, str]:
         self._state = self._env.reset()
-        self._walk = list(self._state.get("extra.walkthrough") or [])
         return self._state.objective, clean_feedback(self._state.feedback)
 
     def _valid_canonical(self) -> list[str]:
