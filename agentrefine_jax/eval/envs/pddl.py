@@ -164,6 +164,9 @@ _DOMAIN_FILE_FOR_DIR = {
 }
 
 
+_DEFAULT_SCRATCH = "/dev/shm"  # pddlgym.spaces.TMP_PDDL_DIR's own default
+
+
 def load_pddlgym() -> Any:
     """pddlgym with its `core` and `spaces` (both sources); gym, imported by it, prints a deprecation
     banner on import that is not ours to show."""
@@ -174,8 +177,17 @@ def load_pddlgym() -> Any:
     return pddlgym
 
 
+def _scratch_exists(pddlgym: Any) -> None:
+    """pddlgym's grounding scratch dir is a process global: a built-in run points it into its own
+    work dir, which that run deletes at its end; a later run in the same process (e.g. AgentBoard's
+    source) then falls back to pddlgym's default rather than to a directory that is gone."""
+    if not os.path.isdir(pddlgym.spaces.TMP_PDDL_DIR):
+        pddlgym.spaces.TMP_PDDL_DIR = _DEFAULT_SCRATCH
+
+
 def open_problem(domain: str, folder: str, index: int, operators_as_actions: bool = True) -> Any:
     """pddlgym's environment for problem `index` of `folder` (pddlgym's string-sorted order); both sources."""
+    _scratch_exists(load_pddlgym())
     env = load_pddlgym().core.PDDLEnv(
         domain, folder, operators_as_actions=operators_as_actions, dynamic_action_space=True
     )
@@ -186,6 +198,7 @@ def open_problem(domain: str, folder: str, index: int, operators_as_actions: boo
 def ground_literals(env: Any, state: Any) -> list[Any]:
     """The ground actions applicable in `state`, sorted (pddlgym's own order follows the string-hash seed)."""
     # pddlgym's grounding (Fast Downward's translator) prints parser warnings to stdout.
+    _scratch_exists(load_pddlgym())
     with contextlib.redirect_stdout(io.StringIO()):
         return sorted(env.action_space.all_ground_literals(state), key=str)
 
