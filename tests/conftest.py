@@ -31,3 +31,16 @@ def gcs_emulator(tmp_path_factory):
         yield emulator
     finally:
         emulator.kill()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_package_logger():
+    """A CLI run in-process (`logs.setup`) turns the package logger's propagation off so a host's
+    root handlers print nothing twice; undo that after each test so the next test's `caplog`
+    (a root handler) still sees the package's records."""
+    import logging
+
+    logger = logging.getLogger("agentrefine_jax")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved
