@@ -6,7 +6,11 @@
 * `print`, `sys.exit` and `argparse` only in CLI modules (`cli.py`, `__main__.py`, and the shared
   CLI convention `cli_errors.py`, `logs.py`);
 * model-parameter names only in the parameter table (models/params.py);
-* no function over 120 lines, and `train/step.py:build_steps` at most 80.
+* no function over 120 lines, and `train/step.py:build_steps` at most 80;
+* LoRA / int8 decided in one place: a test (`if`, `while`, conditional expression, filter,
+  short-circuit `and`/`or`) that names LoRA, int8 or quantisation only in the parameter mode
+  (train/param_mode.py) and the few homes listed in MODE_BRANCH_HOMES, each with its reason; the
+  trainer's loop and step, loaders, inference and eval read straight through.
 
 Every import counts, including the lazy ones inside functions: they are dependencies too.
 The checkers are also run on a small synthetic package with a deliberate upward import, circle
@@ -26,6 +30,20 @@ PACKAGE = REPO / "agentrefine_jax"
 # The CLI modules: each stage's cli.py / __main__.py and the shared CLI convention (errors, -q/-v).
 CLI_MODULES = ("cli.py", "__main__.py", "cli_errors.py", "logs.py")
 MAX_FUNCTION_LINES = 120
+MODE_NAME = re.compile(r"lora|int8|quant", re.I)
+# Where a test may name LoRA / int8 (a file, or file:function), and why.
+MODE_BRANCH_HOMES = {
+    "agentrefine_jax/train/param_mode.py": "the parameter mode: full / LoRA / int8 LoRA",
+    "agentrefine_jax/models/lora.py": "the adapters themselves (LoraSpec.of: rank 0 is no LoRA)",
+    "agentrefine_jax/models/quant.py": "the int8 base itself (which leaves are quantised)",
+    "agentrefine_jax/models/llama.py:proj": "the forward adds the adapters it is handed",
+    "agentrefine_jax/checkpoint/lora_base.py": "a LoRA checkpoint's stored form (int8: re-quantised)",
+    "agentrefine_jax/checkpoint/meta.py:to_json": "the meta's optional 'lora' entry, written",
+    "agentrefine_jax/checkpoint/meta.py:from_json": "the meta's optional 'lora' entry, read",
+    "agentrefine_jax/checkpoint/model.py:load_model": "the stored form: meta.lora -> lora_base",
+    "agentrefine_jax/config_checks.py:_lora_int8": "validation of train.lora at load",
+    "agentrefine_jax/export/cli.py:cmd_to_hf": "--merge-lora: a PEFT adapter directory or merged weights",
+}
 
 
 def layers_from_docs(text: str) -> list[list[str]]:
@@ -145,6 +163,50 @@ def long_functions(root: pathlib.Path) -> dict[str, int]:
     return out
 
 
+def _names_mode(node: ast.AST) -> bool:
+    for n in ast.walk(node):
+        text = n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else None
+        if isinstance(n, ast.Constant) and isinstance(n.value, str):
+            text = n.value
+        if text is not None and MODE_NAME.search(text):
+            return True
+    return False
+
+
+def mode_branches(root: pathlib.Path) -> list[tuple[str, str, int]]:
+    """(file, innermost function, line) of every test that names LoRA, int8 or quantisation."""
+    found = set()
+    for path in root.rglob("*.py"):
+        rel = str(path.relative_to(root.parent))
+
+        def visit(node: ast.AST, func: str, rel: str = rel) -> None:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                func = node.name
+            tests: list[ast.AST] = []
+            if isinstance(node, ast.If | ast.While | ast.IfExp):
+                tests = [node.test]
+            elif isinstance(node, ast.comprehension):
+                tests = list(node.ifs)
+            elif isinstance(node, ast.BoolOp):
+                tests = node.values[:-1]
+            elif isinstance(node, ast.Match):
+                tests = [node.subject]
+            found.update((rel, func, t.lineno) for t in tests if _names_mode(t))
+            for child in ast.iter_child_nodes(node):
+                visit(child, func)
+
+        visit(ast.parse(path.read_text(encoding="utf-8")), "<module>")
+    return sorted(found)
+
+
+def stray_mode_branches(root: pathlib.Path, homes: dict[str, str]) -> list[str]:
+    return [
+        f"{f}:{line}: {fn}"
+        for f, fn, line in mode_branches(root)
+        if f not in homes and f"{f}:{fn}" not in homes
+    ]
+
+
 # ------------------------------------------------------------------------------ the package
 
 
@@ -178,6 +240,14 @@ def test_functions_are_short() -> None:
     assert lengths["agentrefine_jax/train/step.py:build_steps"] <= 80
 
 
+def test_lora_and_int8_are_decided_in_the_parameter_mode() -> None:
+    assert stray_mode_branches(PACKAGE, MODE_BRANCH_HOMES) == []
+    # Every home still decides something (a home that stopped branching leaves the list).
+    found = mode_branches(PACKAGE)
+    sites = {f for f, _, _ in found} | {f"{f}:{fn}" for f, fn, _ in found}
+    assert sorted(set(MODE_BRANCH_HOMES) - sites) == []
+
+
 # ------------------------------------------------------------------------------ the checkers
 
 
@@ -191,6 +261,11 @@ def test_checkers_find_a_planted_violation(tmp_path: pathlib.Path) -> None:
         "def f():\n    from agentrefine_jax.eval import x\n    print(x)\n"
     )
     (pkg / "train" / "step.py").write_text("from agentrefine_jax.models import core\nNAMES = ('wq', 'wk')\n")
+    (pkg / "train" / "loop.py").write_text(
+        "def start(fns, ref):\n    return fns.init_adapters(0) if ref is not None else fns.init_params(0)\n"
+        "def save(cfg, params):\n    if cfg.train.lora.rank:\n        return params['a']\n"
+        "    return [p for p in params if p != 'int8']\n"
+    )
     (pkg / "eval" / "cli.py").write_text(
         "import argparse\nfrom agentrefine_jax.models import core\nprint(1)\n"
     )
@@ -201,3 +276,7 @@ def test_checkers_find_a_planted_violation(tmp_path: pathlib.Path) -> None:
     assert circles(g) == [["eval", "models", "eval"]] or circles(g) == [["models", "eval", "models"]]
     assert cli_only_calls(pkg) == ["agentrefine_jax/models/core.py:3: print"]
     assert stray_parameter_names(pkg, {"wq", "wk"}) == ["agentrefine_jax/train/step.py:2: ['wq', 'wk']"]
+    assert stray_mode_branches(pkg, {"agentrefine_jax/train/loop.py:start": "planted home"}) == [
+        "agentrefine_jax/train/loop.py:4: save",
+        "agentrefine_jax/train/loop.py:6: save",
+    ]

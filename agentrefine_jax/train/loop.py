@@ -21,26 +21,20 @@ from agentrefine_jax import sharding as shd
 from agentrefine_jax.checkpoint import (
     CheckpointIntegrityError,
     CheckpointMeta,
-    LoraBase,
-    LoraMeta,
     TrainCheckpoints,
-    base_config,
-    check_lora_base,
     choose_resume_step,
-    lora_reference,
     make_meta,
     read_meta,
-    rebuild_base,
     restore_train_state,
 )
 from agentrefine_jax.config import Config
 from agentrefine_jax.data.packing import BATCH_KEYS
-from agentrefine_jax.models.lora import LoraSpec
 from agentrefine_jax.paths import as_path, join
 from agentrefine_jax.train import flops
 from agentrefine_jax.train.hooks import Checkpointing, Evaluate, ExportAtEnd, Hook, MetricsLog, RunState
 from agentrefine_jax.train.metrics import MetricsWriter
 from agentrefine_jax.train.optimizer import make_optimizer
+from agentrefine_jax.train.param_mode import ParamMode
 from agentrefine_jax.train.run_dir import (
     RunPaths,
     TrainingError,
@@ -81,8 +75,7 @@ def build_train_step(cfg: Config, mesh: jax.sharding.Mesh, total_steps: int) -> 
         micro_batch=cfg.train.micro_batch_size,
         loss_chunk=cfg.train.loss_chunk_size,
         loss_impl=cfg.train.loss_impl,
-        lora_spec=LoraSpec.of(cfg.train.lora),
-        lora_base_dtype=cfg.train.lora.base_dtype,
+        mode=ParamMode.of(cfg),
     )
     return fns, schedule
 
@@ -211,10 +204,10 @@ def _train(cfg: Config, paths: RunPaths) -> dict[str, Any]:
         resume_step = choose_resume_step(paths.checkpoints, paths.rejected)
     except CheckpointIntegrityError as e:
         raise TrainingError(str(e)) from None
-    meta = _run_meta(cfg, paths, resume_step, total_steps, pipeline.steps_per_epoch)
+    meta = _run_meta(cfg, paths, fns.mode, resume_step, total_steps, pipeline.steps_per_epoch)
     keep_every = pipeline.steps_per_epoch if tc.keep_epoch_checkpoints else 0
     ckpts = TrainCheckpoints(paths.checkpoints, keep=tc.keep_checkpoints, keep_every=keep_every)
-    state = _start_state(cfg, paths, fns, mesh, ckpts, resume_step, total_steps, meta.lora)
+    state = _start_state(cfg, paths, fns, mesh, ckpts, resume_step, total_steps, meta)
     writer = MetricsWriter(paths, state.start_step)
     metrics_log, checkpointing, hooks = _hooks(cfg, fns, schedule, writer, ckpts, meta, state, batch_rows)
     log.info(
@@ -293,10 +286,16 @@ def _train_pipeline(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[Any, Any, int
 
 
 def _run_meta(
-    cfg: Config, paths: RunPaths, resume_step: int | None, total_steps: int, steps_per_epoch: int
+    cfg: Config,
+    paths: RunPaths,
+    mode: ParamMode,
+    resume_step: int | None,
+    total_steps: int,
+    steps_per_epoch: int,
 ) -> CheckpointMeta:
     """The meta every checkpoint of this run carries (each save stamps its step and epoch); on
-    resume, checked against the checkpoint's: the schedule's horizon and the LoRA base."""
+    resume, checked against the checkpoint's: the schedule's horizon and the parameter mode's
+    (a LoRA run's base)."""
     source_dtype = None
     stored = read_meta(paths.checkpoints, resume_step) if resume_step is not None else None
     if stored is not None:
@@ -306,14 +305,7 @@ def _run_meta(
         from agentrefine_jax.hf.io import hf_storage_dtype
 
         source_dtype = hf_storage_dtype(cfg.train.init_from_hf)
-    lora_ref = lora_reference(cfg) if LoraSpec.of(cfg.train.lora) is not None else None
-    if lora_ref is not None and stored is not None:
-        try:
-            was = stored.lora.base if stored.lora is not None else LoraBase()
-            check_lora_base(was, lora_ref.base, what=f"resuming {paths.checkpoints}")
-        except ValueError as e:
-            raise TrainingInputError(str(e)) from None
-    return make_meta(
+    meta = make_meta(
         cfg.model,
         step=resume_step or 0,
         config=cfg,
@@ -322,8 +314,11 @@ def _run_meta(
         source_dtype=source_dtype,
         schedule_steps=total_steps,
         steps_per_epoch=steps_per_epoch,
-        lora=lora_ref,
+        **mode.meta_fields(cfg),
     )
+    if stored is not None:
+        mode.check_resume(stored, meta, what=f"resuming {paths.checkpoints}")
+    return meta
 
 
 def _start_state(
@@ -334,11 +329,11 @@ def _start_state(
     ckpts: TrainCheckpoints,
     resume_step: int | None,
     total_steps: int,
-    lora_ref: LoraMeta | None,
+    meta: CheckpointMeta,
 ) -> RunState:
     """Params and optimizer state restored from `resume_step`, or fresh (then config.json is written)."""
     if resume_step is None:
-        params = _initial_params(cfg, fns, mesh, lora_ref)
+        params = fns.mode.fresh(cfg, fns.built, mesh, meta)
         opt_state = fns.init_opt(params)
         if jax.process_index() == 0:
             paths.write_config(cfg)
@@ -352,9 +347,7 @@ def _start_state(
         )
     except ValueError as e:
         raise TrainingError(str(e)) from None
-    params = restored["params"]
-    if lora_ref is not None:  # the checkpoint holds the adapters; the base is rebuilt from its reference
-        params = {"base": _lora_base(cfg, fns, mesh, lora_ref), "lora": params}
+    params = fns.mode.restored(restored["params"], cfg, fns.built, mesh, meta)
     log.info(f"resumed from {paths.checkpoints}/{resume_step}")
     return RunState(resume_step, total_steps, resume_step, params, restored["opt_state"])
 
@@ -467,37 +460,3 @@ def check_init_from_hf(cfg: Config) -> None:
             f"data.max_length={cfg.data.max_length} exceeds the context of {where} "
             f"(max_position_embeddings={hf_cfg.max_position_embeddings})"
         )
-
-
-def _initial_params(cfg: Config, fns: StepFns, mesh: jax.sharding.Mesh, lora_ref: LoraMeta | None) -> Any:
-    """Fresh params: the model (seeded, or read from train.init_from_hf); a LoRA run's frozen base
-    (the one rebuild loaders use too) with fresh adapters."""
-    if lora_ref is not None:
-        return {"base": _lora_base(cfg, fns, mesh, lora_ref), "lora": fns.init_adapters(cfg.train.seed)}
-    if not cfg.train.init_from_hf:
-        return fns.init_params(cfg.train.seed)
-    from flax import nnx
-
-    from agentrefine_jax.hf.io import load_hf_model
-
-    try:  # the weights' contents (NaN/Inf) are checked only here, as they are read
-        _, model = load_hf_model(
-            cfg.train.init_from_hf, mesh=mesh, rules=cfg.mesh.rules, param_dtype=cfg.model.param_dtype
-        )
-    except (ValueError, FileNotFoundError) as e:
-        raise TrainingInputError(f"train.init_from_hf={cfg.train.init_from_hf}: {e}") from None
-    log.info(f"initialised from {cfg.train.init_from_hf}")
-    return jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)), fns.param_shardings)
-
-
-def _lora_base(cfg: Config, fns: StepFns, mesh: jax.sharding.Mesh, ref: LoraMeta) -> Any:
-    """The frozen base as the trainer holds it (int8: quantised once, here, from the bfloat16 build)."""
-    try:  # an HF base's contents (NaN/Inf) are checked only here, as they are read
-        base = rebuild_base(ref.base, base_config(cfg.model, ref.base_dtype), mesh=mesh, rules=cfg.mesh.rules)
-    except (ValueError, FileNotFoundError) as e:
-        raise TrainingInputError(f"train.init_from_hf={cfg.train.init_from_hf}: {e}") from None
-    if ref.base.init_from_hf is not None:
-        log.info(f"initialised from {ref.base.init_from_hf}")
-    if fns.prepare_base is not None:
-        return fns.prepare_base(base)
-    return jax.device_put(base, fns.param_shardings["base"])

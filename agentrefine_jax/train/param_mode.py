@@ -11,11 +11,18 @@ differentiated (the base enters the loss as a constant). Dropout keys come from 
 optimizer's update count, so a resumed run draws the same masks.
 int8 LoRA: as LoRA, with the base's projections stored as int8 + per-channel scales
 (models/quant.py), quantised by one jitted function shared with the HF-import path.
+
+The trainer's loop asks it too: the fresh params (seeded, from `train.init_from_hf`, or a LoRA
+run's frozen base rebuilt from its reference with fresh adapters), the params a checkpoint
+restores into, what a checkpoint's meta records about them and whether a resume may use it.
+A LoRA checkpoint's stored form (reference, identity, rebuild, load for merge/export) is
+checkpoint/lora_base.py, below the trainer, shared with every loader.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -25,10 +32,21 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from agentrefine_jax import sharding as shd
+from agentrefine_jax.checkpoint import (
+    CheckpointMeta,
+    LoraBase,
+    base_config,
+    check_lora_base,
+    lora_reference,
+    rebuild_base,
+)
+from agentrefine_jax.config import Config
 from agentrefine_jax.models import llama, lora, quant
 from agentrefine_jax.models.config import ModelConfig
+from agentrefine_jax.train.run_dir import TrainingInputError
 
 Params = dict[str, Any]
+log = logging.getLogger("agentrefine_jax.train")
 # A step's loss over the trained subset: (trained, micro batch, dropout key) -> ((loss sum, tokens), ...)
 LossFn = Callable[[Params, Any, Any], Any]
 
@@ -41,7 +59,14 @@ class ParamMode:
     int8: bool = False
 
     @classmethod
-    def of(cls, model_cfg: ModelConfig, lora_spec: lora.LoraSpec | None, base_dtype: str | None) -> ParamMode:
+    def of(cls, cfg: Config) -> ParamMode:
+        """The run's mode, from its config (`train.lora`)."""
+        return cls.of_settings(cfg.model, lora.LoraSpec.of(cfg.train.lora), cfg.train.lora.base_dtype)
+
+    @classmethod
+    def of_settings(
+        cls, model_cfg: ModelConfig, lora_spec: lora.LoraSpec | None, base_dtype: str | None
+    ) -> ParamMode:
         merged = model_cfg.param_dtype
         if lora_spec is not None and base_dtype:  # the frozen base is stored in its own dtype
             model_cfg = dataclasses.replace(model_cfg, param_dtype=quant.storage_dtype(base_dtype))
@@ -118,6 +143,66 @@ class ParamMode:
             return params
         return lora.merge(params["base"], params["lora"], self.lora_spec, self.merged_dtype)
 
+    # ------------------------------------------------------------------ a run's checkpoints
+
+    def meta_fields(self, cfg: Config) -> dict[str, Any]:
+        """What a checkpoint's meta records beyond the model: a LoRA run's base reference (how to
+        rebuild the frozen base exactly, with its identity), since its `params` are the adapters."""
+        return {} if self.lora_spec is None else {"lora": lora_reference(cfg)}
+
+    def check_resume(self, stored: CheckpointMeta, now: CheckpointMeta, *, what: str) -> None:
+        """Refuse to resume adapters onto another base than the one they were trained on."""
+        if now.lora is None:
+            return
+        try:
+            check_lora_base(
+                stored.lora.base if stored.lora is not None else LoraBase(), now.lora.base, what=what
+            )
+        except ValueError as e:
+            raise TrainingInputError(str(e)) from None
+
+    def fresh(self, cfg: Config, built: Built, mesh: Mesh, meta: CheckpointMeta) -> Params:
+        """Fresh params: the model (seeded, or read from train.init_from_hf); a LoRA run's frozen
+        base (the one rebuild loaders use too) with fresh adapters."""
+        if self.lora_spec is not None:
+            return {"base": self._base(cfg, built, mesh, meta), "lora": built.init_adapters(cfg.train.seed)}
+        if not cfg.train.init_from_hf:
+            return built.init(cfg.train.seed)
+        from agentrefine_jax.hf.io import load_hf_model
+
+        try:  # the weights' contents (NaN/Inf) are checked only here, as they are read
+            _, model = load_hf_model(
+                cfg.train.init_from_hf, mesh=mesh, rules=cfg.mesh.rules, param_dtype=cfg.model.param_dtype
+            )
+        except (ValueError, FileNotFoundError) as e:
+            raise TrainingInputError(f"train.init_from_hf={cfg.train.init_from_hf}: {e}") from None
+        log.info(f"initialised from {cfg.train.init_from_hf}")
+        return jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)), built.shardings)
+
+    def restored(
+        self, trained: Params, cfg: Config, built: Built, mesh: Mesh, meta: CheckpointMeta
+    ) -> Params:
+        """The params of a resumed run from its checkpoint's trained subset: a LoRA checkpoint
+        holds the adapters, the base is rebuilt from its reference."""
+        if self.lora_spec is None:
+            return trained
+        return {"base": self._base(cfg, built, mesh, meta), "lora": trained}
+
+    def _base(self, cfg: Config, built: Built, mesh: Mesh, meta: CheckpointMeta) -> Params:
+        """The frozen base as the trainer holds it (int8: quantised once, here, from the bfloat16 build)."""
+        ref = meta.lora
+        try:  # an HF base's contents (NaN/Inf) are checked only here, as they are read
+            base = rebuild_base(
+                ref.base, base_config(cfg.model, ref.base_dtype), mesh=mesh, rules=cfg.mesh.rules
+            )
+        except (ValueError, FileNotFoundError) as e:
+            raise TrainingInputError(f"train.init_from_hf={cfg.train.init_from_hf}: {e}") from None
+        if ref.base.init_from_hf is not None:
+            log.info(f"initialised from {ref.base.init_from_hf}")
+        if self.int8:
+            return built.prepare_base(base)
+        return jax.device_put(base, built.shardings["base"])
+
 
 @dataclasses.dataclass(frozen=True)
 class Built:
@@ -127,6 +212,24 @@ class Built:
     init: Callable[[int], Params]
     init_adapters: Callable[[int], Params] | None
     prepare_base: Callable[[Params], Params] | None
+
+    def wrapped(self, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Built:
+        """The same, each initialiser wrapped (step.py: run under the mesh's sharding rules)."""
+        return dataclasses.replace(
+            self,
+            init=wrap(self.init),
+            init_adapters=self.init_adapters and wrap(self.init_adapters),
+            prepare_base=self.prepare_base and wrap(self.prepare_base),
+        )
+
+
+def forward_inputs(
+    params: Params, lora_spec: lora.LoraSpec | None, dropout_key: jax.Array | None
+) -> tuple[Params, tuple[lora.LoraSpec, lora.Adapters, jax.Array | None] | None]:
+    """The model's own params and the forward's `adapters` argument (None: full fine-tuning)."""
+    if lora_spec is None:
+        return params, None
+    return params["base"], (lora_spec, params["lora"], dropout_key)
 
 
 def _lora_shardings(spec: lora.LoraSpec, cfg: ModelConfig, mesh: Mesh, rules: shd.Rules) -> Params:

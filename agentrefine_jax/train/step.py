@@ -23,7 +23,7 @@ from agentrefine_jax.data.packing import BATCH_KEYS
 from agentrefine_jax.models import Transformer, lora
 from agentrefine_jax.models.config import ModelConfig
 from agentrefine_jax.train.loss import chunked_cross_entropy, resolve_loss_impl, target_weights
-from agentrefine_jax.train.param_mode import ParamMode
+from agentrefine_jax.train.param_mode import Built, ParamMode, forward_inputs
 
 Params = dict[str, Any]
 Batch = dict[str, jax.Array]
@@ -38,18 +38,18 @@ class StepFns:
     abstract_params: Params
     abstract_opt: Any
     batch_sharding: NamedSharding
-    init_params: Callable[[int], Params]
     init_opt: Callable[[Params], Any]
     train: Callable[[Params, Any, Batch], tuple[Params, Any, dict[str, jax.Array]]]
     evaluate: Callable[[Params, Batch], tuple[jax.Array, jax.Array]]
-    # LoRA: params are {"base": frozen model params, "lora": adapters}; only the adapters are
-    # differentiated, held in the optimizer state and checkpointed (`trainable`).
-    lora_spec: lora.LoraSpec | None = None
-    init_adapters: Callable[[int], Params] | None = None
-    merged_dtype: str | None = None  # model.param_dtype: what a merged LoRA model is cast to
-    # int8 base: a bfloat16 base's params (HF import) -> the stored, quantised base; else None.
-    prepare_base: Callable[[Params], Params] | None = None
-    mode: ParamMode | None = None
+    # Full / LoRA / int8 LoRA: what is held, trained, saved and merged (param_mode.py), and its
+    # initialisers on this mesh (LoRA: params are {"base": frozen base, "lora": adapters}).
+    mode: ParamMode
+    built: Built
+
+    @property
+    def init_params(self) -> Callable[[int], Params]:
+        """Seeded params of the whole mode (LoRA: a random base and fresh adapters)."""
+        return self.built.init
 
     def trainable(self, params: Params) -> Params:
         """What the optimizer updates and a checkpoint stores: all params, or the adapters."""
@@ -77,10 +77,7 @@ def loss_sums(
     lora_spec: lora.LoraSpec | None = None,
     dropout_key: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    adapters = None
-    if lora_spec is not None:
-        adapters = (lora_spec, params["lora"], dropout_key)
-        params = params["base"]
+    params, adapters = forward_inputs(params, lora_spec, dropout_key)
     model: Transformer = nnx.merge(graphdef, params)
     hidden, _ = model.forward(batch["input_ids"], batch["positions"], batch["segment_ids"], adapters=adapters)
     targets, weights = target_weights(batch)
@@ -99,8 +96,10 @@ def build_steps(
     loss_impl: str = "auto",
     lora_spec: lora.LoraSpec | None = None,
     lora_base_dtype: str | None = None,
+    mode: ParamMode | None = None,
 ) -> StepFns:
-    mode = ParamMode.of(model_cfg, lora_spec, lora_base_dtype)
+    """The jitted steps for `mode` (default: from model_cfg, lora_spec and lora_base_dtype)."""
+    mode = mode or ParamMode.of_settings(model_cfg, lora_spec, lora_base_dtype)
     micro = micro_batch or global_batch
     if global_batch % micro:
         raise ValueError(f"train.global_batch_size={global_batch} not divisible by micro_batch_size={micro}")
@@ -143,7 +142,9 @@ def build_steps(
         return mode.with_trained(params, new_params), new_opt, metrics
 
     def eval_step(params: Params, batch: Batch) -> tuple[jax.Array, jax.Array]:
-        return loss_sums(graphdef, params, batch, loss_chunk, loss_impl, mode.lora_spec)
+        return mode.loss(loss_sums, graphdef, params, chunk=loss_chunk, impl=loss_impl)(
+            mode.trainable(params), batch, None
+        )
 
     batch_tree = {k: b_shard for k in BATCH_KEYS}
     train_jit = jax.jit(
@@ -156,10 +157,8 @@ def build_steps(
     ruled = functools.partial(_with_rules, mesh, rules)
     return StepFns(
         graphdef=graphdef, param_shardings=p_shard, opt_shardings=opt_shard, abstract_params=built.abstract,
-        abstract_opt=abstract_opt, batch_sharding=b_shard, init_params=ruled(built.init),
-        init_opt=ruled(init_opt), train=ruled(train_jit), evaluate=ruled(eval_jit), lora_spec=mode.lora_spec,
-        init_adapters=built.init_adapters and ruled(built.init_adapters), merged_dtype=mode.merged_dtype,
-        prepare_base=built.prepare_base and ruled(built.prepare_base), mode=mode,
+        abstract_opt=abstract_opt, batch_sharding=b_shard, init_opt=ruled(init_opt), train=ruled(train_jit),
+        evaluate=ruled(eval_jit), mode=mode, built=built.wrapped(ruled),
     )  # fmt: skip
 
 
