@@ -1,7 +1,8 @@
 """A LoRA run's frozen base: its reference in the checkpoint (`lora_reference`), its identity
 (`weights_digest` of an HF directory, `shapes_digest` of a random model; `check_lora_base`), and
 the one rebuild (`rebuild_base`) that both the trainer (start and resume) and every loader
-(`load_lora`: merge, export, inference) use, so the base the adapters meet is the same bit for bit.
+(`load_lora`, `load_merged`: merge, export, inference) use, so the base the adapters meet is the
+same bit for bit.
 """
 
 from __future__ import annotations
@@ -151,6 +152,24 @@ def load_lora(
         params_dir, args=ocp.args.StandardRestore(target)
     )
     return base_cfg, base, spec, adapters
+
+
+def load_merged(
+    path: str | pathlib.Path | epath.Path,
+    meta: CheckpointMeta,
+    model_cfg: ModelConfig,
+    *,
+    mesh: Mesh | None,
+    rules: Any,
+    **changes: Any,
+) -> llama.Transformer:
+    """A LoRA step as the model it describes: the base rebuilt, the adapters merged into it in
+    float32 and cast to `model_cfg.param_dtype` (`load_model`: generate, serve, eval, export)."""
+    _, base, spec, adapters = load_lora(path, meta, mesh=mesh, rules=rules, **changes)
+    merged = lora.merge(base, adapters, spec, dtype=model_cfg.param_dtype)
+    graphdef, abs_params = llama.abstract_params(model_cfg)
+    nnx.replace_by_pure_dict(abs_params, merged)
+    return nnx.merge(graphdef, abs_params)
 
 
 def _adapter_target(

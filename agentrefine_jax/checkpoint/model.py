@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from agentrefine_jax.checkpoint.format import ITEM_META, ITEM_PARAMS, compare_trees, manager
 from agentrefine_jax.checkpoint.integrity import open_step, write_manifest
+from agentrefine_jax.checkpoint.lora_base import load_merged
 from agentrefine_jax.checkpoint.meta import CheckpointMeta, make_meta
 from agentrefine_jax.models import llama
 from agentrefine_jax.models.config import ModelConfig
@@ -95,15 +96,12 @@ def load_model(
         changes["param_dtype"] = param_dtype
     if changes:
         model_cfg = dataclasses.replace(model_cfg, **changes)
-    if meta.lora is not None:  # adapters only: rebuild the base, merge in float32, cast to param_dtype
-        from agentrefine_jax.checkpoint.lora_base import load_lora
-        from agentrefine_jax.models import lora
-
-        _, base, spec, adapters = load_lora(root / str(step), meta, mesh=mesh, rules=rules, **changes)
-        merged = lora.merge(base, adapters, spec, dtype=model_cfg.param_dtype)
-        graphdef, abs_params = llama.abstract_params(model_cfg)
-        nnx.replace_by_pure_dict(abs_params, merged)
-        return model_cfg, nnx.merge(graphdef, abs_params), meta
+    if meta.lora is not None:  # the stored form of a LoRA run: adapters + the base's reference
+        return (
+            model_cfg,
+            load_merged(root / str(step), meta, model_cfg, mesh=mesh, rules=rules, **changes),
+            meta,
+        )
 
     graphdef, abs_params = llama.abstract_params(model_cfg)
     expected = nnx.to_pure_dict(abs_params)
