@@ -20,7 +20,7 @@ One concern per module:
   meta.py         `CheckpointMeta` / `LoraMeta`: the typed meta item (the JSON is unchanged)
   integrity.py    manifests, verification, the newest intact step, opening a verified step
   model.py        `save_model` / `load_model`
-  lora_base.py    a LoRA base's reference, identity, the one rebuild (`rebuild_base`), `load_lora` / `load_merged`
+  lora_base.py    a LoRA base's reference, identity, rebuild (`rebuild_base`); `load_lora`, `load_merged`
   train_state.py  the trainer's save/restore, background saves (`TrainCheckpoints`), resume choice
 """
 
