@@ -62,8 +62,14 @@ def test_cache_compacts_then_restarts_at_its_limit(model) -> None:
     vocab = model.cfg.vocab_size
     sessions = SessionCache(model, slots=2, max_columns=256)
     prompts = {k: rng.integers(1, vocab, 100).tolist() for k in "xy"}
-    _turns(model, sessions, ["x", "y"], prompts, rng, turns=5)
-    # Every call appends a block of columns; the dead ones were packed away instead of a restart.
+    _turns(model, sessions, ["x", "y"], prompts, rng, turns=2)
+    # A rewritten history leaves x's old columns dead; once the columns run out they are packed away
+    # instead of a restart.
+    prompts["x"] = prompts["x"][:100] + prompts["x"][120:]
+    for _ in range(6):
+        _turns(model, sessions, ["x", "y"], prompts, rng, turns=1)
+        if sessions.stats["compactions"]:
+            break
     assert sessions.stats["compactions"] >= 1 and sessions.stats["resets"] == 0
     assert sessions.cache["segment_ids"].shape[1] == 256
     _turns(model, sessions, ["x", "y"], prompts, rng, turns=4)  # the rows alone outgrow the limit

@@ -7,18 +7,21 @@ common prefix with what that row already holds; a history that changed earlier (
 re-rendered) simply shares a shorter prefix, and the rest of the row is masked out.
 
 Layout. The cache has one write index shared by all rows (the model's cache format). Each call
-appends one block of columns, every row's new tokens right-aligned in it (segment 0 elsewhere),
-then the decode steps append one column each. A row's tokens therefore sit in increasing but
-not contiguous columns; every other column of the row has segment 0, which no real query
-attends (`attention_mask`: equal segments and causal positions), and positions are the row's own
-token positions, so a row computes what it would compute alone. Columns of tokens that are no
-longer part of a row (after the common prefix, an evicted conversation's, filler of rows that
-sat out a call, decode steps after a row ended) are set to segment 0 before each call attends.
-When the columns run out, each row's live columns are first packed to the front of the row
-(compaction: a gather, same shape, so the cache stays about as long as its longest conversation
-instead of growing by every call's block); only if they still do not fit does the cache grow to
-the next power of two (one compile per size); at `max_columns` every row starts over (fresh
-prefills).
+writes one block of columns (a bucketed width: one compile per width), every row's new tokens
+left-aligned in it (segment 0 elsewhere), and the index moves only past the longest row's new
+tokens, so the decode steps, one column each, overwrite the block's padding tail. A row's tokens
+therefore sit in increasing but not contiguous columns; every other column of the row has
+segment 0, which no real query attends (`attention_mask`: equal segments and causal positions),
+and positions are the row's own token positions, so a row computes what it would compute alone.
+Columns of tokens that are no longer part of a row (after the common prefix, an evicted
+conversation's, filler of rows that sat out a call, decode steps after a row ended) are set to
+segment 0 before each call attends.
+Each call sizes the cache to the power of two its columns need (one compile per size): the
+prefill and every decode step attend over, and copy, all of the cache's columns, so none are
+kept beyond the last one written. When a call would need the next power of two, each row's live
+columns are first packed to the front of the row (compaction: a gather, so the cache stays about
+as long as its longest conversation instead of growing by every call's block); only if they
+still do not fit does it grow; at `max_columns` every row starts over (fresh prefills).
 
 Slots are assigned per conversation key; a key seen for the first time takes a free slot, or
 the least recently used one not in the current call ("continuous batching": a finished
@@ -57,14 +60,24 @@ class _Slot:
 
 
 def _extend(
-    graphdef: nnx.GraphDef, state: nnx.State, cache: dict, ids: jax.Array, pos: jax.Array, seg: jax.Array
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    cache: dict,
+    ids: jax.Array,
+    pos: jax.Array,
+    seg: jax.Array,
+    last: jax.Array,
+    end: jax.Array,
 ) -> tuple[jax.Array, dict]:
-    """Append a block of tokens to the cache; next-token logits of each row's last column."""
+    """Write a block of left-aligned tokens at the cache's index; next-token logits of each row's
+    column `last[row]`. The index then moves to `end` (past the longest row's tokens), so the
+    next writes reuse the block's all-padding tail instead of leaving it dead in every row."""
     model = nnx.merge(graphdef, state)
     if ids.shape[1] > PREFILL_BLOCK and not model.cfg.attention_block_size:
         model.cfg = dataclasses.replace(model.cfg, attention_block_size=PREFILL_BLOCK)
     hidden, cache = model.forward(ids, pos, seg, cache)
-    return model.logits(hidden[:, -1:])[:, 0], cache
+    hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
+    return model.logits(hidden)[:, 0], {**cache, "index": end}
 
 
 def _keep(cache: dict, keep: jax.Array) -> dict:
@@ -89,17 +102,21 @@ def _compact(cache: dict, src: jax.Array, valid: jax.Array, index: jax.Array) ->
     }
 
 
-def _grow(cache: dict, columns: int) -> dict:
-    def pad(a: jax.Array, axis: int) -> jax.Array:
+def _resize(cache: dict, columns: int) -> dict:
+    """The first `columns` columns, padded with empty ones (segment 0) where the cache is shorter."""
+
+    def fit(a: jax.Array, axis: int) -> jax.Array:
+        if a.shape[axis] >= columns:
+            return jax.lax.slice_in_dim(a, 0, columns, axis=axis)
         widths = [(0, 0)] * a.ndim
         widths[axis] = (0, columns - a.shape[axis])
         return jnp.pad(a, widths)
 
     return {
-        "k": pad(cache["k"], 2),
-        "v": pad(cache["v"], 2),
-        "segment_ids": pad(cache["segment_ids"], 1),
-        "positions": pad(cache["positions"], 1),
+        "k": fit(cache["k"], 2),
+        "v": fit(cache["v"], 2),
+        "segment_ids": fit(cache["segment_ids"], 1),
+        "positions": fit(cache["positions"], 1),
         "index": cache["index"],
     }
 
@@ -109,7 +126,7 @@ def _programs() -> tuple:
     return (
         jax.jit(_extend, static_argnums=0),
         jax.jit(_keep),
-        jax.jit(_grow, static_argnums=1),
+        jax.jit(_resize, static_argnums=1),
         jax.jit(_compact),
     )
 
@@ -177,6 +194,8 @@ class SessionCache:
         for slot in self.slots:
             if slot.key == key:
                 slot.key, slot.tokens, slot.columns, slot.last_used = None, [], [], -1
+        if not any(slot.columns for slot in self.slots):
+            self.index = 0  # nothing live: the next call writes from the first column (and is masked)
 
     # ------------------------------------------------------------------ one batch
 
@@ -214,7 +233,7 @@ class SessionCache:
         stops: Stops,
         seed: int,
     ) -> list[Generation]:
-        extend, keep, grow, _ = _programs()
+        extend, keep, resize, _ = _programs()
         self.calls += 1
         rows = self._assign(keys)
         row_to_req.update({r: q for r, q in zip(rows, req_ids, strict=True)})
@@ -239,37 +258,45 @@ class SessionCache:
             size *= 2
         if self.cache is None:
             self.cache = init_cache(self.model.cfg, len(self.slots), size)
-        elif self.cache["segment_ids"].shape[1] < size:
-            self.cache = grow(self.cache, size)
+        elif self.cache["segment_ids"].shape[1] != size:
+            # Every live column lies before `index`, so the cache is cut to the bucket this call needs
+            # (after a compaction it shrinks): prefill and each decode step attend over (and copy) every
+            # column, and a cache twice as long as needed made each decode step up to ~2x slower.
+            self.cache = resize(self.cache, size)
         # Mask what no row holds any more before anything attends: columns after a common
         # prefix, an evicted conversation's, and filler written by the previous call's decode.
-        self.cache = keep(self.cache, jnp.asarray(self._live_columns()))
+        self.cache = {**keep(self.cache, jnp.asarray(self._live_columns())), "index": jnp.int32(self.index)}
         start = self.index
         b = len(self.slots)
         ids = np.zeros((b, width), np.int32)
         pos = np.zeros((b, width), np.int32)
         seg = np.zeros((b, width), np.int32)
+        last = np.zeros(b, np.int32)  # rows not in this call: any column (their logits are unused)
         for r, suffix in zip(rows, suffixes, strict=True):
             slot, k = self.slots[r], len(suffix)
-            ids[r, width - k :] = suffix
-            pos[r, width - k :] = np.arange(len(slot.tokens), len(slot.tokens) + k)
-            seg[r, width - k :] = 1
+            ids[r, :k] = suffix
+            pos[r, :k] = np.arange(len(slot.tokens), len(slot.tokens) + k)
+            seg[r, :k] = 1
+            last[r] = k - 1
             slot.tokens += suffix
-            slot.columns += range(start + width - k, start + width)
+            slot.columns += range(start, start + k)
             slot.last_used = self.calls
             self.stats["prefill_tokens"] += k
             self.stats["reused_tokens"] += len(slot.tokens) - k
-        logits, self.cache = extend(self.graphdef, self.state, self.cache, ids, pos, seg)
+        end = start + max(len(x) for x in suffixes)
+        logits, self.cache = extend(
+            self.graphdef, self.state, self.cache, ids, pos, seg, last, jnp.int32(end)
+        )
         positions = [len(s.tokens) for s in self.slots]
         gens, self.cache, steps = decode_rows(
             self.graphdef, self.state, self.cache, logits, positions, rows, max_new_tokens=max_new_tokens,
             temperature=temperature, top_p=top_p, stops=stops, seed=seed,
         )  # fmt: skip
-        self.index = start + width + steps
+        self.index = end + steps
         for r in rows:  # every sampled token was fed: the row now holds prompt + reply
             tokens = gens[r].tokens
             self.slots[r].tokens += tokens
-            self.slots[r].columns += range(start + width, start + width + len(tokens))
+            self.slots[r].columns += range(end, end + len(tokens))
         return [gens[r] for r in rows]
 
     def _compact(self) -> None:
