@@ -27,7 +27,8 @@ import numpy as np
 from flax import nnx
 
 from agentrefine_jax.inference.sampling import row_keys, sample
-from agentrefine_jax.models.llama import Transformer, init_cache
+from agentrefine_jax.models import cpu_layout
+from agentrefine_jax.models.llama import Transformer, init_cache, stack_cache, unstack_cache
 
 DEFAULT_CHUNK = 16
 # Long prompts are prefilled in query blocks of this many tokens (exact), so the attention
@@ -177,8 +178,20 @@ def _decode_chunk(
         hidden, cache = model.forward(tok[:, None], pos[:, None], seg, cache)
         return i + 1, cache, model.logits(hidden)[:, 0], pos + 1, done, out
 
-    init = (jnp.int32(0), cache, logits, pos, done, jnp.zeros((b, chunk), jnp.int32))
-    return jax.lax.while_loop(cond, body, init)
+    # CPU: per-layer cache arrays inside the loop, so a step writes its column in place rather
+    # than copying every layer's cache through the layer scan (~1/3 of a tiny model's step at
+    # 2k columns). Same layer math, unrolled.
+    layered = cpu_layout.active(model.cfg)
+    init = (
+        jnp.int32(0),
+        unstack_cache(cache) if layered else cache,
+        logits,
+        pos,
+        done,
+        jnp.zeros((b, chunk), jnp.int32),
+    )
+    steps, cache, logits, pos, done, out = jax.lax.while_loop(cond, body, init)
+    return steps, stack_cache(cache) if layered else cache, logits, pos, done, out
 
 
 @functools.cache

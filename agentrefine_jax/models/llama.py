@@ -226,8 +226,10 @@ class Transformer(nnx.Module):
                 cfg, p, carry, sin, cos, segment_ids, positions, k_seg, k_pos, kv, index, spec
             )
 
-        # The CPU layout unrolls the layers (models/cpu_layout.py); decoding keeps the scan.
-        scan = cfg.scan_layers and not (cache is None and cpu_layout.active(cfg))
+        # The CPU layout unrolls the layers (models/cpu_layout.py); decoding keeps the scan unless
+        # the cache comes as one array per layer (see `unstack_cache`).
+        layered = cache is not None and isinstance(cache["k"], tuple)
+        scan = cfg.scan_layers and not layered and not (cache is None and cpu_layout.active(cfg))
         if cfg.remat_policy != "none":
             body = jax.checkpoint(body, policy=_REMAT[cfg.remat_policy], prevent_cse=not scan)
         kv_stack = None if cache is None else (cache["k"], cache["v"])
@@ -239,7 +241,9 @@ class Transformer(nnx.Module):
                 layer_kv = None if kv_stack is None else (kv_stack[0][i], kv_stack[1][i])
                 x, kv_i = body(x, (jax.tree.map(lambda a, i=i: a[i], weights), layer_kv))
                 outs.append(kv_i)
-            new_kv = None if kv_stack is None else tuple(jnp.stack(t) for t in zip(*outs, strict=True))
+            new_kv = None
+            if kv_stack is not None:
+                new_kv = tuple((tuple if layered else jnp.stack)(t) for t in zip(*outs, strict=True))
 
         hidden = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
         new_cache = None
@@ -252,6 +256,20 @@ class Transformer(nnx.Module):
                 "index": index + s,
             }
         return hidden, new_cache
+
+
+def unstack_cache(cache: Cache) -> Cache:
+    """The cache with one K and one V array per layer (tuples), for a loop of decode steps.
+
+    Under the layer scan every step copies each layer's whole cache in (the scanned slice) and out
+    (the stacked result) to write one column; with separate arrays carried by the loop the write
+    is in place and attention reads the array itself. `stack_cache` undoes it.
+    """
+    return {**cache, "k": tuple(cache["k"]), "v": tuple(cache["v"])}
+
+
+def stack_cache(cache: Cache) -> Cache:
+    return {**cache, "k": jnp.stack(cache["k"]), "v": jnp.stack(cache["v"])}
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = None) -> Cache:
