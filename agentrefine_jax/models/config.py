@@ -62,7 +62,8 @@ class ModelConfig:
     splash_block_kv_compute: int = 512
     # 2-D projections (models/cpu_layout.py) and one-batch-dimension attention dots
     # (attention.attend_flat), layers unrolled: faster on XLA:CPU, same numbers; training (no KV
-    # cache) only. "auto" = on when the step's devices are CPUs (models/cpu_layout.active).
+    # cache) only, except that decode loops then unroll the layers over per-layer cache arrays
+    # (inference/engine.py). "auto" = on when the step's devices are CPUs (models/cpu_layout.active).
     cpu_layout: bool | str = "auto"
     bos_token_id: int = 128000
     eos_token_ids: tuple[int, ...] = (128001, 128009)
