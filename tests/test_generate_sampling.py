@@ -1,5 +1,6 @@
-"""Sampling: reproducible per seed, top_p -> 0 is greedy, samples stay in the nucleus and follow
-the renormalised distribution; compiles are reused across prompt lengths; bad input is refused."""
+"""Sampling: the blocked greedy argmax picks jnp.argmax's index; reproducible per seed,
+top_p -> 0 is greedy, samples stay in the nucleus and follow the renormalised distribution;
+compiles are reused across prompt lengths; bad input is refused."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from test_generate_hf_parity import random_prompts
 from agentrefine_jax.hf.io import load_hf_model
 from agentrefine_jax.inference import engine
 from agentrefine_jax.inference.engine import generate_ids, left_pad
-from agentrefine_jax.inference.sampling import row_keys, sample
+from agentrefine_jax.inference.sampling import argmax, row_keys, sample
 
 NEW = 24
 
@@ -80,6 +81,20 @@ def test_samples_stay_in_the_nucleus(model):
             desc = np.sort(probs)[::-1]
             pruned += int(((np.cumsum(desc) - desc) < top_p).sum() < len(probs))
     assert pruned > 0  # the nucleus was smaller than the vocabulary, so the check had teeth
+
+
+@pytest.mark.parametrize("vocab", [7, 512, 1000, 128256, 1187 * 7])  # no blocks, divisors, padding
+def test_blocked_argmax_is_jnp_argmax(vocab):
+    rng = np.random.default_rng(vocab)
+    x = rng.integers(-3, 4, (6, vocab)).astype(np.float32)  # many ties: the first maximum must win
+    x[1, rng.integers(vocab, size=2)] = np.nan  # NaN ranks above everything (first one)
+    x[2] = -np.inf
+    x[3, -1] = 100.0  # the maximum in the last (possibly padded) block
+    x[4, 0] = 100.0
+    x[5] = rng.standard_normal(vocab)
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    assert got.dtype == np.int32
 
 
 def test_sample_follows_the_renormalised_nucleus_distribution():

@@ -18,11 +18,13 @@ not depend on what else shares the batch.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 _BISECT_STEPS = 32  # enough to pin down any float32 in [0, 1]
-_ARGMAX_BLOCK = 1024  # vocabulary entries per block of `argmax`
+_ARGMAX_BLOCK = 1024  # vocabulary entries per block of `argmax` when no size near sqrt(V) divides V
 
 
 def row_keys(base_key: jax.Array, rows: jax.Array, step: jax.Array) -> jax.Array:
@@ -39,17 +41,24 @@ def argmax(x: jax.Array) -> jax.Array:
     the block count and one block.
     """
     b, v = x.shape
-    n = -(-v // _ARGMAX_BLOCK)
+    size = _argmax_block(v)
+    n = -(-v // size)
     if n < 2:
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
-    # Padding after the real entries can never be the first maximum (ties go to the lower index).
-    pad = jnp.full((b, n * _ARGMAX_BLOCK - v), -jnp.inf, x.dtype)
-    blocks = jnp.concatenate([x, pad], axis=-1).reshape(b, n, _ARGMAX_BLOCK)
+    if n * size > v:  # padding after the real entries is never the first maximum (ties go lower)
+        x = jnp.concatenate([x, jnp.full((b, n * size - v), -jnp.inf, x.dtype)], axis=-1)
+    blocks = x.reshape(b, n, size)
     # argmax ranks NaN above everything; a max may skip it, so a block holding one reads NaN.
     top = jnp.where(jnp.isnan(blocks).any(axis=-1), jnp.nan, jnp.max(blocks, axis=-1))
     first = jnp.argmax(top, axis=-1)
     block = jnp.take_along_axis(blocks, first[:, None, None], axis=1)[:, 0]
-    return (first * _ARGMAX_BLOCK + jnp.argmax(block, axis=-1)).astype(jnp.int32)
+    return (first * size + jnp.argmax(block, axis=-1)).astype(jnp.int32)
+
+
+def _argmax_block(v: int) -> int:
+    """A block size near sqrt(v) that divides v (no padding copy), else `_ARGMAX_BLOCK`."""
+    root = math.isqrt(v)
+    return next((d for d in range(max(root, 1), 4 * root + 1) if v % d == 0), _ARGMAX_BLOCK)
 
 
 def nucleus_threshold(probs: jax.Array, top_p: jax.Array) -> jax.Array:
