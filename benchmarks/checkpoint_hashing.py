@@ -3,12 +3,16 @@ background write, then the sha256 manifest hashed on a background worker) on a C
 enough for a >= 2 GB checkpoint (float32 params + AdamW's two moments), in paired rounds.
 
 Each round runs, back to back (see `_paired.py`):
-  * no_save — `--steps` train steps;
   * save    — `ckpts.save(...)` (its blocking part: handing the arrays to Orbax) and then train
               steps, polling between steps as the trainer does, for at least `--steps` steps and
-              until the save is committed *and* its manifest written; every second of it counts.
+              until the save is committed *and* its manifest written; every second of it counts;
+  * no_save — as many train steps as that save round took (so both cover spans of equal
+              length under the same load: a save that runs in the background at low priority
+              may overlap tens of steps on a busy machine).
 The printed figure is the median over rounds of (mean step time with a save) / (mean step time
 without), with min and max, beside the machine load. 1.0 means the save costs the step nothing.
+Also reported: the save's cost in seconds (the save round's time minus as many steps without a
+save), and the blocking part of `save()` alone.
 
     python benchmarks/checkpoint_hashing.py [--rounds 5] [--steps 4] [--dir /tmp/x] [--json]
 """
@@ -103,29 +107,34 @@ def main() -> None:
     root = args.dir or tempfile.mkdtemp(prefix="agentrefine-ckpt-bench-")
     step, ckpts, held, nbytes = _setup(os.path.join(root, "checkpoints"), args.batch, args.seq)
     _log(f"checkpoint size {nbytes / 1e9:.2f} GB (params + AdamW moments, float32)")
-    counter = {"step": 0, "save_steps": []}
+    counter: dict[str, Any] = {"step": 0, "save_steps": [], "save_seconds": [], "extra": [], "blocking": []}
 
     def no_save() -> float:
+        n = counter["save_steps"][-1]  # the save round just before this one (save runs first)
         t0 = time.perf_counter()
-        for _ in range(args.steps):
+        for _ in range(n):
             step()
-        return args.steps / (time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        counter["extra"].append(counter["save_seconds"][-1] - took)
+        return n / took
 
     def save() -> float:
         counter["step"] += 1
         t0 = time.perf_counter()
         s = held["state"]
         ckpts.save(counter["step"], s["params"], s["opt"], held["meta"])
+        counter["blocking"].append(time.perf_counter() - t0)
         n = 0
         while n < args.steps or ckpts.pending or ckpts.hashing:
             step()
             ckpts.poll()  # what the trainer's loop does between steps
             n += 1
         counter["save_steps"].append(n)
-        return n / (time.perf_counter() - t0)
+        counter["save_seconds"].append(time.perf_counter() - t0)
+        return n / counter["save_seconds"][-1]
 
     try:
-        res = _paired.measure({"no_save": no_save, "save": save}, "no_save", rounds=args.rounds, log=_log)
+        res = _paired.measure({"save": save, "no_save": no_save}, "no_save", rounds=args.rounds, log=_log)
         ckpts.finish()
     finally:
         if args.dir is None:
@@ -138,6 +147,8 @@ def main() -> None:
         "steps_in_save_window": counter["save_steps"][-args.rounds :],
         "step_seconds_no_save": 1 / res["throughput"]["no_save"]["median"],
         "step_time_ratio": {"median": 1 / r["median"], "min": 1 / r["max"], "max": 1 / r["min"]},
+        "save_cost_seconds": _paired._spread(counter["extra"][-args.rounds :]),
+        "save_blocking_seconds": _paired._spread(counter["blocking"][-args.rounds :]),
         "load": res["load"],
         "cpus": os.cpu_count(),
     }
@@ -149,7 +160,9 @@ def main() -> None:
             f"step time during a {out['checkpoint_gb']:.2f} GB save / without: {q['median']:.3f}x "
             f"[{q['min']:.3f}-{q['max']:.3f}] (median of {out['rounds']} paired rounds; "
             f"{out['step_seconds_no_save']:.2f} s/step without; load {res['load']['min']:.1f}-"
-            f"{res['load']['max']:.1f} on {out['cpus']} CPUs)"
+            f"{res['load']['max']:.1f} on {out['cpus']} CPUs); a save costs "
+            f"{out['save_cost_seconds']['median']:.1f} s, {out['save_blocking_seconds']['median']:.2f} s "
+            f"of it blocking; {out['steps_in_save_window']} steps per save window"
         )
 
 

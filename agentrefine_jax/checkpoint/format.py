@@ -23,16 +23,38 @@ ITEM_OPT_STATE = "opt_state"
 RUN_CHECKPOINTS_SUBDIR = "checkpoints"  # a training run dir's checkpoint root
 
 
-def handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
-    """Handlers for every item a step may hold: `params`, `meta` and the trainer's `opt_state`."""
+class _ArrayTreeHandler(ocp.StandardCheckpointHandler):
+    """Orbax's StandardCheckpointHandler, with its zstd compression of array chunks made a choice
+    (Orbax always compresses). Only writing differs: a reader takes the codec from the stored
+    array metadata, so compressed and uncompressed steps restore alike."""
+
+    def __init__(self, *, compress: bool) -> None:
+        super().__init__()
+        if not compress:
+            impl = getattr(self, "_impl", None)
+            if not isinstance(impl, ocp.PyTreeCheckpointHandler):  # an Orbax that moved it: say so
+                raise RuntimeError("this orbax-checkpoint version cannot save without compression")
+            self._impl = ocp.PyTreeCheckpointHandler(
+                save_concurrent_gb=96, restore_concurrent_gb=96, use_compression=False
+            )
+
+    @classmethod
+    def typestr(cls) -> str:
+        # What a step's _CHECKPOINT_METADATA names as the item's handler: Orbax's own, as before,
+        # so plain Orbax (without our registry) still opens every step.
+        return ocp.StandardCheckpointHandler.typestr()
+
+
+def handler_registry(*, compress: bool = True) -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+    """Handlers for every item a step may hold: `params`, `meta` and the trainer's `opt_state`.
+    `compress`: zstd on the array chunks written (reading handles either)."""
     reg = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    for item, args in {
-        ITEM_PARAMS: (ocp.args.StandardSave, ocp.args.StandardRestore),
-        ITEM_META: (ocp.args.JsonSave, ocp.args.JsonRestore),
-        ITEM_OPT_STATE: (ocp.args.StandardSave, ocp.args.StandardRestore),
-    }.items():
-        for a in args:
-            reg.add(item, a)
+    for item in (ITEM_PARAMS, ITEM_OPT_STATE):
+        handler = _ArrayTreeHandler(compress=compress)
+        reg.add(item, ocp.args.StandardSave, handler)
+        reg.add(item, ocp.args.StandardRestore, handler)
+    reg.add(ITEM_META, ocp.args.JsonSave)
+    reg.add(ITEM_META, ocp.args.JsonRestore)
     return reg
 
 
@@ -43,11 +65,13 @@ def manager(
     keep_every: int = 0,
     async_save: bool = False,
     cleanup_tmp: bool = False,
+    compress: bool = True,
 ) -> ocp.CheckpointManager:
     """The one Orbax manager for a checkpoint root: keep the newest `keep` steps (all when None)
     plus every `keep_every`-th step (e.g. each epoch's last), saving in the background if asked.
     `cleanup_tmp` removes uncommitted step directories of earlier (killed) saves: only for a
-    root this process owns (the trainer's, under its run lock)."""
+    root this process owns (the trainer's, under its run lock). `compress`: zstd on the array
+    chunks it writes (see `handler_registry`)."""
     from orbax.checkpoint import checkpoint_managers as policies
 
     options: dict[str, Any] = {
@@ -63,7 +87,9 @@ def manager(
             policy = policies.AnyPreservationPolicy([policy, policies.EveryNSteps(interval_steps=keep_every)])
         options["preservation_policy"] = policy
     return ocp.CheckpointManager(
-        as_path(root), handler_registry=handler_registry(), options=ocp.CheckpointManagerOptions(**options)
+        as_path(root),
+        handler_registry=handler_registry(compress=compress),
+        options=ocp.CheckpointManagerOptions(**options),
     )
 
 

@@ -206,7 +206,12 @@ def _train(cfg: Config, paths: RunPaths) -> dict[str, Any]:
         raise TrainingError(str(e)) from None
     meta = _run_meta(cfg, paths, fns.mode, resume_step, total_steps, pipeline.steps_per_epoch)
     keep_every = pipeline.steps_per_epoch if tc.keep_epoch_checkpoints else 0
-    ckpts = TrainCheckpoints(paths.checkpoints, keep=tc.keep_checkpoints, keep_every=keep_every)
+    ckpts = TrainCheckpoints(
+        paths.checkpoints,
+        keep=tc.keep_checkpoints,
+        keep_every=keep_every,
+        compression=tc.checkpoint_compression,
+    )
     state = _start_state(cfg, paths, fns, mesh, ckpts, resume_step, total_steps, meta)
     writer = MetricsWriter(paths, state.start_step)
     metrics_log, checkpointing, hooks = _hooks(cfg, fns, schedule, writer, ckpts, meta, state, batch_rows)
