@@ -4,6 +4,7 @@ Both must be set before jax (or any tool that caches under $HOME) is imported.
 """
 
 import os
+import signal
 import tempfile
 
 import pytest
@@ -14,6 +15,11 @@ _SANDBOX = tempfile.mkdtemp(prefix="agentrefine-test-home-")
 for _var, _sub in (("HOME", "home"), ("XDG_CACHE_HOME", "cache"), ("MPLCONFIGDIR", "mpl"), ("HF_HOME", "hf")):
     os.environ[_var] = os.path.join(_SANDBOX, _sub)
     os.makedirs(os.environ[_var], exist_ok=True)
+# A suite started in the background of a non-interactive shell (`cmd &`, nohup) inherits SIGINT
+# ignored, and an ignored signal stays ignored across exec: the Ctrl-C tests' child processes
+# would never see their SIGINT. Restore Python's handler so children start with the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # Nothing in the suite may reach a model hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
