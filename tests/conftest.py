@@ -42,11 +42,18 @@ def gcs_emulator(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _fresh_package_logger():
     """A CLI run in-process (`logs.setup`) turns the package logger's propagation off so a host's
-    root handlers print nothing twice; undo that after each test so the next test's `caplog`
-    (a root handler) still sees the package's records."""
+    root handlers print nothing twice. Each test starts and ends with the package logger as a
+    fresh interpreter has it, so its `caplog` (a root handler) sees the package's records -- also
+    after a module-scoped fixture ran a CLI, which happens before any function fixture."""
     import logging
 
     logger = logging.getLogger("agentrefine_jax")
-    saved = (list(logger.handlers), logger.level, logger.propagate)
+
+    def fresh() -> None:
+        logger.handlers.clear()
+        logger.setLevel(logging.NOTSET)
+        logger.propagate = True
+
+    fresh()
     yield
-    logger.handlers[:], logger.level, logger.propagate = saved
+    fresh()
