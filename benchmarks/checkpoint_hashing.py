@@ -31,6 +31,9 @@ from typing import Any
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from agentrefine_jax import host_memory  # noqa: E402
+
+host_memory.relaunch_with_huge_pages()  # the trainer's own process set-up (agentrefine_jax/host_memory.py)
 import _paired  # noqa: E402
 
 # ~198M parameters: 12 bytes each with AdamW's moments -> ~2.4 GB per checkpoint.

@@ -12,8 +12,10 @@ import sys
 import time
 
 import pytest
+from test_host_memory import _wanted_here
 from test_train_loop import _finish, _strict_rows, _train
 
+from agentrefine_jax import host_memory
 from agentrefine_jax.train.run_lock import LOCK_NAME, RunDirInUse, RunLock
 
 
@@ -38,6 +40,9 @@ def test_second_trainer_on_a_run_dir_exits_2_naming_the_holder_and_the_first_com
         while not (run_dir / LOCK_NAME).exists():
             assert first.poll() is None and time.time() < deadline, first.communicate()[0]
             time.sleep(0.1)
+        if _wanted_here():  # the trainer re-executed itself with glibc's huge-page tunable
+            environ = pathlib.Path(f"/proc/{first.pid}/environ").read_bytes().split(b"\0")
+            assert f"GLIBC_TUNABLES={host_memory.TUNABLE}".encode() in environ
         code, out = _finish(_train(run_dir, "--set", "train.export_hf_at_end=none"), timeout=300)
         assert code == 2, out
         lines = out.strip().splitlines()

@@ -41,12 +41,22 @@ class CheckpointIntegrityError(ValueError):
 
 
 def _file_digest(path: epath.Path) -> tuple[int, str]:
+    # Into one reused 4 MiB buffer where the file object can (local files): a fresh 16 MiB bytes
+    # per read cost ~10% more CPU, and the hashing shares the cores with the training step.
     h = hashlib.sha256()
     size = 0
     with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-            size += len(chunk)
+        readinto = getattr(f, "readinto", None)
+        if readinto is None:  # a remote file object without it
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+                size += len(chunk)
+            return size, h.hexdigest()
+        buf = bytearray(1 << 22)
+        view = memoryview(buf)
+        while n := readinto(buf):
+            h.update(view[:n])
+            size += n
     return size, h.hexdigest()
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import sys
 
+from agentrefine_jax import host_memory
 from agentrefine_jax.cli_errors import run_main
 
 
 def entry() -> None:
     """`python -m agentrefine_jax.train` and the `agentrefine-train` console script."""
+    host_memory.relaunch_with_huge_pages()  # a CPU host: once, before anything starts
     code = run_main("train", "agentrefine_jax.train.cli")
     if code:
         # After a failed asynchronous checkpoint save Orbax leaves non-daemon threads waiting out

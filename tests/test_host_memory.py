@@ -1,0 +1,82 @@
+"""The trainer's re-exec with glibc's huge-page tunable: same process, real kernel page faults.
+
+The probe mallocs and touches 256 MiB through glibc (as XLA's CPU runtime does); with the
+tunable glibc asks for transparent huge pages and the kernel faults it in 2 MiB pages."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from agentrefine_jax import host_memory
+
+PAGES = (256 << 20) // 4096
+PROBE = textwrap.dedent(
+    f"""
+    import ctypes, os, resource
+    print("start", os.getpid(), flush=True)
+    from agentrefine_jax import host_memory
+    host_memory.relaunch_with_huge_pages()
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    p = libc.malloc({PAGES * 4096})
+    ctypes.memset(p, 1, {PAGES * 4096})
+    print("faults", resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print("tunables", os.environ.get("GLIBC_TUNABLES"))
+    """
+)
+
+
+def _probe(**env: str) -> tuple[list[str], int, str]:
+    base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", host_memory.OPT_OUT)}
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], env={**base, "JAX_PLATFORMS": "cpu", **env},
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout.split("\n")  # fmt: skip
+    starts = [line for line in out if line.startswith("start ")]
+    faults = int(next(line for line in out if line.startswith("faults ")).split()[1])
+    tunables = next(line for line in out if line.startswith("tunables ")).split(" ", 1)[1]
+    return starts, faults, tunables
+
+
+def _wanted_here() -> bool:
+    saved = {k: os.environ.pop(k, None) for k in ("GLIBC_TUNABLES", host_memory.OPT_OUT)}
+    try:
+        os.environ["JAX_PLATFORMS"], old = "cpu", os.environ.get("JAX_PLATFORMS")
+        try:
+            return host_memory.wanted()
+        finally:
+            if old is None:
+                del os.environ["JAX_PLATFORMS"]
+            else:
+                os.environ["JAX_PLATFORMS"] = old
+    finally:
+        os.environ.update({k: v for k, v in saved.items() if v is not None})
+
+
+def test_a_cpu_run_reexecutes_once_in_place_and_faults_in_huge_pages():
+    if not _wanted_here():
+        pytest.skip("this host has no glibc >= 2.35 with transparent huge pages in madvise mode")
+    starts, faults, tunables = _probe()
+    assert len(starts) == 2 and starts[0] == starts[1], starts  # ran twice, as the same pid
+    assert tunables == host_memory.TUNABLE
+    assert faults < PAGES // 10, faults  # 2 MiB pages: 128 faults for 256 MiB, plus a few
+    # The user's own tunables are kept.
+    _, _, kept = _probe(GLIBC_TUNABLES="glibc.malloc.arena_max=4")
+    assert kept == f"glibc.malloc.arena_max=4:{host_memory.TUNABLE}"
+
+
+def test_opt_out_an_accelerator_or_a_set_tunable_keeps_the_process_as_started():
+    off = "glibc.malloc.hugetlb=0"
+    cases = ({host_memory.OPT_OUT: "0"}, {"JAX_PLATFORMS": "tpu"}, {"GLIBC_TUNABLES": off})
+    for env in cases:
+        starts, faults, tunables = _probe(**env)
+        assert len(starts) == 1, (env, starts)
+        assert tunables == env.get("GLIBC_TUNABLES", "None"), env
+        if env.get("GLIBC_TUNABLES", "").endswith("=0") or host_memory.OPT_OUT in env:
+            assert faults >= PAGES * 9 // 10, (env, faults)  # 4 KiB pages: one fault each
