@@ -15,6 +15,8 @@ torch float32, with its min and max, beside the machine load seen.
   * torch_bf16  — the same under torch.autocast(bfloat16)
 Then "effective" (loss-bearing) tokens/s on the demo length distribution, again in pairs:
 our packed rows vs transformers with per-batch padding.
+Every process runs with the trainer's set-up: glibc's huge-page tunable on a CPU host
+(agentrefine_jax/host_memory.py; AGENTREFINE_HUGE_PAGES=0 measures without it).
 
     python benchmarks/train_step.py [--rounds 5] [--steps 2] [--batch 4] [--seq 512] [--json]
 """
@@ -29,6 +31,10 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from agentrefine_jax import host_memory  # noqa: E402
+
+# The trainer's own process set-up (agentrefine_jax/host_memory.py); both contenders share it.
+host_memory.relaunch_with_huge_pages()
 import _paired  # noqa: E402
 
 MODEL = dict(vocab=32000, hidden=256, inter=768, layers=4, heads=8, kv=4)
