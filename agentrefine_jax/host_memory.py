@@ -1,20 +1,22 @@
-"""Huge pages for XLA's CPU buffers: the trainer on a CPU host re-executes itself once, at
-start-up, with glibc's `glibc.malloc.hugetlb=1` tunable.
+"""Huge pages for XLA's CPU buffers, on request: with `AGENTREFINE_HUGE_PAGES=1` the trainer on a
+CPU host re-executes itself once, at start-up, with glibc's `glibc.malloc.hugetlb=1` tunable.
 
-Why: XLA's CPU runtime takes each step's temporaries (gradients, activations) as one fresh
-`malloc` far above glibc's mmap threshold, so every step maps, zero-fills page by page and unmaps
-them again. Measured on the 2-core box with the ~200M-parameter model of
-`benchmarks/checkpoint_hashing.py`: 2.1 GB of page faults per step, ~1/3 of the step's CPU time
-in the kernel; with the tunable (glibc then asks for transparent huge pages, `madvise`) 0.01 GB,
-the step 1.50 -> 1.17 s, and the copy a checkpoint save makes 0.93 -> 0.34 s, as the faults and
-the save's writes no longer contend in the kernel. The numbers are the same: only where memory
-comes from changes.
+Why it exists: XLA's CPU runtime takes each step's temporaries as one fresh `malloc` far above
+glibc's mmap threshold, so every step maps, zero-fills page by page and unmaps them again. With
+the ~200M-parameter model of `benchmarks/checkpoint_hashing.py` on the 2-core box: 2.1 GB of
+4 KiB page faults per step, ~1/3 of the step's CPU in the kernel; with the tunable (glibc then
+asks for transparent huge pages) 0.01 GB, the step 1.50 -> 1.13-1.21 s, and a checkpoint save's
+snapshot copy 0.93 -> 0.3-0.6 s.
+Why it is not the default: on the small model of `benchmarks/train_step.py` (4 layers, hidden
+256) the same tunable made the step slower and far noisier (alternating runs: 0.99x / 1.00x torch
+fp32 without it, 0.86x / 0.77x with it), most likely the kernel compacting memory for huge pages
+on fault (THP defrag `madvise`). Whether it pays depends on the model's size and the host.
 
 glibc reads tunables only when a process starts, hence the re-exec (same pid, same arguments,
-interpreter flags included). It happens only where it can help and changes nothing else: Linux
-with glibc >= 2.35, transparent huge pages in `madvise` mode (with `always` the kernel already
-uses them; with `never` nothing would), a host-only run (JAX_PLATFORMS=cpu, or no TPU/GPU device
-files), and not already set. `AGENTREFINE_HUGE_PAGES=0` keeps the process as started.
+interpreter flags included). It happens only where it can apply: Linux with glibc >= 2.35,
+transparent huge pages in `madvise` mode (with `always` the kernel already uses them; with
+`never` nothing would), a host-only run (JAX_PLATFORMS=cpu, or no TPU/GPU device files), and the
+tunable not already set.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import platform
 import sys
 
 TUNABLE = "glibc.malloc.hugetlb=1"
-OPT_OUT = "AGENTREFINE_HUGE_PAGES"
+ENV = "AGENTREFINE_HUGE_PAGES"  # "1": ask for the re-exec
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -50,7 +52,7 @@ def _host_only() -> bool:
 
 def wanted() -> bool:
     """Whether this process should re-execute itself with the tunable (see the module doc)."""
-    if not sys.platform.startswith("linux") or os.environ.get(OPT_OUT, "1") == "0":
+    if not sys.platform.startswith("linux") or os.environ.get(ENV) != "1":
         return False
     if "glibc.malloc.hugetlb" in os.environ.get("GLIBC_TUNABLES", ""):
         return False  # already set: by us before the re-exec, or by the user

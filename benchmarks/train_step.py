@@ -15,8 +15,8 @@ torch float32, with its min and max, beside the machine load seen.
   * torch_bf16  — the same under torch.autocast(bfloat16)
 Then "effective" (loss-bearing) tokens/s on the demo length distribution, again in pairs:
 our packed rows vs transformers with per-batch padding.
-Every process runs with the trainer's set-up: glibc's huge-page tunable on a CPU host
-(agentrefine_jax/host_memory.py; AGENTREFINE_HUGE_PAGES=0 measures without it).
+Every process runs with the trainer's set-up: with AGENTREFINE_HUGE_PAGES=1, glibc's huge-page
+tunable on a CPU host (agentrefine_jax/host_memory.py), for every contender alike.
 
     python benchmarks/train_step.py [--rounds 5] [--steps 2] [--batch 4] [--seq 512] [--json]
 """
@@ -33,7 +33,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from agentrefine_jax import host_memory  # noqa: E402
 
-# The trainer's own process set-up (agentrefine_jax/host_memory.py); both contenders share it.
+# The trainer's own process set-up (agentrefine_jax/host_memory.py); every contender shares it.
 host_memory.relaunch_with_huge_pages()
 import _paired  # noqa: E402
 

@@ -32,9 +32,11 @@ def _write_lock(run_dir: pathlib.Path, **fields: object) -> pathlib.Path:
     return run_dir / LOCK_NAME
 
 
-def test_second_trainer_on_a_run_dir_exits_2_naming_the_holder_and_the_first_completes(tmp_path):
+def test_second_trainer_on_a_run_dir_exits_2_naming_the_holder_and_the_first_completes(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
+    monkeypatch.setenv(host_memory.ENV, "1")  # the first trainer also shows the huge-page re-exec
     first = _train(run_dir, "--set", "train.export_hf_at_end=none")
+    monkeypatch.delenv(host_memory.ENV)
     try:
         deadline = time.time() + 300
         while not (run_dir / LOCK_NAME).exists():

@@ -1,4 +1,5 @@
-"""The trainer's re-exec with glibc's huge-page tunable: same process, real kernel page faults.
+"""The trainer's re-exec with glibc's huge-page tunable (AGENTREFINE_HUGE_PAGES=1): same process,
+real kernel page faults.
 
 The probe mallocs and touches 256 MiB through glibc (as XLA's CPU runtime does); with the
 tunable glibc asks for transparent huge pages and the kernel faults it in 2 MiB pages."""
@@ -33,7 +34,7 @@ PROBE = textwrap.dedent(
 
 
 def _probe(**env: str) -> tuple[list[str], int, str]:
-    base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", host_memory.OPT_OUT)}
+    base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", host_memory.ENV)}
     out = subprocess.run(
         [sys.executable, "-c", PROBE], env={**base, "JAX_PLATFORMS": "cpu", **env},
         capture_output=True, text=True, timeout=120, check=True,
@@ -45,7 +46,9 @@ def _probe(**env: str) -> tuple[list[str], int, str]:
 
 
 def _wanted_here() -> bool:
-    saved = {k: os.environ.pop(k, None) for k in ("GLIBC_TUNABLES", host_memory.OPT_OUT)}
+    """Whether the tunable can apply on this host (asked for, on CPU, nothing set)."""
+    saved = {k: os.environ.pop(k, None) for k in ("GLIBC_TUNABLES", host_memory.ENV)}
+    os.environ[host_memory.ENV] = "1"
     try:
         os.environ["JAX_PLATFORMS"], old = "cpu", os.environ.get("JAX_PLATFORMS")
         try:
@@ -56,27 +59,28 @@ def _wanted_here() -> bool:
             else:
                 os.environ["JAX_PLATFORMS"] = old
     finally:
+        del os.environ[host_memory.ENV]
         os.environ.update({k: v for k, v in saved.items() if v is not None})
 
 
-def test_a_cpu_run_reexecutes_once_in_place_and_faults_in_huge_pages():
+def test_asked_for_a_cpu_run_reexecutes_once_in_place_and_faults_in_huge_pages():
     if not _wanted_here():
         pytest.skip("this host has no glibc >= 2.35 with transparent huge pages in madvise mode")
-    starts, faults, tunables = _probe()
+    starts, faults, tunables = _probe(**{host_memory.ENV: "1"})
     assert len(starts) == 2 and starts[0] == starts[1], starts  # ran twice, as the same pid
     assert tunables == host_memory.TUNABLE
     assert faults < PAGES // 10, faults  # 2 MiB pages: 128 faults for 256 MiB, plus a few
     # The user's own tunables are kept.
-    _, _, kept = _probe(GLIBC_TUNABLES="glibc.malloc.arena_max=4")
+    _, _, kept = _probe(**{host_memory.ENV: "1", "GLIBC_TUNABLES": "glibc.malloc.arena_max=4"})
     assert kept == f"glibc.malloc.arena_max=4:{host_memory.TUNABLE}"
 
 
-def test_opt_out_an_accelerator_or_a_set_tunable_keeps_the_process_as_started():
+def test_by_default_on_an_accelerator_or_with_a_set_tunable_the_process_stays_as_started():
     off = "glibc.malloc.hugetlb=0"
-    cases = ({host_memory.OPT_OUT: "0"}, {"JAX_PLATFORMS": "tpu"}, {"GLIBC_TUNABLES": off})
-    for env in cases:
+    on = {host_memory.ENV: "1"}
+    for env in ({}, {host_memory.ENV: "0"}, {**on, "JAX_PLATFORMS": "tpu"}, {**on, "GLIBC_TUNABLES": off}):
         starts, faults, tunables = _probe(**env)
         assert len(starts) == 1, (env, starts)
         assert tunables == env.get("GLIBC_TUNABLES", "None"), env
-        if env.get("GLIBC_TUNABLES", "").endswith("=0") or host_memory.OPT_OUT in env:
+        if "JAX_PLATFORMS" not in env:
             assert faults >= PAGES * 9 // 10, (env, faults)  # 4 KiB pages: one fault each

@@ -11,7 +11,7 @@ from agentrefine_jax.cli_errors import run_main
 
 def entry() -> None:
     """`python -m agentrefine_jax.train` and the `agentrefine-train` console script."""
-    host_memory.relaunch_with_huge_pages()  # a CPU host: once, before anything starts
+    host_memory.relaunch_with_huge_pages()  # AGENTREFINE_HUGE_PAGES=1 on a CPU host: once, first
     code = run_main("train", "agentrefine_jax.train.cli")
     if code:
         # After a failed asynchronous checkpoint save Orbax leaves non-daemon threads waiting out
