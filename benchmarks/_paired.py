@@ -26,7 +26,7 @@ from typing import Any
 Round = Callable[[], float]
 
 
-def _spread(xs: list[float]) -> dict[str, float]:
+def spread(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
@@ -64,9 +64,9 @@ def measure(
     return {
         "rounds": rounds,
         "load": {"min": min(loads), "max": max(loads), "per_round": loads},
-        "throughput": {name: _spread(v) for name, v in values.items()},
+        "throughput": {name: spread(v) for name, v in values.items()},
         "ratio": {
-            name: _spread([x / b for x, b in zip(v, base, strict=True)])
+            name: spread([x / b for x, b in zip(v, base, strict=True)])
             for name, v in values.items()
             if name != baseline
         },

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import pathlib
-import statistics
 import sys
 import tempfile
 import time
@@ -51,10 +50,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     return p.parse_args()
-
-
-def _spread(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
 class Ours:
@@ -206,15 +201,15 @@ def main() -> int:
     turns = sum(len(r) for r in plain.replies)
     wall = {"reuse": reuse.seconds, "no_reuse": plain.seconds, "transformers": hf.seconds}
     k = args.rounds  # the measured rounds are the last k of each contender's runs
-    wall_s = {n: _spread(s[-k:]) for n, s in wall.items()}
+    wall_s = {n: _paired.spread(s[-k:]) for n, s in wall.items()}
     speedup = {
-        "reuse_vs_no_reuse": _spread(
+        "reuse_vs_no_reuse": _paired.spread(
             [b / a for a, b in zip(wall["reuse"][-k:], wall["no_reuse"][-k:], strict=True)]
         ),
-        "reuse_vs_transformers": _spread(
+        "reuse_vs_transformers": _paired.spread(
             [b / a for a, b in zip(wall["reuse"][-k:], wall["transformers"][-k:], strict=True)]
         ),
-        "no_reuse_vs_transformers": _spread(
+        "no_reuse_vs_transformers": _paired.spread(
             [b / a for a, b in zip(wall["no_reuse"][-k:], wall["transformers"][-k:], strict=True)]
         ),
     }

@@ -150,8 +150,8 @@ def main() -> None:
         "steps_in_save_window": counter["save_steps"][-args.rounds :],
         "step_seconds_no_save": 1 / res["throughput"]["no_save"]["median"],
         "step_time_ratio": {"median": 1 / r["median"], "min": 1 / r["max"], "max": 1 / r["min"]},
-        "save_cost_seconds": _paired._spread(counter["extra"][-args.rounds :]),
-        "save_blocking_seconds": _paired._spread(counter["blocking"][-args.rounds :]),
+        "save_cost_seconds": _paired.spread(counter["extra"][-args.rounds :]),
+        "save_blocking_seconds": _paired.spread(counter["blocking"][-args.rounds :]),
         "load": res["load"],
         "cpus": os.cpu_count(),
     }

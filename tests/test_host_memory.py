@@ -47,20 +47,11 @@ def _probe(**env: str) -> tuple[list[str], int, str]:
 
 def _wanted_here() -> bool:
     """Whether the tunable can apply on this host (asked for, on CPU, nothing set)."""
-    saved = {k: os.environ.pop(k, None) for k in ("GLIBC_TUNABLES", host_memory.ENV)}
-    os.environ[host_memory.ENV] = "1"
-    try:
-        os.environ["JAX_PLATFORMS"], old = "cpu", os.environ.get("JAX_PLATFORMS")
-        try:
-            return host_memory.wanted()
-        finally:
-            if old is None:
-                del os.environ["JAX_PLATFORMS"]
-            else:
-                os.environ["JAX_PLATFORMS"] = old
-    finally:
-        del os.environ[host_memory.ENV]
-        os.environ.update({k: v for k, v in saved.items() if v is not None})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(host_memory.ENV, "1")
+        mp.setenv("JAX_PLATFORMS", "cpu")
+        mp.delenv("GLIBC_TUNABLES", raising=False)
+        return host_memory.wanted()
 
 
 def test_asked_for_a_cpu_run_reexecutes_once_in_place_and_faults_in_huge_pages():
