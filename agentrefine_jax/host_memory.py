@@ -51,8 +51,12 @@ def _host_only() -> bool:
 
 
 def wanted() -> bool:
-    """Whether this process should re-execute itself with the tunable (see the module doc)."""
-    if not sys.platform.startswith("linux") or os.environ.get(ENV) != "1":
+    """Whether this process should re-execute itself with the tunable (see the module doc).
+    Raises ValueError when the variable holds anything but 0 or 1 (not silently ignored)."""
+    value = os.environ.get(ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV} must be 0 or 1, got {value!r}")
+    if not sys.platform.startswith("linux") or value != "1":
         return False
     if "glibc.malloc.hugetlb" in os.environ.get("GLIBC_TUNABLES", ""):
         return False  # already set: by us before the re-exec, or by the user

@@ -75,3 +75,19 @@ def test_by_default_on_an_accelerator_or_with_a_set_tunable_the_process_stays_as
         assert tunables == env.get("GLIBC_TUNABLES", "None"), env
         if "JAX_PLATFORMS" not in env:
             assert faults >= PAGES * 9 // 10, (env, faults)  # 4 KiB pages: one fault each
+
+
+def test_a_bad_value_is_one_line_and_exit_2_before_anything_runs(tmp_path):
+    base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "agentrefine_jax.train", "--config", "demo"]
+    cmd += ["--set", f"train.run_dir={run_dir}"]
+    out = subprocess.run(
+        cmd,
+        env={**base, host_memory.ENV: "yes"}, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 2, out
+    assert out.stdout == "" and out.stderr.splitlines() == [
+        f"[train] error: {host_memory.ENV} must be 0 or 1, got 'yes'"
+    ], out
+    assert not run_dir.exists()  # refused before anything ran

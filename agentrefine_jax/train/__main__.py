@@ -6,12 +6,15 @@ import os
 import sys
 
 from agentrefine_jax import host_memory
-from agentrefine_jax.cli_errors import run_main
+from agentrefine_jax.cli_errors import fail, run_main
 
 
 def entry() -> None:
     """`python -m agentrefine_jax.train` and the `agentrefine-train` console script."""
-    host_memory.relaunch_with_huge_pages()  # AGENTREFINE_HUGE_PAGES=1 on a CPU host: once, first
+    try:
+        host_memory.relaunch_with_huge_pages()  # AGENTREFINE_HUGE_PAGES=1 on a CPU host: once, first
+    except ValueError as e:
+        sys.exit(fail("train", e))
     code = run_main("train", "agentrefine_jax.train.cli")
     if code:
         # After a failed asynchronous checkpoint save Orbax leaves non-daemon threads waiting out
