@@ -57,6 +57,31 @@ def test_greedy_replies_equal_fresh_prefills_and_prefill_only_new_tokens(model) 
     _turns(model, sessions, list("cdefgh"), prompts, rng, turns=2)
 
 
+def test_a_long_new_prompt_beside_short_tails_is_extended_on_its_own_rows(model) -> None:
+    """Continuous batching: a new episode's whole prompt joins rows that add one turn each. The call
+    writes the short tails for the batch and the long prompt on a gathered sub-batch; replies still
+    equal fresh prefills, for the joining row, the continuing ones and every later turn."""
+    from agentrefine_jax.inference.sessions import _long_rows
+
+    assert _long_rows([20, 25, 30, 300], 4) == [3]  # 4 x 32 + 1 x 512 <= half of 4 x 512
+    assert _long_rows([20, 25, 300, 310], 8) == [2, 3]  # 8 x 32 + 2 x 512 vs 8 x 512
+    assert _long_rows([200, 250, 300, 310], 4) == []  # not worth a second block
+    assert _long_rows([20, 300, 300, 310], 4) == []  # 3 long rows pad to the whole batch
+    rng = np.random.default_rng(2)
+    vocab = model.cfg.vocab_size
+    sessions = SessionCache(model, slots=4)
+    prompts = {k: rng.integers(1, vocab, int(rng.integers(20, 40))).tolist() for k in "abc"}
+    _turns(model, sessions, list("abc"), prompts, rng, turns=2)
+    assert sessions.stats["split_calls"] == 0
+    prompts["d"] = rng.integers(1, vocab, 300).tolist()
+    _turns(model, sessions, list("abcd"), prompts, rng, turns=1)
+    assert sessions.stats["split_calls"] == 1
+    prompts["e"] = rng.integers(1, vocab, 280).tolist()  # evicts the least recently used slot
+    _turns(model, sessions, list("abde"), prompts, rng, turns=1)
+    assert sessions.stats["split_calls"] == 2
+    _turns(model, sessions, list("abde"), prompts, rng, turns=2)
+
+
 def test_cache_compacts_then_restarts_at_its_limit(model) -> None:
     rng = np.random.default_rng(1)
     vocab = model.cfg.vocab_size

@@ -57,7 +57,7 @@ def bucket(n: int, minimum: int = 16, step: int = 512) -> int:
     return b if b >= n else -(-n // step) * step
 
 
-def _batch_bucket(n: int) -> int:
+def batch_bucket(n: int) -> int:
     b = 1
     while b < n:
         b *= 2
@@ -304,7 +304,7 @@ def generate(
         return [Generation([], "length") for _ in range(n_rows)]
     cfg = model.cfg
     stops = Stops(tuple(cfg.eos_token_ids if stop_token_ids is None else stop_token_ids), should_stop)
-    batch = _batch_bucket(n_rows)
+    batch = batch_bucket(n_rows)
     plen = bucket(max(len(p) for p in prompts))
     new_len = bucket(max_new_tokens)
     ids, pos, seg = left_pad(prompts, plen, batch, cfg.pad_token_id or 0)

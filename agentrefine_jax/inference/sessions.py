@@ -23,6 +23,12 @@ columns are first packed to the front of the row (compaction: a gather, so the c
 as long as its longest conversation instead of growing by every call's block); only if they
 still do not fit does it grow; at `max_columns` every row starts over (fresh prefills).
 
+A call whose rows need very different numbers of new tokens (a new conversation's whole prompt
+beside others' one-turn tails) would pad every row to the longest: attention and the layers cost
+rows x block width. Such a call writes two blocks instead: the short rows' block for the whole
+batch, then the long rows' block on just those rows (gathered out of the cache and scattered back,
+`_extend_rows`), the split chosen by that cost (`_long_rows`).
+
 Slots are assigned per conversation key; a key seen for the first time takes a free slot, or
 the least recently used one not in the current call ("continuous batching": a finished
 episode's slot goes to the next episode at once).
@@ -44,6 +50,7 @@ from agentrefine_jax.inference.engine import (
     Generation,
     StopFn,
     Stops,
+    batch_bucket,
     bucket,
     decode_rows,
     validate_request,
@@ -78,6 +85,58 @@ def _extend(
     hidden, cache = model.forward(ids, pos, seg, cache)
     hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
     return model.logits(hidden)[:, 0], {**cache, "index": end}
+
+
+def _extend_rows(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    cache: dict,
+    rows: jax.Array,
+    ids: jax.Array,
+    pos: jax.Array,
+    seg: jax.Array,
+    last: jax.Array,
+    end: jax.Array,
+) -> tuple[jax.Array, dict]:
+    """`_extend` on the cache rows `rows` only (distinct), whose new columns are written back; the
+    other rows' columns are untouched. Logits are [len(rows), vocab]."""
+    sub = {
+        "k": cache["k"][:, rows],
+        "v": cache["v"][:, rows],
+        "segment_ids": cache["segment_ids"][rows],
+        "positions": cache["positions"][rows],
+        "index": cache["index"],
+    }
+    logits, sub = _extend(graphdef, state, sub, ids, pos, seg, last, end)
+    return logits, {
+        "k": cache["k"].at[:, rows].set(sub["k"]),
+        "v": cache["v"].at[:, rows].set(sub["v"]),
+        "segment_ids": cache["segment_ids"].at[rows].set(sub["segment_ids"]),
+        "positions": cache["positions"].at[rows].set(sub["positions"]),
+        "index": end,
+    }
+
+
+def _long_rows(widths: Sequence[int], batch: int) -> list[int]:
+    """Indices of `widths` (new tokens per row of a call) to extend in a block of their own, or [].
+
+    Cost model: a block costs (cache rows it runs on) x (its bucketed width) -- the projections, the
+    MLP and attention over the cache all scale so. One block: batch x bucket(max). Split: batch x
+    bucket(longest short row) + pow2(long rows) x bucket(longest long row). Split only where that
+    at least halves the cost (each split shape is one more compile).
+    """
+    order = sorted(range(len(widths)), key=lambda i: widths[i])
+    one = batch * bucket(widths[order[-1]])
+    best, best_cost = [], one
+    for n_long in range(1, len(order)):
+        sub = batch_bucket(n_long)
+        if sub >= batch:
+            break
+        short, long_ = order[:-n_long], order[-n_long:]
+        cost = batch * bucket(widths[short[-1]]) + sub * bucket(widths[long_[-1]])
+        if 2 * cost <= one and cost < best_cost:
+            best, best_cost = long_, cost
+    return sorted(best)
 
 
 def _keep(cache: dict, keep: jax.Array) -> dict:
@@ -128,6 +187,7 @@ def _programs() -> tuple:
         jax.jit(_keep),
         jax.jit(_resize, static_argnums=1),
         jax.jit(_compact),
+        jax.jit(_extend_rows, static_argnums=0),
     )
 
 
@@ -149,7 +209,8 @@ class SessionCache:
         self.cache: dict | None = None
         self.index = 0  # host copy of cache["index"]
         self.calls = 0
-        self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "resets": 0, "compactions": 0}
+        counters = ("prefill_tokens", "reused_tokens", "resets", "compactions", "split_calls")
+        self.stats = dict.fromkeys(counters, 0)
 
     # ------------------------------------------------------------------ API
 
@@ -233,10 +294,11 @@ class SessionCache:
         stops: Stops,
         seed: int,
     ) -> list[Generation]:
-        extend, keep, resize, _ = _programs()
+        extend, keep, resize, _, extend_rows = _programs()
         self.calls += 1
         rows = self._assign(keys)
         row_to_req.update({r: q for r, q in zip(rows, req_ids, strict=True)})
+        b = len(self.slots)
         for _ in range(2):  # at most one reset: a fresh cache always has room
             suffixes = []
             for r, prompt in zip(rows, prompts, strict=True):
@@ -245,11 +307,14 @@ class SessionCache:
                 common = min(common, len(prompt) - 1)  # feed at least one token for its logits
                 del slot.tokens[common:], slot.columns[common:]
                 suffixes.append(prompt[common:])
-            width = bucket(max(len(s) for s in suffixes))
-            need = self.index + width + bucket(max_new_tokens)
+            widths = [len(x) for x in suffixes]
+            long_ = _long_rows(widths, b)
+            groups = [[i for i in range(len(rows)) if i not in long_]] + ([long_] if long_ else [])
+            blocks = sum(bucket(max(widths[i] for i in g)) for g in groups)
+            need = self.index + blocks + bucket(max_new_tokens)
             if self.cache is not None and need > self.cache["segment_ids"].shape[1]:
                 self._compact()  # before growing: the dead columns are usually most of the cache
-                need = self.index + width + bucket(max_new_tokens)
+                need = self.index + blocks + bucket(max_new_tokens)
             if need <= self.max_columns:
                 break
             self._reset()
@@ -257,7 +322,7 @@ class SessionCache:
         while size < need:  # powers of two: one compile per size the cache reaches
             size *= 2
         if self.cache is None:
-            self.cache = init_cache(self.model.cfg, len(self.slots), size)
+            self.cache = init_cache(self.model.cfg, b, size)
         elif self.cache["segment_ids"].shape[1] != size:
             # Every live column lies before `index`, so the cache is cut to the bucket this call needs
             # (after a compaction it shrinks): prefill and each decode step attend over (and copy) every
@@ -266,27 +331,47 @@ class SessionCache:
         # Mask what no row holds any more before anything attends: columns after a common
         # prefix, an evicted conversation's, and filler written by the previous call's decode.
         self.cache = {**keep(self.cache, jnp.asarray(self._live_columns())), "index": jnp.int32(self.index)}
-        start = self.index
-        b = len(self.slots)
-        ids = np.zeros((b, width), np.int32)
-        pos = np.zeros((b, width), np.int32)
-        seg = np.zeros((b, width), np.int32)
-        last = np.zeros(b, np.int32)  # rows not in this call: any column (their logits are unused)
-        for r, suffix in zip(rows, suffixes, strict=True):
-            slot, k = self.slots[r], len(suffix)
-            ids[r, :k] = suffix
-            pos[r, :k] = np.arange(len(slot.tokens), len(slot.tokens) + k)
-            seg[r, :k] = 1
-            last[r] = k - 1
-            slot.tokens += suffix
-            slot.columns += range(start, start + k)
-            slot.last_used = self.calls
-            self.stats["prefill_tokens"] += k
-            self.stats["reused_tokens"] += len(slot.tokens) - k
-        end = start + max(len(x) for x in suffixes)
-        logits, self.cache = extend(
-            self.graphdef, self.state, self.cache, ids, pos, seg, last, jnp.int32(end)
-        )
+        end = self.index
+        logits = None
+        for g, group in enumerate(groups):
+            # The first block runs on every cache row (rows outside it are filler); a second one on
+            # its rows plus distinct filler rows up to a power of two (one compile per such size).
+            cache_rows = [rows[i] for i in group]
+            if g:
+                filler = [r for r in range(b) if r not in cache_rows]
+                cache_rows += filler[: batch_bucket(len(group)) - len(group)]
+            n = b if g == 0 else len(cache_rows)
+            width = bucket(max(widths[i] for i in group))
+            ids = np.zeros((n, width), np.int32)
+            pos = np.zeros((n, width), np.int32)
+            seg = np.zeros((n, width), np.int32)
+            last = np.zeros(n, np.int32)  # filler rows: any column (their logits are unused)
+            start = end
+            for i in group:
+                r, suffix = rows[i], suffixes[i]
+                slot, k, at = self.slots[r], len(suffix), r if g == 0 else cache_rows.index(rows[i])
+                ids[at, :k] = suffix
+                pos[at, :k] = np.arange(len(slot.tokens), len(slot.tokens) + k)
+                seg[at, :k] = 1
+                last[at] = k - 1
+                slot.tokens += suffix
+                slot.columns += range(start, start + k)
+                slot.last_used = self.calls
+                self.stats["prefill_tokens"] += k
+                self.stats["reused_tokens"] += len(slot.tokens) - k
+            end = start + max(widths[i] for i in group)
+            if g == 0:
+                logits, self.cache = extend(
+                    self.graphdef, self.state, self.cache, ids, pos, seg, last, jnp.int32(end)
+                )
+            else:
+                sub_logits, self.cache = extend_rows(
+                    self.graphdef, self.state, self.cache, jnp.asarray(cache_rows, jnp.int32), ids, pos, seg,
+                    last, jnp.int32(end),
+                )  # fmt: skip
+                at = [rows[i] for i in group]
+                logits = logits.at[jnp.asarray(at)].set(sub_logits[: len(at)])
+                self.stats["split_calls"] += 1
         positions = [len(s.tokens) for s in self.slots]
         gens, self.cache, steps = decode_rows(
             self.graphdef, self.state, self.cache, logits, positions, rows, max_new_tokens=max_new_tokens,
