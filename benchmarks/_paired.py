@@ -23,6 +23,12 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from agentrefine_jax import startup
+
+# A benchmark prints its figures, not libtpu's start-up lines on a host without TPU chips (the CLIs'
+# own set-up; only fills unset environment variables, before any benchmark creates a JAX backend).
+startup.quiet_start()
+
 Round = Callable[[], float]
 
 

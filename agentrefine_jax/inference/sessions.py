@@ -7,7 +7,7 @@ common prefix with what that row already holds; a history that changed earlier (
 re-rendered) simply shares a shorter prefix, and the rest of the row is masked out.
 
 Layout. The cache has one write index shared by all rows (the model's cache format). Each call
-writes one block of columns (a bucketed width: one compile per width), every row's new tokens
+writes one block of columns (two, see below; a bucketed width: one compile per width), every row's new tokens
 left-aligned in it (segment 0 elsewhere), and the index moves only past the longest row's new
 tokens, so the decode steps, one column each, overwrite the block's padding tail. A row's tokens
 therefore sit in increasing but not contiguous columns; every other column of the row has
