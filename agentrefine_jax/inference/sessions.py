@@ -27,7 +27,7 @@ A call whose rows need very different numbers of new tokens (a new conversation'
 beside others' one-turn tails) would pad every row to the longest: attention and the layers cost
 rows x block width. Such a call writes two blocks instead: the short rows' block for the whole
 batch, then the long rows' block on just those rows (gathered out of the cache and scattered back,
-`_extend_rows`), the split chosen by that cost (`_long_rows`).
+`_extend` with `rows`), the split chosen by that cost (`_long_rows`).
 
 Slots are assigned per conversation key; a key seen for the first time takes a free slot, or
 the least recently used one not in the current call ("continuous batching": a finished
@@ -75,46 +75,37 @@ def _extend(
     seg: jax.Array,
     last: jax.Array,
     end: jax.Array,
+    rows: jax.Array | None = None,
 ) -> tuple[jax.Array, dict]:
     """Write a block of left-aligned tokens at the cache's index; next-token logits of each row's
     column `last[row]`. The index then moves to `end` (past the longest row's tokens), so the
-    next writes reuse the block's all-padding tail instead of leaving it dead in every row."""
+    next writes reuse the block's all-padding tail instead of leaving it dead in every row.
+
+    With `rows` (distinct cache rows) the block runs on those rows only: they are gathered out of
+    the cache and their columns written back, the other rows' untouched; logits [len(rows), vocab].
+    """
+    if rows is not None:
+        sub = {
+            "k": cache["k"][:, rows],
+            "v": cache["v"][:, rows],
+            "segment_ids": cache["segment_ids"][rows],
+            "positions": cache["positions"][rows],
+            "index": cache["index"],
+        }
+        logits, sub = _extend(graphdef, state, sub, ids, pos, seg, last, end)
+        return logits, {
+            "k": cache["k"].at[:, rows].set(sub["k"]),
+            "v": cache["v"].at[:, rows].set(sub["v"]),
+            "segment_ids": cache["segment_ids"].at[rows].set(sub["segment_ids"]),
+            "positions": cache["positions"].at[rows].set(sub["positions"]),
+            "index": end,
+        }
     model = nnx.merge(graphdef, state)
     if ids.shape[1] > PREFILL_BLOCK and not model.cfg.attention_block_size:
         model.cfg = dataclasses.replace(model.cfg, attention_block_size=PREFILL_BLOCK)
     hidden, cache = model.forward(ids, pos, seg, cache)
     hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
     return model.logits(hidden)[:, 0], {**cache, "index": end}
-
-
-def _extend_rows(
-    graphdef: nnx.GraphDef,
-    state: nnx.State,
-    cache: dict,
-    rows: jax.Array,
-    ids: jax.Array,
-    pos: jax.Array,
-    seg: jax.Array,
-    last: jax.Array,
-    end: jax.Array,
-) -> tuple[jax.Array, dict]:
-    """`_extend` on the cache rows `rows` only (distinct), whose new columns are written back; the
-    other rows' columns are untouched. Logits are [len(rows), vocab]."""
-    sub = {
-        "k": cache["k"][:, rows],
-        "v": cache["v"][:, rows],
-        "segment_ids": cache["segment_ids"][rows],
-        "positions": cache["positions"][rows],
-        "index": cache["index"],
-    }
-    logits, sub = _extend(graphdef, state, sub, ids, pos, seg, last, end)
-    return logits, {
-        "k": cache["k"].at[:, rows].set(sub["k"]),
-        "v": cache["v"].at[:, rows].set(sub["v"]),
-        "segment_ids": cache["segment_ids"].at[rows].set(sub["segment_ids"]),
-        "positions": cache["positions"].at[rows].set(sub["positions"]),
-        "index": end,
-    }
 
 
 def _long_rows(widths: Sequence[int], batch: int) -> list[int]:
@@ -187,7 +178,6 @@ def _programs() -> tuple:
         jax.jit(_keep),
         jax.jit(_resize, static_argnums=1),
         jax.jit(_compact),
-        jax.jit(_extend_rows, static_argnums=0),
     )
 
 
@@ -294,7 +284,7 @@ class SessionCache:
         stops: Stops,
         seed: int,
     ) -> list[Generation]:
-        extend, keep, resize, _, extend_rows = _programs()
+        extend, keep, resize, _ = _programs()
         self.calls += 1
         rows = self._assign(keys)
         row_to_req.update({r: q for r, q in zip(rows, req_ids, strict=True)})
@@ -332,7 +322,7 @@ class SessionCache:
         # prefix, an evicted conversation's, and filler written by the previous call's decode.
         self.cache = {**keep(self.cache, jnp.asarray(self._live_columns())), "index": jnp.int32(self.index)}
         end = self.index
-        logits = None
+        logits: jax.Array | None = None
         for g, group in enumerate(groups):
             # The first block runs on every cache row (rows outside it are filler); a second one on
             # its rows plus distinct filler rows up to a power of two (one compile per such size).
@@ -360,17 +350,14 @@ class SessionCache:
                 self.stats["prefill_tokens"] += k
                 self.stats["reused_tokens"] += len(slot.tokens) - k
             end = start + max(widths[i] for i in group)
+            sub = None if g == 0 else jnp.asarray(cache_rows, jnp.int32)
+            out, self.cache = extend(
+                self.graphdef, self.state, self.cache, ids, pos, seg, last, jnp.int32(end), sub
+            )
             if g == 0:
-                logits, self.cache = extend(
-                    self.graphdef, self.state, self.cache, ids, pos, seg, last, jnp.int32(end)
-                )
+                logits = out
             else:
-                sub_logits, self.cache = extend_rows(
-                    self.graphdef, self.state, self.cache, jnp.asarray(cache_rows, jnp.int32), ids, pos, seg,
-                    last, jnp.int32(end),
-                )  # fmt: skip
-                at = [rows[i] for i in group]
-                logits = logits.at[jnp.asarray(at)].set(sub_logits[: len(at)])
+                logits = logits.at[sub[: len(group)]].set(out[: len(group)])
                 self.stats["split_calls"] += 1
         positions = [len(s.tokens) for s in self.slots]
         gens, self.cache, steps = decode_rows(
