@@ -1,5 +1,6 @@
 """Step time during a checkpoint save vs without one: the trainer's own TrainCheckpoints (Orbax
-background write, then the sha256 manifest hashed on a background worker) on a CPU model wide
+background write, then the sha256 manifest hashed on a background worker) and its step after a
+save (writing into the buffers `step_buffers()` offers, no copy of the state) on a CPU model wide
 enough for a >= 2 GB checkpoint (float32 params + AdamW's two moments), in paired rounds.
 
 Each round runs, back to back (see `_paired.py`):
@@ -90,8 +91,13 @@ def _setup(root: str, batch: int, seq: int) -> tuple[Any, Any, dict, int]:
     ckpts = TrainCheckpoints(as_path(root), keep=1)
     meta = make_meta(cfg, step=0)
 
-    def step() -> None:
-        state["params"], state["opt"], m = fns.train(state["params"], state["opt"], batch_arrays)
+    def step() -> None:  # as the trainer's loop steps (train/loop.py: run_steps)
+        spare = ckpts.step_buffers()
+        if spare is None:
+            out = fns.train(state["params"], state["opt"], batch_arrays)
+        else:
+            out = fns.train_into(state["params"], state["opt"], batch_arrays, spare)
+        state["params"], state["opt"], m = out
         float(m["loss"])  # the step is done
 
     return step, ckpts, {"state": state, "meta": meta}, nbytes

@@ -1,7 +1,8 @@
 """What a background save may take from the training step on a CPU backend, and what it must not
-change: the step keeps donating its buffers after a save while the saved bytes stay those of the
-save; uncompressed and zstd steps restore alike (old zstd checkpoints included); the manifest is
-hashed at the lowest CPU priority. Real Orbax on disk, real donation by JAX, real thread nice values."""
+change: no copy of the state (the step after a save writes into the previous save's buffers)
+while the saved bytes stay those of the save; uncompressed and zstd steps restore alike (old zstd
+checkpoints included); the manifest is hashed at the lowest CPU priority. Real Orbax on disk,
+real donation by JAX, real thread nice values."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from agentrefine_jax import checkpoint as ckpt
+from agentrefine_jax.checkpoint import train_state
 from agentrefine_jax.checkpoint.train_state import background_priority, lower_storage_threads
 from agentrefine_jax.models import preset
 from agentrefine_jax.paths import as_path
@@ -39,33 +41,73 @@ def _restore(root, step, params, opt_state, compression="auto"):
     return ckpt.restore_train_state(c.mngr, step, abstract, shardings)
 
 
-def test_a_save_leaves_the_step_its_buffers_and_stores_the_state_it_was_given(tmp_path) -> None:
+def _ptrs(tree) -> list[int]:
+    return [x.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)]
+
+
+def test_the_step_after_a_save_writes_into_the_previous_saves_buffers(tmp_path, monkeypatch) -> None:
+    """No copy of the state on a CPU backend: a save hands Orbax the live arrays, and the next
+    step writes into buffers `step_buffers()` offers, donated (as StepFns.train_into does) —
+    from the second save on, those the save before handed over — leaving the saved ones alone."""
+    monkeypatch.setattr(train_state, "SPARE_MIN_BYTES", 0)  # this 2 MiB state counts as big
+    bump = lambda p, o: (jax.tree.map(lambda x: x + 1, p), jax.tree.map(lambda x: x * 2, o))  # noqa: E731
+    step = jax.jit(bump, donate_argnums=(0, 1))
+    into = jax.jit(lambda p, o, spare: bump(p, o), donate_argnums=2, keep_unused=True)
+    params, opt_state = _state(3.0)
+    c = ckpt.TrainCheckpoints(as_path(tmp_path / "ck"), keep=5)
+    c.save(1, params, opt_state, META)
+    first = (params, opt_state)
+    fresh = c.step_buffers()  # nothing handed over before: new buffers of the state's layout
+    assert fresh is not None and c.step_buffers() is None  # offered once
+    params, opt_state = into(params, opt_state, fresh)
+    jax.block_until_ready((params, opt_state))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(first))  # Orbax's to read, untouched
+    c.save(2, params, opt_state, META)  # waits for save 1's commit: Orbax let go of `first`
+    second = (params, opt_state)
+    spare = c.step_buffers()
+    assert all(a is b for a, b in zip(jax.tree.leaves(spare), jax.tree.leaves(first), strict=True))
+    where = _ptrs(spare)
+    params, opt_state = into(params, opt_state, spare)
+    jax.block_until_ready((params, opt_state))
+    # The new state lives in the first save's buffers; the state being saved is untouched.
+    assert _ptrs((params, opt_state)) == where
+    assert all(x.is_deleted() for x in jax.tree.leaves(first))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(second))
+    params, opt_state = step(params, opt_state)  # and the step updates it in place again
+    assert _ptrs((params, opt_state)) == where
+    c.save(3, params, opt_state, META)
+    c.save(3 + 1, params, opt_state, META)  # a second save of the same arrays: not their own spare
+    assert not set(_ptrs(c.step_buffers())) & set(where)
+    c.finish()
+    want1 = _state(3.0)
+    want2 = bump(*want1)
+    want3 = bump(*bump(*want2))
+    for saved, want in ((1, want1), (2, want2), (3, want3), (4, want3)):
+        ckpt.verify_step(tmp_path / "ck" / str(saved))
+        got = _restore(tmp_path / "ck", saved, *want)
+        for x, y in zip(
+            jax.tree.leaves((got["params"], got["opt_state"])), jax.tree.leaves(want), strict=True
+        ):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_small_states_get_no_spare_and_the_step_still_updates_correctly(tmp_path) -> None:
+    """Below SPARE_MIN_BYTES a spare would cost a second compiled step for milliseconds: none is
+    offered, and the plain donating step after a save (JAX declines to donate what Orbax reads)
+    leaves the saved bytes those of the save."""
     step = jax.jit(
         lambda p, o: (jax.tree.map(lambda x: x + 1, p), jax.tree.map(lambda x: x * 2, o)),
         donate_argnums=(0, 1),
     )
-    params, opt_state = _state(3.0)
+    params, opt_state = _state(5.0)
     c = ckpt.TrainCheckpoints(as_path(tmp_path / "ck"), keep=5)
-    c.save(1, params, opt_state, META)
-    live = jax.tree.leaves((params, opt_state))
-    params, opt_state = step(params, opt_state)  # while Orbax is still writing, most likely
-    jax.block_until_ready((params, opt_state))
-    # The step updated its state in place: nothing of the save kept those buffers from donation.
-    assert all(x.is_deleted() for x in live)
-    first_copy = jax.tree.leaves(c._snapshot.buffers)
-    c.save(2, params, opt_state, META)
-    # The second save copied into the first one's buffers (Orbax had let go of them).
-    assert all(x.is_deleted() for x in first_copy)
-    params, opt_state = step(params, opt_state)
+    for k in (1, 2):
+        c.save(k, params, opt_state, META)
+        assert c.step_buffers() is None
+        params, opt_state = step(params, opt_state)
     c.finish()
-    want1, want2 = _state(3.0), step(*_state(3.0))
-    for saved, want in ((1, want1), (2, want2)):
-        ckpt.verify_step(tmp_path / "ck" / str(saved))
-        got = _restore(tmp_path / "ck", saved, *want)
-        for a, b in zip(
-            jax.tree.leaves((got["params"], got["opt_state"])), jax.tree.leaves(want), strict=True
-        ):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    got = _restore(tmp_path / "ck", 2, *step(*_state(5.0)))
+    np.testing.assert_array_equal(np.asarray(got["params"]["w"]), np.arange(N, dtype=np.float32) * 5 + 1)
 
 
 def _bytes(step_dir) -> int:

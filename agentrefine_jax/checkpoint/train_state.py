@@ -146,34 +146,23 @@ def _on_cpu(tree: Any) -> bool:
     )
 
 
-class _CpuSnapshot:
-    """On a CPU backend, what a save hands to Orbax: a copy of the state in buffers kept from
-    save to save.
+# Below this a save's state is left to the next step's fresh allocation: a spare would cost a
+# second compiled train program (seconds) to save milliseconds of page faults.
+SPARE_MIN_BYTES = 64 << 20
 
-    Orbax's "device to host" transfer of a CPU array is a zero-copy view of the live buffer, and
-    JAX does not donate a buffer that a view still references: the train step after a save then
-    writes its whole new state to freshly allocated memory (~1.2-4.5 s of page faults for a
-    2.3 GB state on the 2-core box, i.e. up to twice a step) instead of updating in place. A copy
-    into the previous save's buffers (donated to the copy; Orbax has finished with them, as every
-    save first waits for the one before) costs one memcpy of warm memory and leaves the step's
-    own buffers free to donate. The saved bytes are the state at `save()`, whatever later steps do.
-    """
 
-    def __init__(self) -> None:
-        self.buffers: Any = None
-        self._fresh = jax.jit(lambda src: jax.tree.map(jnp.copy, src))
-        # keep_unused: `dst` is only there to be donated (its buffers become the copy's).
-        self._into = jax.jit(lambda src, dst: jax.tree.map(jnp.copy, src), donate_argnums=1, keep_unused=True)
+def _fresh_like(tree: Any) -> Any:
+    shardings = jax.tree.map(lambda x: x.sharding, tree)
+    return jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t), out_shardings=shardings)(tree)
 
-    def take(self, tree: Any) -> Any:
-        old, self.buffers = self.buffers, None
-        same = old is not None and jax.tree.structure(old) == jax.tree.structure(tree)
-        same = same and all(
-            (a.shape, a.dtype, a.sharding) == (b.shape, b.dtype, b.sharding)
-            for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(tree), strict=True)
-        )
-        self.buffers = self._into(tree, old) if same else self._fresh(tree)
-        return self.buffers
+
+def _same_layout(a: Any, b: Any) -> bool:
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return False
+    return all(
+        (x.shape, x.dtype, x.sharding) == (y.shape, y.dtype, y.sharding)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
 
 
 class TrainCheckpoints:
@@ -189,11 +178,20 @@ class TrainCheckpoints:
 
     What a save costs the step on a CPU backend, where the step and the save share the cores:
     the hashing and Orbax's writing threads run at the lowest CPU priority (`background_priority`,
-    `lower_storage_threads`: the step first, the save in the cycles it leaves); the arrays handed to
-    Orbax are a copy kept from save to save (`_CpuSnapshot`), so the next step still updates
-    its buffers in place; and `compression` "auto" writes uncompressed chunks there (zstd of
-    float32 weights and moments took ~3x the CPU of the write itself for ~0.7x the bytes), zstd
-    on accelerators, whose host cores the step does not use. "zstd" / "none" choose explicitly.
+    `lower_storage_threads`: the step first, the save in the cycles it leaves); and `compression`
+    "auto" writes uncompressed chunks there (zstd of float32 weights and moments took ~3x the CPU
+    of the write itself for ~0.7x the bytes), zstd on accelerators, whose host cores the step
+    does not use. "zstd" / "none" choose explicitly.
+
+    Nor does a save copy the state on a CPU backend. Orbax's "device to host" transfer of a CPU
+    array is a zero-copy view of the live buffer, which JAX then will not donate: the step after
+    a save would write its whole new state to fresh memory (~1.2-4.5 s of page faults for a 2.3 GB
+    state on the 2-core box) and a copy before the save cost ~0.9 s of blocking memcpy. Instead the
+    save hands Orbax the live arrays, and `step_buffers()` gives the step after it somewhere to
+    write: the arrays the save before handed over (Orbax let go of them at their commit, which
+    every save first waits for; new ones at the first save). The trainer's step then writes into
+    them (`StepFns.train_into`) and leaves the saved arrays untouched: from the second save on no
+    byte is copied or freshly faulted, and two states' worth of memory is held, as with a copy.
     """
 
     def __init__(
@@ -215,7 +213,8 @@ class TrainCheckpoints:
         self._hasher = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="manifest", initializer=background_priority
         )
-        self._snapshot = _CpuSnapshot()
+        self._handed: Any = None  # what the newest save handed Orbax (CPU backend, big states)
+        self._spare: Any = None  # for the next step to write into; see `step_buffers`
         self.failed = False
 
     def save(self, step: int, params: Any, opt_state: Any, meta: CheckpointMeta) -> None:
@@ -226,13 +225,39 @@ class TrainCheckpoints:
         self.poll(wait=True)
         faults.point("before_save", step)
         try:
-            if _on_cpu((params, opt_state)):
-                params, opt_state = self._snapshot.take((params, opt_state))
             save_train_state(self.mngr, step, params, opt_state, meta)
         except Exception as e:  # noqa: BLE001 - any storage error ends the run with one line
             self._fail(step, e)
         self.pending.append(step)
+        self._hand_over((params, opt_state))
         lower_storage_threads()  # the pool grows on demand: new writers too
+
+    def _hand_over(self, saved: Any) -> None:
+        """Note what Orbax now reads, and offer the previous save's arrays as the next step's spare."""
+        previous, self._handed, self._spare = self._handed, None, None
+        leaves = jax.tree.leaves(saved)
+        if not _on_cpu(saved) or sum(x.nbytes for x in leaves) < SPARE_MIN_BYTES:
+            return
+        self._handed = saved
+        live = {id(x) for x in leaves}  # two saves with no step between: the same arrays
+        usable = (
+            previous is not None
+            and _same_layout(previous, saved)
+            and not any(id(x) in live or x.is_deleted() for x in jax.tree.leaves(previous))
+        )
+        # None usable (the first save): new buffers, which the step would otherwise have taken
+        # itself; so the step after every save leaves the saved arrays alone, whatever the timing.
+        self._spare = previous if usable else _fresh_like(saved)
+
+    def step_buffers(self) -> Any:
+        """Where the next train step should write its (trained params, opt_state) — a tree of that
+        layout to donate (`StepFns.train_into`) — or None: the step may update its own buffers.
+
+        Not None only on a CPU backend right after a save of a state of at least SPARE_MIN_BYTES,
+        which Orbax is still reading: the buffers offered are those of the save before (Orbax
+        has finished with them), new ones after the first save. Taken once."""
+        spare, self._spare = self._spare, None
+        return spare
 
     def poll(self, wait: bool = False) -> None:
         """Raise CheckpointSaveError if a save failed; start the manifests of committed saves.
@@ -295,7 +320,7 @@ class TrainCheckpoints:
 
     def finish(self) -> None:
         self.poll(wait=True)
-        self._snapshot.buffers = None  # memory the size of the state, needed only between saves
+        self._handed = self._spare = None  # memory the size of the state, needed only between saves
 
 
 def choose_resume_step(root: epath.Path, rejected: epath.Path) -> int | None:

@@ -161,9 +161,13 @@ def run_steps(
             local = next(batches)
         except StopIteration:
             break
-        state.params, state.opt_state, metrics = fns.train(
-            state.params, state.opt_state, to_global(local, fns.batch_sharding, global_batch)
-        )
+        batch = to_global(local, fns.batch_sharding, global_batch)
+        spare = ckpts.step_buffers()  # right after a save on CPU: the state there is Orbax's to read
+        if spare is None:
+            out = fns.train(state.params, state.opt_state, batch)
+        else:
+            out = fns.train_into(state.params, state.opt_state, batch, spare)
+        state.params, state.opt_state, metrics = out
         state.step += 1
         read_pending()  # step k-1: the device is already busy with step k
         pending = (state.step, metrics)

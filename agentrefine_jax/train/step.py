@@ -40,6 +40,10 @@ class StepFns:
     batch_sharding: NamedSharding
     init_opt: Callable[[Params], Any]
     train: Callable[[Params, Any, Batch], tuple[Params, Any, dict[str, jax.Array]]]
+    # The same step writing into `spare` (donated), not into the state it reads (kept): for the step
+    # after a save on a CPU backend, whose input state Orbax is still reading (train_state.py).
+    # Returns (trained params, opt_state, metrics); `train_into` puts the params back together.
+    train_trained_into: Callable[[Params, Any, Batch, Any], tuple[Params, Any, dict[str, jax.Array]]]
     evaluate: Callable[[Params, Batch], tuple[jax.Array, jax.Array]]
     # Full / LoRA / int8 LoRA: what is held, trained, saved and merged (param_mode.py), and its
     # initialisers on this mesh (LoRA: params are {"base": frozen base, "lora": adapters}).
@@ -62,6 +66,14 @@ class StepFns:
     @property
     def trainable_shardings(self) -> Params:
         return self.trainable(self.param_shardings)
+
+    def train_into(
+        self, params: Params, opt_state: Any, batch: Batch, spare: Any
+    ) -> tuple[Params, Any, dict[str, jax.Array]]:
+        """`train`, with the new (trained params, opt_state) written into the buffers of `spare`
+        (a tree of that shape, donated) while `params` and `opt_state` stay as they were."""
+        trained, new_opt, metrics = self.train_trained_into(params, opt_state, batch, spare)
+        return self.mode.with_trained(params, trained), new_opt, metrics
 
     def model(self, params: Params) -> Transformer:
         """The model these params describe, adapters merged into the base's weights."""
@@ -153,13 +165,42 @@ def build_steps(
         out_shardings=(p_shard, opt_shard, replicated),
         donate_argnums=(0, 1),
     )
+    into_jit = _train_into_jit(train_step, mode, p_shard, opt_shard, batch_tree, replicated)
     eval_jit = jax.jit(eval_step, in_shardings=(p_shard, batch_tree), out_shardings=replicated)
     ruled = functools.partial(_with_rules, mesh, rules)
     return StepFns(
         graphdef=graphdef, param_shardings=p_shard, opt_shardings=opt_shard, abstract_params=built.abstract,
         abstract_opt=abstract_opt, batch_sharding=b_shard, init_opt=ruled(init_opt), train=ruled(train_jit),
-        evaluate=ruled(eval_jit), mode=mode, built=built.wrapped(ruled),
+        train_trained_into=ruled(into_jit), evaluate=ruled(eval_jit), mode=mode, built=built.wrapped(ruled),
     )  # fmt: skip
+
+
+def _train_into_jit(
+    train_step: Callable[..., Any],
+    mode: ParamMode,
+    p_shard: Any,
+    opt_shard: Any,
+    batch_tree: Any,
+    replicated: Any,
+) -> Callable[..., Any]:
+    """`train_step` taking a fourth argument, `spare` ((trained params, opt_state) of the same
+    layout), donated so that the new state is written into its buffers, while the state it reads
+    is kept (see StepFns.train_into). Returns the trained params alone: a LoRA base is read,
+    never output, so it is not copied."""
+
+    def step(params: Params, opt_state: Any, batch: Batch, spare: Any) -> tuple[Params, Any, Any]:
+        del spare  # only donated: its buffers receive the outputs
+        new_params, new_opt, metrics = train_step(params, opt_state, batch)
+        return mode.trainable(new_params), new_opt, metrics
+
+    trained = mode.trainable(p_shard)
+    return jax.jit(
+        step,
+        in_shardings=(p_shard, opt_shard, batch_tree, (trained, opt_shard)),
+        out_shardings=(trained, opt_shard, replicated),
+        donate_argnums=(3,),
+        keep_unused=True,  # `spare` is unused by the computation; donated all the same
+    )
 
 
 def _accumulate(grad_fn: Callable[..., Any], trained: Params, micro_batches: Batch, keys: jax.Array) -> Any:
