@@ -1,8 +1,8 @@
 """What a background save may take from the training step on a CPU backend, and what it must not
 change: no copy of the state (the step after a save writes into the previous save's buffers)
 while the saved bytes stay those of the save; uncompressed and zstd steps restore alike (old zstd
-checkpoints included); the manifest is hashed at the lowest CPU priority. Real Orbax on disk,
-real donation by JAX, real thread nice values."""
+checkpoints included); the manifest is hashed at the lowest CPU priority (SCHED_IDLE, nice 19).
+Real Orbax on disk, real donation by JAX, real thread priorities."""
 
 from __future__ import annotations
 
@@ -138,8 +138,13 @@ def test_uncompressed_and_zstd_steps_restore_alike_and_open_in_plain_orbax(tmp_p
         ckpt.TrainCheckpoints(as_path(tmp_path / "x"), keep=1, compression="gzip")
 
 
-def _nice() -> int:
-    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+def _nice() -> tuple[int, int]:
+    """(nice value, scheduling policy) of the calling thread."""
+    tid = threading.get_native_id()
+    return os.getpriority(os.PRIO_PROCESS, tid), os.sched_getscheduler(tid)
+
+
+LOWEST = (19, os.SCHED_IDLE)
 
 
 def test_manifests_are_hashed_at_the_lowest_cpu_priority(tmp_path) -> None:
@@ -150,13 +155,13 @@ def test_manifests_are_hashed_at_the_lowest_cpu_priority(tmp_path) -> None:
         with ThreadPoolExecutor(2) as pool:  # as file_digests hashes several files at once
             return _nice(), list(pool.map(lambda _: _nice(), range(2)))
 
-    assert c._hasher.submit(inside).result() == (19, [19, 19])
+    assert c._hasher.submit(inside).result() == (LOWEST, [LOWEST, LOWEST])
     assert _nice() == before  # the training thread keeps its priority
     done = []
     t = threading.Thread(target=lambda: (background_priority(), done.append(_nice())))
     t.start()
     t.join(timeout=30)
-    assert done == [19] and _nice() == before
+    assert done == [LOWEST] and _nice() == before
     c.finish()
 
 
@@ -173,4 +178,5 @@ def test_orbax_writes_on_tensorstore_threads_that_a_save_lowers(tmp_path) -> Non
     writers = [tid for tid, name in names.items() if name == "ts_pool_worker"]
     assert writers, f"TensorStore's pool threads not found by name: {sorted(set(names.values()))}"
     assert all(os.getpriority(os.PRIO_PROCESS, tid) == 19 for tid in writers)
+    assert all(os.sched_getscheduler(tid) == os.SCHED_IDLE for tid in writers)
     assert _nice() == before  # the training thread keeps its priority
