@@ -5,8 +5,7 @@ Why it exists: XLA's CPU runtime takes each step's temporaries as one fresh `mal
 glibc's mmap threshold, so every step maps, zero-fills page by page and unmaps them again. With
 the ~200M-parameter model of `benchmarks/checkpoint_hashing.py` on the 2-core box: 2.1 GB of
 4 KiB page faults per step, ~1/3 of the step's CPU in the kernel; with the tunable (glibc then
-asks for transparent huge pages) 0.01 GB, the step 1.50 -> 1.13-1.21 s, and a checkpoint save's
-snapshot copy 0.93 -> 0.3-0.6 s.
+asks for transparent huge pages) 0.01 GB, the step 1.50 -> 1.13-1.21 s.
 Why it is not the default: on the small model of `benchmarks/train_step.py` (4 layers, hidden
 256) the same tunable made the step slower and far noisier (alternating runs: 0.99x / 1.00x torch
 fp32 without it, 0.86x / 0.77x with it), most likely the kernel compacting memory for huge pages

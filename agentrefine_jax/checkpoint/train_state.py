@@ -122,9 +122,9 @@ def background_priority() -> None:
     share of every step. Under SCHED_IDLE the kernel runs it only in the cycles the step leaves
     idle (it still finishes: an idle core, or the wait at the next save, lets it run). Measured
     on the 2-core box, 5 paired rounds each (`benchmarks/checkpoint_hashing.py`): a 2.3 GB save
-    cost the step 2.8 s at nice 19 alone, 1.8 s under SCHED_IDLE (nice 19 still gets ~1.5% of
-    a busy core and keeps its slice when the step's threads wake). Linux keeps both per thread
-    and new threads inherit them; elsewhere this does nothing."""
+    cost the step 2.8-3.0 s at nice 19 alone, 1.7-2.7 s under SCHED_IDLE (nice 19 still gets
+    ~1.5% of a busy core, SCHED_IDLE ~0.3%). Linux keeps both per thread and new threads
+    inherit them; elsewhere this does nothing."""
     if sys.platform.startswith("linux"):
         _lowest_priority(threading.get_native_id())
 
