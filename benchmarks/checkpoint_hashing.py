@@ -93,11 +93,7 @@ def _setup(root: str, batch: int, seq: int) -> tuple[Any, Any, dict, int]:
 
     def step() -> None:  # as the trainer's loop steps (train/loop.py: run_steps)
         spare = ckpts.step_buffers()
-        if spare is None:
-            out = fns.train(state["params"], state["opt"], batch_arrays)
-        else:
-            out = fns.train_into(state["params"], state["opt"], batch_arrays, spare)
-        state["params"], state["opt"], m = out
+        state["params"], state["opt"], m = fns.train_into(state["params"], state["opt"], batch_arrays, spare)
         float(m["loss"])  # the step is done
 
     return step, ckpts, {"state": state, "meta": meta}, nbytes

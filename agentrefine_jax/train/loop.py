@@ -162,12 +162,9 @@ def run_steps(
         except StopIteration:
             break
         batch = to_global(local, fns.batch_sharding, global_batch)
-        spare = ckpts.step_buffers()  # right after a save on CPU: the state there is Orbax's to read
-        if spare is None:
-            out = fns.train(state.params, state.opt_state, batch)
-        else:
-            out = fns.train_into(state.params, state.opt_state, batch, spare)
-        state.params, state.opt_state, metrics = out
+        # Right after a save on CPU, the state is Orbax's to read: the step writes into a spare.
+        spare = ckpts.step_buffers()
+        state.params, state.opt_state, metrics = fns.train_into(state.params, state.opt_state, batch, spare)
         state.step += 1
         read_pending()  # step k-1: the device is already busy with step k
         pending = (state.step, metrics)

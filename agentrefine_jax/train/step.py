@@ -71,7 +71,10 @@ class StepFns:
         self, params: Params, opt_state: Any, batch: Batch, spare: Any
     ) -> tuple[Params, Any, dict[str, jax.Array]]:
         """`train`, with the new (trained params, opt_state) written into the buffers of `spare`
-        (a tree of that shape, donated) while `params` and `opt_state` stay as they were."""
+        (a tree of that shape, donated) while `params` and `opt_state` stay as they were.
+        `spare` None: plain `train` (see TrainCheckpoints.step_buffers, which says which)."""
+        if spare is None:
+            return self.train(params, opt_state, batch)
         trained, new_opt, metrics = self.train_trained_into(params, opt_state, batch, spare)
         return self.mode.with_trained(params, trained), new_opt, metrics
 
