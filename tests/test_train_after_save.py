@@ -5,6 +5,7 @@ every saved array bit-equal), full fine-tuning and LoRA alike. Real trainer, rea
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -29,13 +30,10 @@ LORA = ["train.lora.rank=4", "train.lora.targets=q,v", "train.lora.dropout=0.1"]
 
 
 def _saved(run_dir, step: int) -> list[np.ndarray]:
-    import jax
-
+    """Every stored array of the step (params, then opt_state), as plain Orbax reads them."""
     with ocp.StandardCheckpointer() as c:
-        tree = c.restore(run_dir / "checkpoints" / str(step) / "params")
-    with ocp.StandardCheckpointer() as c:
-        opt = c.restore(run_dir / "checkpoints" / str(step) / "opt_state")
-    return [np.asarray(x) for x in jax.tree.leaves((tree, opt))]
+        items = [c.restore(run_dir / "checkpoints" / str(step) / item) for item in ("params", "opt_state")]
+    return [np.asarray(x) for x in jax.tree.leaves(items)]
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
