@@ -1,6 +1,6 @@
 """Step time during a checkpoint save vs without one: the trainer's own TrainCheckpoints (Orbax
 background write, then the sha256 manifest hashed on a background worker) and its step after a
-save (writing into the buffers `step_buffers()` offers, no copy of the state) on a CPU model wide
+save (the trainer's save strategy: spare buffers, no copy of the state) on a CPU model wide
 enough for a >= 2 GB checkpoint (float32 params + AdamW's two moments), in paired rounds.
 
 Each round runs, back to back (see `_paired.py`):
@@ -62,6 +62,7 @@ def _setup(root: str, batch: int, seq: int) -> tuple[Any, Any, dict, int]:
     from agentrefine_jax.config import MeshConfig, OptimConfig
     from agentrefine_jax.models import preset
     from agentrefine_jax.paths import as_path
+    from agentrefine_jax.train import save_strategy
     from agentrefine_jax.train.optimizer import make_optimizer
     from agentrefine_jax.train.step import build_steps
 
@@ -90,13 +91,13 @@ def _setup(root: str, batch: int, seq: int) -> tuple[Any, Any, dict, int]:
     }
     ckpts = TrainCheckpoints(as_path(root), keep=1)
     meta = make_meta(cfg, step=0)
+    strategy = save_strategy.choose(fns, (state["params"], state["opt"]))  # as the trainer chooses
 
     def step() -> None:  # as the trainer's loop steps (train/loop.py: run_steps)
-        spare = ckpts.step_buffers()
-        state["params"], state["opt"], m = fns.train_into(state["params"], state["opt"], batch_arrays, spare)
+        state["params"], state["opt"], m = strategy.step(state["params"], state["opt"], batch_arrays)
         float(m["loss"])  # the step is done
 
-    return step, ckpts, {"state": state, "meta": meta}, nbytes
+    return step, ckpts, {"state": state, "meta": meta, "strategy": strategy}, nbytes
 
 
 def main() -> None:
@@ -128,6 +129,7 @@ def main() -> None:
         t0 = time.perf_counter()
         s = held["state"]
         ckpts.save(counter["step"], s["params"], s["opt"], held["meta"])
+        held["strategy"].handed((s["params"], s["opt"]))  # as the trainer's Checkpointing hook does
         counter["blocking"].append(time.perf_counter() - t0)
         n = 0
         while n < args.steps or ckpts.pending or ckpts.hashing:

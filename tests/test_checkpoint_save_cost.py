@@ -1,5 +1,6 @@
 """What a background save may take from the training step on a CPU backend, and what it must not
-change: no copy of the state (the step after a save writes into the previous save's buffers)
+change: no copy of the state (the step after a save writes into the previous save's buffers, the
+trainer's `SpareBufferSaves` strategy)
 while the saved bytes stay those of the save; uncompressed and zstd steps restore alike (old zstd
 checkpoints included); the manifest is hashed at the lowest CPU priority (SCHED_IDLE, nice 19).
 Real Orbax on disk, real donation by JAX, real thread priorities."""
@@ -17,10 +18,10 @@ import numpy as np
 import pytest
 
 from agentrefine_jax import checkpoint as ckpt
-from agentrefine_jax.checkpoint import train_state
 from agentrefine_jax.checkpoint.train_state import background_priority, lower_storage_threads
 from agentrefine_jax.models import preset
 from agentrefine_jax.paths import as_path
+from agentrefine_jax.train import save_strategy
 
 META = ckpt.make_meta(preset("tiny", vocab_size=256), step=0)
 N = 1 << 18
@@ -45,16 +46,36 @@ def _ptrs(tree) -> list[int]:
     return [x.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)]
 
 
+class _Saves:
+    """A save as the trainer's Checkpointing hook makes it: Orbax's, then the strategy is told."""
+
+    def __init__(self, ckpts, strategy) -> None:
+        self.ckpts, self.strategy = ckpts, strategy
+
+    def save(self, step, params, opt_state, meta) -> None:
+        self.ckpts.save(step, params, opt_state, meta)
+        self.strategy.handed((params, opt_state))
+
+    def step_buffers(self):
+        return self.strategy.step_buffers()
+
+    def finish(self) -> None:
+        self.ckpts.finish()
+        self.strategy.release()
+
+
 def test_the_step_after_a_save_writes_into_the_previous_saves_buffers(tmp_path, monkeypatch) -> None:
     """No copy of the state on a CPU backend: a save hands Orbax the live arrays, and the next
     step writes into buffers `step_buffers()` offers, donated (as StepFns.train_into does) —
     from the second save on, those the save before handed over — leaving the saved ones alone."""
-    monkeypatch.setattr(train_state, "SPARE_MIN_BYTES", 0)  # this 2 MiB state counts as big
+    params, opt_state = _state(3.0)
+    monkeypatch.setattr(save_strategy, "SPARE_MIN_BYTES", 0)  # this 2 MiB state counts as big
+    strategy = save_strategy.choose(None, (params, opt_state))
+    assert isinstance(strategy, save_strategy.SpareBufferSaves)
+    c = _Saves(ckpt.TrainCheckpoints(as_path(tmp_path / "ck"), keep=5), strategy)
     bump = lambda p, o: (jax.tree.map(lambda x: x + 1, p), jax.tree.map(lambda x: x * 2, o))  # noqa: E731
     step = jax.jit(bump, donate_argnums=(0, 1))
     into = jax.jit(lambda p, o, spare: bump(p, o), donate_argnums=2, keep_unused=True)
-    params, opt_state = _state(3.0)
-    c = ckpt.TrainCheckpoints(as_path(tmp_path / "ck"), keep=5)
     c.save(1, params, opt_state, META)
     first = (params, opt_state)
     fresh = c.step_buffers()  # nothing handed over before: new buffers of the state's layout
@@ -92,18 +113,18 @@ def test_the_step_after_a_save_writes_into_the_previous_saves_buffers(tmp_path, 
 
 
 def test_small_states_get_no_spare_and_the_step_still_updates_correctly(tmp_path) -> None:
-    """Below SPARE_MIN_BYTES a spare would cost a second compiled step for milliseconds: none is
-    offered, and the plain donating step after a save (JAX declines to donate what Orbax reads)
-    leaves the saved bytes those of the save."""
+    """Below SPARE_MIN_BYTES a spare would cost a second compiled step for milliseconds: the run's
+    strategy is plain steps, and the plain donating step after a save (JAX declines to donate what
+    Orbax reads) leaves the saved bytes those of the save."""
     step = jax.jit(
         lambda p, o: (jax.tree.map(lambda x: x + 1, p), jax.tree.map(lambda x: x * 2, o)),
         donate_argnums=(0, 1),
     )
     params, opt_state = _state(5.0)
+    assert isinstance(save_strategy.choose(None, (params, opt_state)), save_strategy.PlainSaves)
     c = ckpt.TrainCheckpoints(as_path(tmp_path / "ck"), keep=5)
     for k in (1, 2):
         c.save(k, params, opt_state, META)
-        assert c.step_buffers() is None
         params, opt_state = step(params, opt_state)
     c.finish()
     got = _restore(tmp_path / "ck", 2, *step(*_state(5.0)))

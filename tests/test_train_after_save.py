@@ -1,5 +1,5 @@
 """The trainer's step after a checkpoint save on a CPU backend writes its new state into the
-buffers of the save before (`TrainCheckpoints.step_buffers` + `StepFns.train_into`) instead of
+buffers of the save before (the `SpareBufferSaves` strategy + `StepFns.train_into`) instead of
 copying the state for Orbax: the run must train exactly as one that never does (losses and
 every saved array bit-equal), full fine-tuning and LoRA alike. Real trainer, real Orbax."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from agentrefine_jax.checkpoint import train_state
 from agentrefine_jax.config import load_config
+from agentrefine_jax.train import save_strategy
 from agentrefine_jax.train.loop import train
 
 STEPS = 5
@@ -39,17 +39,17 @@ def _saved(run_dir, step: int) -> list[np.ndarray]:
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_steps_after_saves_write_into_spare_buffers_and_train_the_same(tmp_path, monkeypatch, lora) -> None:
     offered: list[bool] = []
-    real = train_state.TrainCheckpoints.step_buffers
+    real = save_strategy.SpareBufferSaves.step_buffers
 
     def counting(self):  # the real method; only counts what it offers
         spare = real(self)
         offered.append(spare is not None)
         return spare
 
-    monkeypatch.setattr(train_state.TrainCheckpoints, "step_buffers", counting)
+    monkeypatch.setattr(save_strategy.SpareBufferSaves, "step_buffers", counting)
     runs = {}
     for name, min_bytes in (("spares", 0), ("plain", 1 << 62)):
-        monkeypatch.setattr(train_state, "SPARE_MIN_BYTES", min_bytes)
+        monkeypatch.setattr(save_strategy, "SPARE_MIN_BYTES", min_bytes)
         offered.clear()
         run_dir = tmp_path / name
         cfg = load_config("demo", [*SETTINGS, *(LORA if lora else []), f"train.run_dir={run_dir}"])

@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -120,11 +119,10 @@ def background_priority() -> None:
     For work that must not slow the training step: on a CPU backend the step's XLA threads and
     our background hashing share the same cores, and at equal priority the hashing takes its
     share of every step. Under SCHED_IDLE the kernel runs it only in the cycles the step leaves
-    idle (it still finishes: an idle core, or the wait at the next save, lets it run). Measured
-    on the 2-core box, 5 paired rounds each (`benchmarks/checkpoint_hashing.py`): a 2.3 GB save
-    cost the step 2.8-3.0 s at nice 19 alone, 1.7-2.7 s under SCHED_IDLE (nice 19 still gets
-    ~1.5% of a busy core, SCHED_IDLE ~0.3%). Linux keeps both per thread and new threads
-    inherit them; elsewhere this does nothing."""
+    idle (it still finishes: an idle core, or the wait at the next save, lets it run); nice 19
+    alone still takes a measurable share of a busy core (figures: docs/scale.md, "What a
+    checkpoint save costs"). Linux keeps both per thread and new threads inherit them;
+    elsewhere this does nothing."""
     if sys.platform.startswith("linux"):
         _lowest_priority(threading.get_native_id())
 
@@ -137,10 +135,9 @@ def lower_storage_threads() -> None:
     """`background_priority` for the threads Orbax writes on: TensorStore's pool, started by
     TensorStore (so we cannot run code in them) and named so; found by name in /proc (Linux).
 
-    Measured on the 2-core box: copying a 2.3 GB step into the page cache took those threads
-    ~3-6 CPU-s (this VM backs fresh memory slowly), which at equal priority came out of the
-    steps overlapping the write. Restores use the same pool: in a training process that is the
-    resume, before any step runs."""
+    Copying a big step into the page cache costs those threads CPU-seconds of kernel time, which
+    at equal priority comes out of the steps overlapping the write (docs/scale.md). Restores use
+    the same pool: in a training process that is the resume, before any step runs."""
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -157,32 +154,6 @@ def lower_storage_threads() -> None:
             _lowest_priority(int(tid))
 
 
-def _on_cpu(tree: Any) -> bool:
-    leaves = jax.tree.leaves(tree)
-    return bool(leaves) and all(
-        isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.sharding.device_set) for x in leaves
-    )
-
-
-# Below this a save's state is left to the next step's fresh allocation: a spare would cost a
-# second compiled train program (seconds) to save milliseconds of page faults.
-SPARE_MIN_BYTES = 64 << 20
-
-
-def _fresh_like(tree: Any) -> Any:
-    shardings = jax.tree.map(lambda x: x.sharding, tree)
-    return jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t), out_shardings=shardings)(tree)
-
-
-def _same_layout(a: Any, b: Any) -> bool:
-    if jax.tree.structure(a) != jax.tree.structure(b):
-        return False
-    return all(
-        (x.shape, x.dtype, x.sharding) == (y.shape, y.dtype, y.sharding)
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    )
-
-
 class TrainCheckpoints:
     """A run's checkpoints: the Orbax manager plus what Orbax does not do — a checksum manifest
     per step, and save failures surfaced at a step boundary, not at the end.
@@ -197,19 +168,12 @@ class TrainCheckpoints:
     What a save costs the step on a CPU backend, where the step and the save share the cores:
     the hashing and Orbax's writing threads run at the lowest CPU priority (`background_priority`,
     `lower_storage_threads`: the step first, the save in the cycles it leaves); and `compression`
-    "auto" writes uncompressed chunks there (zstd of float32 weights and moments took ~3x the CPU
-    of the write itself for ~0.7x the bytes), zstd on accelerators, whose host cores the step
-    does not use. "zstd" / "none" choose explicitly.
+    "auto" writes uncompressed chunks there (zstd of float32 weights and moments costs several
+    times the CPU of the write itself for few bytes saved: docs/scale.md), zstd on accelerators,
+    whose host cores the step does not use. "zstd" / "none" choose explicitly.
 
-    Nor does a save copy the state on a CPU backend. Orbax's "device to host" transfer of a CPU
-    array is a zero-copy view of the live buffer, which JAX then will not donate: the step after
-    a save would write its whole new state to fresh memory (~1.2-4.5 s of page faults for a 2.3 GB
-    state on the 2-core box) and a copy before the save cost ~0.9 s of blocking memcpy. Instead the
-    save hands Orbax the live arrays, and `step_buffers()` gives the step after it somewhere to
-    write: the arrays the save before handed over (Orbax let go of them at their commit, which
-    every save first waits for; new ones at the first save). The trainer's step then writes into
-    them (`StepFns.train_into`) and leaves the saved arrays untouched: from the second save on no
-    byte is copied or freshly faulted, and two states' worth of memory is held, as with a copy.
+    What the step does while Orbax reads a saved state (spare buffers on a CPU backend) is the
+    trainer's save strategy (train/save_strategy.py), not this class's.
     """
 
     def __init__(
@@ -231,8 +195,6 @@ class TrainCheckpoints:
         self._hasher = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="manifest", initializer=background_priority
         )
-        self._handed: Any = None  # what the newest save handed Orbax (CPU backend, big states)
-        self._spare: Any = None  # for the next step to write into; see `step_buffers`
         self.failed = False
 
     def save(self, step: int, params: Any, opt_state: Any, meta: CheckpointMeta) -> None:
@@ -247,35 +209,7 @@ class TrainCheckpoints:
         except Exception as e:  # noqa: BLE001 - any storage error ends the run with one line
             self._fail(step, e)
         self.pending.append(step)
-        self._hand_over((params, opt_state))
         lower_storage_threads()  # the pool grows on demand: new writers too
-
-    def _hand_over(self, saved: Any) -> None:
-        """Note what Orbax now reads, and offer the previous save's arrays as the next step's spare."""
-        previous, self._handed, self._spare = self._handed, None, None
-        leaves = jax.tree.leaves(saved)
-        if not _on_cpu(saved) or sum(x.nbytes for x in leaves) < SPARE_MIN_BYTES:
-            return
-        self._handed = saved
-        live = {id(x) for x in leaves}  # two saves with no step between: the same arrays
-        usable = (
-            previous is not None
-            and _same_layout(previous, saved)
-            and not any(id(x) in live or x.is_deleted() for x in jax.tree.leaves(previous))
-        )
-        # None usable (the first save): new buffers, which the step would otherwise have taken
-        # itself; so the step after every save leaves the saved arrays alone, whatever the timing.
-        self._spare = previous if usable else _fresh_like(saved)
-
-    def step_buffers(self) -> Any:
-        """Where the next train step should write its (trained params, opt_state) — a tree of that
-        layout to donate (`StepFns.train_into`) — or None: the step may update its own buffers.
-
-        Not None only on a CPU backend right after a save of a state of at least SPARE_MIN_BYTES,
-        which Orbax is still reading: the buffers offered are those of the save before (Orbax
-        has finished with them), new ones after the first save. Taken once."""
-        spare, self._spare = self._spare, None
-        return spare
 
     def poll(self, wait: bool = False) -> None:
         """Raise CheckpointSaveError if a save failed; start the manifests of committed saves.
@@ -338,7 +272,6 @@ class TrainCheckpoints:
 
     def finish(self) -> None:
         self.poll(wait=True)
-        self._handed = self._spare = None  # memory the size of the state, needed only between saves
 
 
 def choose_resume_step(root: epath.Path, rejected: epath.Path) -> int | None:

@@ -7,15 +7,18 @@ The loop (`train/loop.py`) calls, per step:
       step k's metrics to be checked first says so with `wants(k)`, and the loop reads them
       before calling it: no checkpoint is written for a step whose loss was never looked at;
   `at_end(state)` once, after the last step.
+Checkpointing owns the saves (poll, save, finish); Preemption (SIGTERM) is a hook too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
+import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -24,6 +27,7 @@ from agentrefine_jax.checkpoint import CheckpointMeta, TrainCheckpoints
 from agentrefine_jax.config import Config
 from agentrefine_jax.train.metrics import MetricsWriter, format_eta
 from agentrefine_jax.train.run_dir import TrainingError
+from agentrefine_jax.train.save_strategy import SaveStrategy
 
 log = logging.getLogger("agentrefine_jax.train")
 
@@ -147,7 +151,11 @@ class Evaluate(Hook):
 class Checkpointing(Hook):
     """Saves every `every` steps, at each epoch's end when asked, on request (preemption) and
     after the last step; `meta` is the run's CheckpointMeta (the facts readers need), each save
-    stamped with its step and, on a step that closes an epoch, the epoch."""
+    stamped with its step and, on a step that closes an epoch, the epoch.
+
+    Owns the saves' life cycle: after every step it polls the background saves (a failed one
+    stops the run at that step boundary, not at the end; committed steps get their manifests),
+    tells the run's save strategy what each save hands Orbax, and `finish`es them at the end."""
 
     def __init__(
         self,
@@ -160,8 +168,10 @@ class Checkpointing(Hook):
         start_step: int,
         saved: Callable[[Any], Any] = lambda params: params,
         before_save: Callable[[], None] | None = None,
+        strategy: SaveStrategy | None = None,
     ) -> None:
         self.ckpts, self.cfg, self.meta = ckpts, cfg, meta
+        self.strategy = strategy  # the step's side of a save (spare buffers on CPU), when it has one
         self.saved = saved  # the part of the params a checkpoint holds (LoRA: the adapters)
         self.before_save = before_save  # e.g. store metrics.jsonl up to this step first
         self.every, self.steps_per_epoch = every, steps_per_epoch
@@ -172,6 +182,7 @@ class Checkpointing(Hook):
         return bool(self.every and step % self.every == 0) or epoch_end
 
     def after_step(self, state: RunState) -> None:
+        self.ckpts.poll()
         if self.wants(state.step):
             self.save(state)
 
@@ -190,12 +201,83 @@ class Checkpointing(Hook):
         spe = self.steps_per_epoch
         epoch = state.step // spe if spe and state.step % spe == 0 else None
         meta = dataclasses.replace(self.meta, step=state.step, epoch=epoch)
-        self.ckpts.save(state.step, self.saved(state.params), state.opt_state, meta)
+        saved = self.saved(state.params)
+        self.ckpts.save(state.step, saved, state.opt_state, meta)
+        if self.strategy is not None:
+            self.strategy.handed((saved, state.opt_state))
         self.last_saved = state.step
 
     def at_end(self, state: RunState) -> None:
         self.save(state)
-        self.ckpts.finish()
+        self.finish()
+
+    def finish(self) -> None:
+        """Wait for every save and manifest (after a failed save: nothing more to wait for)."""
+        if not self.ckpts.failed:
+            self.ckpts.finish()
+        if self.strategy is not None:
+            self.strategy.release()
+
+
+class Preempted(Exception):
+    """SIGTERM stopped the run cleanly (its state is saved): exit 75, rerun the same command."""
+
+
+class Preemption(Hook):
+    """SIGTERM (TPU maintenance / spot preemption) -> save at the next step boundary and stop
+    (Preempted); during the end-of-run export (no step boundary to wait for) `interrupting`
+    makes it interrupt the export instead. Multi-host: every host asks the same sync point each
+    step, so all of them save at the same step (a collective save would deadlock otherwise)."""
+
+    def __init__(self, checkpointing: Checkpointing, where: str) -> None:
+        self.checkpointing, self.where = checkpointing, where
+        self.requested = False
+        self._stop_at: int | None = None
+        self._multi = jax.process_count() > 1
+        if not self._multi:
+            signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def _interrupt(self, signum: int, frame: Any) -> None:
+        self.requested = True
+        raise Preempted("preempted during the end-of-run export; rerun the same command to export again")
+
+    @contextlib.contextmanager
+    def interrupting(self) -> Iterator[None]:
+        """SIGTERM raises Preempted inside this block (single host; a pod drains at step boundaries)."""
+        if self.requested:
+            raise Preempted("preempted before the end-of-run export; rerun the same command to export")
+        if self._multi:
+            yield
+            return
+        previous = signal.signal(signal.SIGTERM, self._interrupt)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def wants(self, step: int) -> bool:
+        """Asked once per step (the loop asks every hook): whether to stop after this step, so the
+        loop reads the step's metrics before the save."""
+        if self._multi:
+            from jax.experimental import multihost_utils
+
+            stop = bool(multihost_utils.reached_preemption_sync_point(step))
+        else:
+            stop = self.requested
+        self._stop_at = step if stop else None
+        return stop
+
+    def after_step(self, state: RunState) -> None:
+        if self._stop_at != state.step:
+            return
+        self.checkpointing.save(state)
+        self.checkpointing.finish()
+        raise Preempted(
+            f"preempted: saved step {state.step} to {self.where}; rerun the same command to resume"
+        )
 
 
 class ExportAtEnd(Hook):

@@ -7,10 +7,8 @@ the uninterrupted run step for step, on any number of processes.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -30,8 +28,17 @@ from agentrefine_jax.checkpoint import (
 from agentrefine_jax.config import Config
 from agentrefine_jax.data.packing import BATCH_KEYS
 from agentrefine_jax.paths import as_path, join
-from agentrefine_jax.train import flops
-from agentrefine_jax.train.hooks import Checkpointing, Evaluate, ExportAtEnd, Hook, MetricsLog, RunState
+from agentrefine_jax.train import flops, save_strategy
+from agentrefine_jax.train.hooks import (
+    Checkpointing,
+    Evaluate,
+    ExportAtEnd,
+    Hook,
+    MetricsLog,
+    Preempted,
+    Preemption,
+    RunState,
+)
 from agentrefine_jax.train.metrics import MetricsWriter
 from agentrefine_jax.train.optimizer import make_optimizer
 from agentrefine_jax.train.param_mode import ParamMode
@@ -88,100 +95,38 @@ def to_global(batch: dict[str, np.ndarray], sharding: jax.sharding.NamedSharding
     return out
 
 
-class Preempted(Exception):
-    """SIGTERM stopped the run cleanly (its state is saved): exit 75, rerun the same command."""
-
-
-class _Preemption:
-    """SIGTERM (TPU maintenance / spot preemption) -> save at the next step boundary; during the
-    end-of-run export (no step boundary to wait for) it interrupts the export instead."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._multi = jax.process_count() > 1
-        if not self._multi:
-            signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.requested = True
-
-    def _interrupt(self, signum: int, frame: Any) -> None:
-        self.requested = True
-        raise Preempted("preempted during the end-of-run export; rerun the same command to export again")
-
-    @contextlib.contextmanager
-    def interrupting(self) -> Iterator[None]:
-        """SIGTERM raises Preempted inside this block (single host; a pod drains at step boundaries)."""
-        if self.requested:
-            raise Preempted("preempted before the end-of-run export; rerun the same command to export")
-        if self._multi:
-            yield
-            return
-        previous = signal.signal(signal.SIGTERM, self._interrupt)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-
-    def check(self, step: int) -> bool:
-        if self._multi:
-            # All hosts must agree on the step to save at, or the collective save deadlocks.
-            from jax.experimental import multihost_utils
-
-            return bool(multihost_utils.reached_preemption_sync_point(step))
-        return self.requested
-
-
 def run_steps(
-    fns: StepFns,
+    step: Callable[[Any, Any, Any], tuple[Any, Any, Any]],
     state: RunState,
-    batches: Iterator[dict[str, np.ndarray]],
-    global_batch: int,
+    batches: Iterator[dict[str, jax.Array]],
     hooks: Sequence[Hook],
-    ckpts: TrainCheckpoints,
-    checkpointing: Checkpointing,
-    paths: RunPaths,
-    preempt: _Preemption,
 ) -> None:
-    """Step until `state.total_steps` (or the data ends); metrics are read one step late.
-    Raises Preempted after saving when SIGTERM arrived."""
+    """Step until `state.total_steps` (or the data ends); metrics are read one step late, and
+    before any hook that `wants` the step (a save, an evaluation, a preemption) acts on it."""
     pending: tuple[int, Any] | None = None
 
     def read_pending() -> None:
         nonlocal pending
         if pending is not None:
-            step, metrics = pending
+            done, metrics = pending
             pending = None
             m = {k: float(v) for k, v in jax.device_get(metrics).items()}
             for h in hooks:
-                h.on_metrics(step, m)
+                h.on_metrics(done, m)
 
     while state.step < state.total_steps:
         try:
-            local = next(batches)
+            batch = next(batches)
         except StopIteration:
             break
-        batch = to_global(local, fns.batch_sharding, global_batch)
-        # Right after a save on CPU, the state is Orbax's to read: the step writes into a spare.
-        spare = ckpts.step_buffers()
-        state.params, state.opt_state, metrics = fns.train_into(state.params, state.opt_state, batch, spare)
+        state.params, state.opt_state, metrics = step(state.params, state.opt_state, batch)
         state.step += 1
         read_pending()  # step k-1: the device is already busy with step k
         pending = (state.step, metrics)
-        # Saves (Orbax's write, then the manifest's hashing) run in the background; a failed one
-        # stops the run at the first step boundary after it is known, not at the end.
-        ckpts.poll()
-        if any(h.wants(state.step) for h in hooks):
+        if any([h.wants(state.step) for h in hooks]):  # every hook is asked (no short circuit)
             read_pending()
         for h in hooks:
             h.after_step(state)
-        if preempt.check(state.step):
-            read_pending()
-            checkpointing.save(state)
-            ckpts.finish()
-            raise Preempted(
-                f"preempted: saved step {state.step} to {paths.checkpoints}; rerun the same command to resume"
-            )
     read_pending()
 
 
@@ -220,27 +165,20 @@ def _train(cfg: Config, paths: RunPaths) -> dict[str, Any]:
         f"training steps {state.start_step} -> {total_steps} ({pipeline.steps_per_epoch} steps/epoch, "
         f"{tc.num_epochs} epochs, global batch {tc.global_batch_size} x {cfg.data.max_length} tokens)"
     )
-    preempt = _Preemption()
+    preempt = Preemption(checkpointing, str(paths.checkpoints))
+    batches = (  # the data position is the global step
+        to_global(local, fns.batch_sharding, tc.global_batch_size)
+        for local in pipeline.iterator(state.start_step)
+    )
     ok = False
     try:
-        run_steps(
-            fns,
-            state,
-            pipeline.iterator(state.start_step),  # the data position is the global step
-            tc.global_batch_size,
-            hooks,
-            ckpts,
-            checkpointing,
-            paths,
-            preempt,
-        )
+        run_steps(checkpointing.strategy.step, state, batches, [*hooks, preempt])
         for h in hooks:
             h.at_end(state)
         ok = True
     finally:
         writer.close(failing=not ok, storage_failed=ckpts.failed)
-        if not ckpts.failed:
-            ckpts.finish()
+        checkpointing.finish()
     log.info(f"done: step {state.step}, checkpoint {paths.checkpoints}/{state.step}")
     if tc.export_hf_at_end:
         with preempt.interrupting():
@@ -389,6 +327,8 @@ def _hooks(
         steps_per_epoch=meta.steps_per_epoch or 0,
         start_step=state.start_step,
         before_save=writer.sync,
+        # chosen once, from what a save hands over: spare buffers for big states on CPU
+        strategy=save_strategy.choose(fns, (fns.trainable(state.params), state.opt_state)),
     )
     hooks: list[Hook] = [metrics_log]
     if tc.eval_every and (cfg.data.eval_files or cfg.data.eval_fraction > 0):
