@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 
 import hf_fixtures as F
 import jax.numpy as jnp
@@ -153,3 +154,35 @@ def test_trains_from_hf_dir_and_exports_its_special_tokens(name: str, hf_dirs, t
     # What `export verify --checkpoint RUN --hf RUN/hf` runs (its CLI: tests/test_family_qwen2.py).
     result = verify(run, run / "hf", seq_lens=(16, 64))
     assert result.passed, (result.problems, result.max_abs_diff, result.mean_kl)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"attention_bias": True}, "attention_bias=true is not supported for Qwen3"),
+        ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window=true"),
+        ({"layer_types": ["full_attention", "sliding_attention", "full_attention"]}, "layer_types"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": None}, "rope type 'yarn'"),
+    ],
+    ids=["attention_bias", "sliding_window", "layer_types", "yarn"],
+)
+def test_what_we_cannot_run_is_refused_in_one_line(change: dict, message: str, hf_dirs, tmp_path) -> None:
+    config = json.loads((hf_dirs["qwen3_tied"] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=message) as e:
+        read_hf_config(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_a_llama_checkpoint_with_q_norm_tensors_is_refused(hf_dirs, tmp_path) -> None:
+    """A Qwen3 checkpoint relabelled as Llama: its q_norm / k_norm are no tensors of a Llama model."""
+    from agentrefine_jax.hf.io import check_hf_dir
+
+    src = hf_dirs["qwen3_tied"]
+    config = json.loads((src / "config.json").read_text())
+    config.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shutil.copy(src / "model.safetensors", tmp_path / "model.safetensors")
+    for check in (check_hf_dir, lambda d: load_hf_model(d, dtype="float32")):
+        with pytest.raises(ValueError, match=r"self_attn\.[qk]_norm\.weight \(not part of a llama model\)"):
+            check(tmp_path)
