@@ -186,3 +186,27 @@ def test_a_llama_checkpoint_with_q_norm_tensors_is_refused(hf_dirs, tmp_path) ->
     for check in (check_hf_dir, lambda d: load_hf_model(d, dtype="float32")):
         with pytest.raises(ValueError, match=r"self_attn\.[qk]_norm\.weight \(not part of a llama model\)"):
             check(tmp_path)
+
+
+def test_lora_forward_on_qwen3_equals_its_merged_weights(loaded) -> None:
+    """The LoRA path (delta added to each projection, then the q/k norms) computes the function of
+    the merged weights: adapters sit in q_proj/k_proj before q_norm/k_norm, as PEFT's do."""
+    import jax
+
+    from agentrefine_jax.models import lora
+
+    _, model = loaded["qwen3_untied"]
+    spec = lora.LoraSpec(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=4, alpha=8.0)
+    adapters = lora.init(spec, model.cfg, jax.random.key(0))
+    key = jax.random.key(1)
+    for i, ab in enumerate(adapters.values()):  # B = 0 at init: draw it so the deltas matter
+        ab["b"] = 0.3 * jax.random.normal(jax.random.fold_in(key, i), ab["b"].shape, ab["b"].dtype)
+    ids = F.random_ids(np.random.default_rng(1), model.cfg.vocab_size, 2, 32)
+    hidden, _ = model.forward(ids, adapters=(spec, adapters, None))
+    with_adapters = np.asarray(model.logits(hidden))
+    merged = nnx.clone(model)
+    state = nnx.state(merged, nnx.Param)
+    nnx.replace_by_pure_dict(state, lora.merge(nnx.to_pure_dict(nnx.state(model, nnx.Param)), adapters, spec))
+    nnx.update(merged, state)
+    assert np.abs(with_adapters - np.asarray(model(ids))).max() > 0.1
+    np.testing.assert_allclose(with_adapters, np.asarray(merged(ids)), atol=1e-4, rtol=0)
