@@ -1,4 +1,6 @@
-"""Small random transformers Llama / Mistral checkpoints on disk: the oracle for model and export tests.
+"""Small random transformers checkpoints on disk (Llama, Mistral, Qwen3, Llama-3.2): the oracle for
+model, export and family tests, plus the helpers those tests share (a ChatML tokenizer trained on the
+demo data, transformers' greedy generation, the `--set` list that trains from an HF directory).
 
 Shared by the model, export and generation tests. Everything is built locally from a
 config (no hub access): `torch.manual_seed` + `from_config`, then every weight is
@@ -16,15 +18,18 @@ Typical use:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
+import subprocess
+import sys
 from typing import Any, Literal
 
 import numpy as np
 import torch
 import transformers
 
-Family = Literal["llama", "mistral"]
+Family = Literal["llama", "mistral", "qwen3", "llama3.2"]
 ConfigLayout = Literal["tf4", "tf5"]
 
 # Positions used by the tests run past original_max_position_embeddings / 2, so all three
@@ -81,6 +86,46 @@ def mistral_config(**overrides: Any) -> transformers.MistralConfig:
     )
     kw.update(overrides)
     return transformers.MistralConfig(**kw)
+
+
+def qwen3_config(**overrides: Any) -> transformers.Qwen3Config:
+    """Tiny Qwen3: q/k RMSNorm, no biases, head_dim (32) set apart from hidden / heads (16)."""
+    kw: dict[str, Any] = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="eager",
+    )
+    kw.update(overrides)
+    return transformers.Qwen3Config(**kw)
+
+
+# Llama-3.2's rope scaling (factor 32, low 1, high 4) over a short original context, so test
+# positions reach all three frequency bands (as LLAMA3_ROPE does for Llama-3.1's factor 8).
+LLAMA32_ROPE = {**LLAMA3_ROPE, "factor": 32.0}
+
+
+def llama32_config(**overrides: Any) -> transformers.LlamaConfig:
+    """Tiny Llama-3.2: tied embeddings, llama3 rope scaling factor 32, Llama-3's special tokens."""
+    kw: dict[str, Any] = dict(
+        rope_parameters={"rope_theta": 500000.0, **LLAMA32_ROPE},
+        tie_word_embeddings=True,
+        num_hidden_layers=2,
+        bos_token_id=128000,
+        eos_token_id=[128001, 128008, 128009],
+    )
+    kw.update(overrides)
+    return llama_config(**kw)
 
 
 def build_model(
@@ -164,7 +209,12 @@ def make_checkpoint(
     **config_overrides: Any,
 ) -> pathlib.Path:
     """Build a random tiny checkpoint of `family` and write it to `out_dir`; returns the directory."""
-    make = {"llama": llama_config, "mistral": mistral_config}[family]
+    make = {
+        "llama": llama_config,
+        "mistral": mistral_config,
+        "qwen3": qwen3_config,
+        "llama3.2": llama32_config,
+    }[family]
     model = build_model(make(**config_overrides), seed=seed, init_std=init_std)
     return save_checkpoint(model, out_dir, config_layout=config_layout, max_shard_size=max_shard_size)
 
@@ -204,3 +254,142 @@ def hf_logits(
 
 def random_ids(rng: np.random.Generator, vocab_size: int, *shape: int) -> np.ndarray:
     return rng.integers(0, vocab_size, size=shape, dtype=np.int64)
+
+
+def hf_greedy(
+    model: torch.nn.Module, prompts: list[list[int]], max_new: int, eos: list[int]
+) -> list[list[int]]:
+    """transformers' batched greedy generation (left padding), cut after the first eos like ours."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
+    rows = []
+    for r in out[:, width:].tolist():
+        cut = next((i for i, t in enumerate(r) if t in eos), None)
+        rows.append(r if cut is None else r[: cut + 1])
+    return rows
+
+
+def random_prompts(vocab: int, lengths: list[int], avoid: list[int], seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    allowed = np.setdiff1d(np.arange(vocab), avoid)
+    return [rng.choice(allowed, size=n).tolist() for n in lengths]
+
+
+# ------------------------------------------------------------------ families with the HF dir's template
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DEMO = REPO / "agentrefine_jax" / "data" / "demo" / "train.jsonl"
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML with a default system prompt, as Qwen2.5 ships it (written here, not copied).
+CHATML_TEMPLATE = (
+    "{%- if messages[0]['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def demo_conversations(n: int = 6) -> list[list[dict[str, Any]]]:
+    return [json.loads(line)["messages"] for line in DEMO.read_text().splitlines()[:n]]
+
+
+def chatml_tokenizer(out: pathlib.Path) -> transformers.PreTrainedTokenizerFast:
+    """A small byte-level BPE (500 ids) trained on the demo conversations, with ChatML specials and
+    template, saved into `out` (tokenizer.json, tokenizer_config.json, chat_template)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = [m["content"] for c in demo_conversations() for m in c]
+    trainer = trainers.BpeTrainer(
+        vocab_size=500, special_tokens=CHATML_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(texts, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(out)
+    return fast
+
+
+def hf_masks(tok: transformers.PreTrainedTokenizerBase, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """transformers' ids, and the assistant tokens found by rendering prefix by prefix: what
+    message k adds after the generation prompt, up to its end token."""
+    ids = tok.apply_chat_template(messages, tokenize=True, return_dict=False)
+    mask = [0] * len(ids)
+    eos = tok.eos_token_id
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = tok.apply_chat_template(
+            messages[:k], tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+        upto = tok.apply_chat_template(messages[: k + 1], tokenize=True, return_dict=False)
+        assert ids[: len(upto)] == upto and upto[: len(before)] == before
+        end = len(before) + upto[len(before) :].index(eos) + 1
+        mask[len(before) : end] = [1] * (end - len(before))
+    return ids, mask
+
+
+# Fields of the model config that today's `train.init_from_hf` does not take from the directory.
+_ARCH_SETS = (
+    "family",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "head_dim",
+    "rope_theta",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "tie_embeddings",
+    "bos_token_id",
+)
+
+
+def model_overrides(hf_dir: str | pathlib.Path) -> list[str]:
+    """The `--set model.*` list that makes a config describe `hf_dir`'s model for
+    `train.init_from_hf` (its architecture check compares, it does not adopt). The one place to
+    empty once init_from_hf takes the whole model config from the directory.
+
+    `--set` validates one key at a time, and heads must stay a multiple of kv heads at every
+    step: kv heads go to 1 first, then heads, then kv heads."""
+    from agentrefine_jax.hf.io import read_hf_config
+
+    c = read_hf_config(hf_dir)
+    sets = [f"model.{k}={getattr(c, k)}" for k in _ARCH_SETS]
+    sets += ["model.num_kv_heads=1", f"model.num_heads={c.num_heads}", f"model.num_kv_heads={c.num_kv_heads}"]
+    rope = "null" if c.rope_scaling is None else json.dumps(dataclasses.asdict(c.rope_scaling))
+    sets += [f"model.rope_scaling={rope}", f"model.eos_token_ids={','.join(map(str, c.eos_token_ids))}"]
+    if c.pad_token_id is not None:
+        sets.append(f"model.pad_token_id={c.pad_token_id}")
+    return sets
+
+
+def train_from_hf(
+    hf_dir: pathlib.Path, run: pathlib.Path, *, config: str, sets: list[str], timeout: int = 900
+) -> subprocess.CompletedProcess:
+    """`python -m agentrefine_jax.train --config CONFIG` from `train.init_from_hf=hf_dir` (float32,
+    with `model_overrides`), plus `sets`; returns the finished process."""
+    cmd = [sys.executable, "-m", "agentrefine_jax.train", "--config", config]
+    run_sets = ["model.param_dtype=float32", "model.dtype=float32", "model.remat_policy=none"]
+    run_sets += [f"train.init_from_hf={hf_dir}", f"train.run_dir={run}"]
+    every = [*model_overrides(hf_dir), *run_sets, *sets]
+    return subprocess.run(
+        cmd + [a for s in every for a in ("--set", s)], capture_output=True, text=True, timeout=timeout
+    )

@@ -15,10 +15,8 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
-import torch
-from hf_fixtures import load_hf, make_checkpoint
+from hf_fixtures import hf_greedy, load_hf, make_checkpoint, random_prompts
 
 from agentrefine_jax.checkpoint import save_model
 from agentrefine_jax.hf.io import load_hf_model, save_hf
@@ -26,35 +24,6 @@ from agentrefine_jax.inference import cli as inference_cli
 from agentrefine_jax.inference.engine import generate, generate_ids
 
 NEW_TOKENS = 24
-
-
-def hf_greedy(
-    model: torch.nn.Module, prompts: list[list[int]], max_new: int, eos: list[int]
-) -> list[list[int]]:
-    """transformers' batched greedy generation (left padding), cut after the first eos like ours."""
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=max_new,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=0,
-        )
-    rows = []
-    for r in out[:, width:].tolist():
-        cut = next((i for i, t in enumerate(r) if t in eos), None)
-        rows.append(r if cut is None else r[: cut + 1])
-    return rows
-
-
-def random_prompts(vocab: int, lengths: list[int], avoid: list[int], seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    allowed = np.setdiff1d(np.arange(vocab), avoid)
-    return [rng.choice(allowed, size=n).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The parameter table against transformers' own modules: names, shapes and layouts.
 
-Oracle: the state dict of transformers' Llama / Mistral (tied and untied) built from the
-same config; our model's parameters are created from the table, so both sides are checked.
+Oracle: the state dict of transformers' Llama / Mistral / Qwen3 (tied and untied) built from
+the same config; our model's parameters are created from the table, so both sides are checked.
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ from agentrefine_jax.hf.io import read_hf_config
 from agentrefine_jax.models import llama, params
 from agentrefine_jax.train import flops
 
-CASES = [("llama", False), ("llama", True), ("mistral", False)]
+CASES = [("llama", False), ("llama", True), ("mistral", False), ("qwen3", False), ("qwen3", True)]
+MAKE = {"llama": F.llama_config, "mistral": F.mistral_config, "qwen3": F.qwen3_config}
+Q_NORM = "model.layers.0.self_attn.q_norm.weight"
 
 
-@pytest.mark.parametrize(("family", "tied"), CASES, ids=["llama", "tied", "mistral"])
+@pytest.mark.parametrize(("family", "tied"), CASES, ids=["llama", "tied", "mistral", "qwen3", "qwen3_tied"])
 def test_table_matches_transformers_state_dict(family: str, tied: bool, tmp_path) -> None:
-    make = F.llama_config if family == "llama" else F.mistral_config
+    make = MAKE[family]
     hf_model = F.build_model(make(tie_word_embeddings=tied))
     hf_model.save_pretrained(tmp_path)  # config.json is all read_hf_config needs
     cfg = read_hf_config(tmp_path)
@@ -41,7 +43,12 @@ def test_table_matches_transformers_state_dict(family: str, tied: bool, tmp_path
         back_name, back = params.ours_to_hf(row, array, layer)
         assert back_name == name and np.array_equal(back, tensor)
     with pytest.raises(KeyError, match="unexpected tensor"):
-        params.lookup_hf("model.layers.0.self_attn.q_norm.weight")
+        params.lookup_hf("model.layers.0.self_attn.qkv_proj.weight")
+    if family != "qwen3":  # a q_norm is a tensor of the table, but not of a Llama/Mistral model
+        with pytest.raises(KeyError, match="unexpected tensor"):
+            params.hf_shape(Q_NORM, cfg)
+    else:
+        assert params.hf_shape(Q_NORM, cfg) == (cfg.head_dim,)
     # FLOP convention: every linear weight once, the output projection counted even when tied.
     linear = sum(t.size for k, t in state.items() if "proj" in k or k == "lm_head.weight")
     assert flops.matmul_params(cfg) == linear + (cfg.vocab_size * cfg.hidden_size if tied else 0)

@@ -1,6 +1,6 @@
 """Model configuration and the shipped presets.
 
-One dataclass describes every model we support (Llama-3, Mistral, Qwen2.5; the families and
+One dataclass describes every model we support (Llama-3, Mistral, Qwen2.5, Qwen3; the families and
 what differs between them are in models/families.py); the model code branches only on these
 fields and the family's row, never on a family name.
 """
@@ -197,6 +197,85 @@ PRESETS: dict[str, ModelConfig] = {
         dtype="float32",
     ),
 }
+
+
+# Presets below name architecture fields only (what config.json says): how a run executes
+# (dtypes, remat, scan, attention) is the config file's business.
+
+# HuggingFaceTB/SmolLM2-135M-Instruct's config.json: Llama layout, 9/3 heads, tied, <|im_end|> = 2.
+PRESETS["smollm2_135m"] = ModelConfig(
+    family="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=8192,
+    tie_embeddings=True,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+    pad_token_id=2,
+)
+
+# meta-llama/Llama-3.2-{1B,3B}-Instruct's config.json: tied embeddings, llama3 rope scaling with
+# factor 32 over an original 8192-token context; eos lists <|end_of_text|>, <|eom_id|>, <|eot_id|>.
+_LLAMA32_ROPE = RopeScaling(
+    factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+_LLAMA32 = dict(
+    family="llama",
+    vocab_size=128256,
+    intermediate_size=8192,
+    num_kv_heads=8,
+    rope_theta=500000.0,
+    rope_scaling=_LLAMA32_ROPE,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=131072,
+    tie_embeddings=True,
+    bos_token_id=128000,
+    eos_token_ids=(128001, 128008, 128009),
+)
+PRESETS["llama3.2_1b"] = ModelConfig(hidden_size=2048, num_layers=16, num_heads=32, head_dim=64, **_LLAMA32)
+PRESETS["llama3.2_3b"] = ModelConfig(hidden_size=3072, num_layers=28, num_heads=24, head_dim=128, **_LLAMA32)
+
+# Qwen/Qwen3-{0.6B,1.7B,4B,8B,14B,32B} (the post-trained releases) config.json: vocab 151936,
+# head_dim 128 for every size, rope theta 1e6, rms_norm_eps 1e-6, max_position_embeddings 40960,
+# no attention bias, no sliding window; tied embeddings up to 4B. bos 151643 (<|endoftext|>); eos
+# as for Qwen2.5: config.json's <|im_end|> (151645) then generation_config.json's <|endoftext|>
+# (151643), the union read_hf_config forms. transformers' Qwen3Config defaults (vocab 151936,
+# head_dim 128, rms 1e-6) agree; its other defaults (8B-like sizes, max positions 32768, no
+# bos/eos) are not a published model. Parameter counts: tests/test_model_presets.py.
+_QWEN3 = dict(
+    family="qwen3",
+    vocab_size=151936,
+    head_dim=128,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=40960,
+    bos_token_id=151643,
+    eos_token_ids=(151645, 151643),
+)
+for _name, _hidden, _inter, _layers, _heads, _kv, _tied in (
+    ("qwen3_0.6b", 1024, 3072, 28, 16, 8, True),
+    ("qwen3_1.7b", 2048, 6144, 28, 16, 8, True),
+    ("qwen3_4b", 2560, 9728, 36, 32, 8, True),
+    ("qwen3_8b", 4096, 12288, 36, 32, 8, False),
+    ("qwen3_14b", 5120, 17408, 40, 40, 8, False),
+    ("qwen3_32b", 5120, 25600, 64, 64, 8, False),
+):
+    PRESETS[_name] = ModelConfig(
+        hidden_size=_hidden,
+        intermediate_size=_inter,
+        num_layers=_layers,
+        num_heads=_heads,
+        num_kv_heads=_kv,
+        tie_embeddings=_tied,
+        **_QWEN3,
+    )
 
 
 def preset(name: str, **overrides: object) -> ModelConfig:

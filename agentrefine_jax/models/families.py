@@ -31,6 +31,8 @@ class Family:
     architecture: str  # HF `architectures[0]`
     # Optional parameter groups this family's models hold (presence rules in models/params.py).
     qkv_bias: bool = False
+    # RMSNorm over head_dim of each query/key head, before RoPE (Qwen3's q_norm / k_norm).
+    qk_norm: bool = False
     # Reads/writes HF `sliding_window` (one window for every layer).
     sliding_window: bool = False
     # Extra HF config.json keys: read check (raises on what we cannot run) and written constants.
@@ -51,9 +53,25 @@ def _llama_check(c: Mapping[str, Any]) -> None:
             raise ValueError(f"{flag}=true is not supported for Llama: the model has no bias terms")
 
 
-def _qwen2_check(c: Mapping[str, Any]) -> None:
+def _full_attention_only(c: Mapping[str, Any], name: str) -> None:
+    """Qwen configs can ask for sliding windows on some layers (`use_sliding_window` with
+    `max_window_layers`, or `layer_types`); our decoder runs one attention kind for every layer."""
     if c.get("use_sliding_window"):
-        raise ValueError("use_sliding_window=true (per-layer windows) is not supported for Qwen2")
+        raise ValueError(f"use_sliding_window=true (per-layer windows) is not supported for {name}")
+    kinds = sorted(set(c.get("layer_types") or ()) - {"full_attention"})
+    if kinds:
+        raise ValueError(f"layer_types {kinds} are not supported for {name} (full_attention only)")
+
+
+def _qwen2_check(c: Mapping[str, Any]) -> None:
+    _full_attention_only(c, "Qwen2")
+
+
+def _qwen3_check(c: Mapping[str, Any]) -> None:
+    # Qwen3's q/k/v/o projections take a bias only with attention_bias=true (no published model).
+    if c.get("attention_bias"):
+        raise ValueError("attention_bias=true is not supported for Qwen3: its projections have no biases")
+    _full_attention_only(c, "Qwen3")
 
 
 FAMILIES: dict[str, Family] = {
@@ -80,6 +98,20 @@ FAMILIES: dict[str, Family] = {
             qkv_bias=True,
             check_hf=_qwen2_check,
             hf_constants=lambda cfg: {
+                "use_sliding_window": False,
+                "sliding_window": None,
+                "max_window_layers": cfg.num_layers,
+            },
+        ),
+        # Qwen3 dense: Llama's layout plus q/k RMSNorm over head_dim (before RoPE), no biases,
+        # head_dim set explicitly (128, not hidden / heads).
+        Family(
+            "qwen3",
+            "Qwen3ForCausalLM",
+            qk_norm=True,
+            check_hf=_qwen3_check,
+            hf_constants=lambda cfg: {
+                "attention_bias": False,
                 "use_sliding_window": False,
                 "sliding_window": None,
                 "max_window_layers": cfg.num_layers,

@@ -1,4 +1,4 @@
-"""One config-driven LLaMA-3 / Mistral decoder in Flax NNX.
+"""One config-driven decoder (Llama-3, Mistral, Qwen2.5, Qwen3: models/families.py) in Flax NNX.
 
 Layer parameters are always stored stacked along a leading "layers" axis, so the
 checkpoint layout does not depend on `scan_layers`: scanning only changes how the
@@ -94,6 +94,9 @@ def layer_forward(
     v = proj(proj_in, h, "wv")
     if "bq" in p:  # families with q/k/v biases (models/families.py), added before RoPE as in HF
         q, k, v = (t + p[b].astype(t.dtype) for t, b in ((q, "bq"), (k, "bk"), (v, "bv")))
+    if "q_norm" in p:  # families with q/k RMSNorm (Qwen3): per head over head_dim, before RoPE as in HF
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q = constrain(rope.apply(q, sin, cos), ("batch", "activation_seq", "activation_heads", None))
     k = constrain(rope.apply(k, sin, cos), ("batch", "activation_seq", "activation_kv_heads", None))
     v = constrain(v, ("batch", "activation_seq", "activation_kv_heads", None))

@@ -34,8 +34,9 @@ class Param:
     n_in: int = 1  # linear: how many leading `dims` are the input side
     init: Literal["normal", "ones", "zeros"] = "normal"
     # Presence rule (None = always): "untied" = only when the output projection is not tied to
-    # the embedding; "qkv_bias" = only in families with q/k/v biases (models/families.py).
-    when: Literal["untied", "qkv_bias"] | None = None
+    # the embedding; "qkv_bias" / "qk_norm" = only in families whose row sets that flag
+    # (models/families.py: q/k/v biases, q/k RMSNorm).
+    when: Literal["untied", "qkv_bias", "qk_norm"] | None = None
 
     @property
     def per_layer(self) -> bool:
@@ -57,6 +58,8 @@ TABLE: tuple[Param, ...] = (
     Param(("layers", "bq"),         _L + "self_attn.q_proj.bias",             ("heads", "head_dim"),              ("heads", "head_dim"),                  "flat", init="zeros", when="qkv_bias"),
     Param(("layers", "bk"),         _L + "self_attn.k_proj.bias",             ("kv_heads", "head_dim"),           ("kv_heads", "head_dim"),               "flat", init="zeros", when="qkv_bias"),
     Param(("layers", "bv"),         _L + "self_attn.v_proj.bias",             ("kv_heads", "head_dim"),           ("kv_heads", "head_dim"),               "flat", init="zeros", when="qkv_bias"),
+    Param(("layers", "q_norm"),     _L + "self_attn.q_norm.weight",           ("head_dim",),                      ("head_dim",),                          "copy", init="ones", when="qk_norm"),
+    Param(("layers", "k_norm"),     _L + "self_attn.k_norm.weight",           ("head_dim",),                      ("head_dim",),                          "copy", init="ones", when="qk_norm"),
     Param(("layers", "wo"),         _L + "self_attn.o_proj.weight",           ("heads", "head_dim", "hidden"),    ("heads", "head_dim", "embed"),         "linear", n_in=2),
     Param(("layers", "mlp_norm"),   _L + "post_attention_layernorm.weight",   ("hidden",),                        ("norm",),                              "copy", init="ones"),
     Param(("layers", "w_gate"),     _L + "mlp.gate_proj.weight",              ("hidden", "mlp"),                  ("embed", "mlp"),                       "linear"),
@@ -90,8 +93,8 @@ def holds(p: Param, cfg: ModelConfig) -> bool:
 
     if p.when == "untied":
         return not cfg.tie_embeddings
-    if p.when == "qkv_bias":
-        return families.get(cfg.family).qkv_bias
+    if p.when in ("qkv_bias", "qk_norm"):
+        return bool(getattr(families.get(cfg.family), p.when))
     return True
 
 
@@ -140,8 +143,13 @@ def lookup_hf(name: str) -> tuple[Param, int | None]:
 
 
 def hf_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
-    """The HF shape a tensor named `name` must have under `cfg` (KeyError for unknown names)."""
-    return hf_shape_of(lookup_hf(name)[0], cfg)
+    """The HF shape a tensor named `name` must have under `cfg` (KeyError for names that are not
+    tensors of a model under `cfg`: unknown ones, and rows its family does not hold, e.g. a
+    q_norm in a Llama checkpoint)."""
+    p, _ = lookup_hf(name)
+    if not holds(p, cfg):
+        raise KeyError(f"unexpected tensor in HF checkpoint: {name}")
+    return hf_shape_of(p, cfg)
 
 
 def expected_hf_names(cfg: ModelConfig) -> set[str]:
