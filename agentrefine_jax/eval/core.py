@@ -25,6 +25,9 @@ class StepResult:
     success: bool = False
     # False when the command never reached the simulator ("check valid actions", a rejected command).
     executed: bool = True
+    # The action as the environment parsed it, when it rewrites replies (AgentBoard's ALFWorld `parseAction`,
+    # Jericho's cut): AgentBoard records this form, not the raw reply, in the history a model reads next.
+    action: str | None = None
 
 
 class Running(Protocol):

@@ -212,7 +212,7 @@ class RewordedEnv:
         if action == HELP:
             result = self.env.step(HELP)  # progress regexes see the game's own listing
             text = "Choose an action from these valid actions: " + ", ".join(table)
-            return StepResult(text, result.done, result.progress, True)
+            return StepResult(text, result.done, result.progress, True, action=action)
         if valid:
             command = table[action]
         elif self.rw.surface(action) != action:
@@ -220,7 +220,7 @@ class RewordedEnv:
         else:
             command = action
         result = self.env.step(command)
-        return StepResult(result.observation, result.done, result.progress, valid)
+        return StepResult(result.observation, result.done, result.progress, valid, action=action)
 
     def __getattr__(
         self, name: str

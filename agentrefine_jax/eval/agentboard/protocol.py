@@ -258,6 +258,9 @@ class Episode:
         """Take one (parsed) action; update memory, metrics and the log."""
         step = self.log.steps
         result = self.env.step(action)
+        # AgentBoard's tasks that parse the reply (ALFWorld's parseAction, Jericho's cut) log and remember the
+        # parsed action: the history the model reads next shows what was executed.
+        action = result.action if result.action is not None else action
         self.log.steps += 1
         self.log.valid_steps += bool(result.valid)
         if result.progress > self.log.progress:
@@ -313,13 +316,14 @@ class Agent:
             raise ValueError("an Agent needs exactly one of a model backend or a policy")
 
 
-def _prompt_for(ep: Episode, model: ModelBackend, system: str) -> tuple[str, int]:
+def budget_fits(model: ModelBackend, system: str) -> Callable[[str], bool]:
+    """AgentBoard's truncation test: the prompt fits while its tokens are <= context_length - max_tokens."""
     budget = model.context_length - model.max_tokens
+    return lambda user: model.num_tokens(system, user) <= budget
 
-    def fits(user: str) -> bool:
-        return model.num_tokens(system, user) <= budget
 
-    return fit_history(ep.head(), ep.memory, fits)
+def _prompt_for(ep: Episode, model: ModelBackend, system: str) -> tuple[str, int]:
+    return fit_history(ep.head(), ep.memory, budget_fits(model, system))
 
 
 def run_episodes(
@@ -414,5 +418,5 @@ def _step(ep: Episode, action: str, reply: str) -> None:
     except Exception as e:  # noqa: BLE001 - a simulator crash ends this episode, reported with its step
         ep.fail(f"env_error: {type(e).__name__}: {e}")
         return
-    if reply != action:
+    if reply != ep.log.turns[-1]["action"]:
         ep.log.turns[-1]["reply"] = reply

@@ -84,7 +84,14 @@ class TemplateModel:
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
     def num_tokens(self, system: str, user: str) -> int:
-        return len(self.template.encode_prompt(self.messages(system, user)))
+        """What AgentBoard's vLLM wrapper counts: `len(tokenizer(full_prompt)["input_ids"])`, the templated
+        text tokenized again. The tokenizer adds its BOS (`<|begin_of_text|>` for Llama-3, `<s>` for Mistral)
+        in front of a text that already starts with the template's own, so the count is one more than the
+        prompt's ids (Mistral's SentencePiece may also split the re-read text differently); counting the ids
+        alone let a prompt one token over AgentBoard's budget keep its oldest history item."""
+        ids = self.template.encode_prompt(self.messages(system, user))
+        text = self.template.decode(ids, skip_special_tokens=False)
+        return len(self.template.tokenizer(text)["input_ids"])
 
     def generate(
         self, prompts: Sequence[tuple[str, str]], keys: Sequence[Hashable] | None = None
