@@ -10,6 +10,10 @@ test could otherwise hit only by chance. The points, in the order a save passes 
   after_commit     Orbax has committed (and may have deleted older steps), no manifest yet
   during_manifest  the manifest is hashed and in MANIFEST.tmp, not yet renamed into place
   during_export    the end-of-run export (train.export_hf_at_end) has started writing
+
+and, for an evaluation (`<step>` = episodes this process has journaled):
+
+  after_episode    an episode's journal line is written and fsync'd (eval/journal.py)
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import signal
 import time
 
 FAULT_ENV = "AGENTREFINE_FAULT"
-POINTS = ("before_save", "before_commit", "after_commit", "during_manifest", "during_export")
+POINTS = ("before_save", "before_commit", "after_commit", "during_manifest", "during_export", "after_episode")
 
 
 def spec() -> tuple[str, int | None, signal.Signals] | None:

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from agentrefine_jax.eval.agentboard.checkout import CLONE, Checkout, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import AgentBoardEnv, EpisodeSpec
 from agentrefine_jax.eval.core import StepResult, run_loop
+from agentrefine_jax.eval.journal import Journal, Resume
 from agentrefine_jax.eval.policies import (
     RandomPolicy,  # noqa: F401 - the one random policy, re-exported
     forget,
@@ -337,6 +338,8 @@ def run_episodes(
     on_done: Callable[[EpisodeLog], None] | None = None,
     wrap_env: Callable[[Any], Any] | None = None,
     reword_prompt: Callable[[PromptSet], PromptSet] | None = None,
+    journal: Journal | None = None,
+    phase: Sequence[Any] = ("main",),
 ) -> list[EpisodeLog]:
     """Run every episode of `specs` under AgentBoard's loop; results in `specs` order.
 
@@ -404,7 +407,30 @@ def run_episodes(
         if on_done is not None:
             on_done(ep.log)
 
-    return [ep.log for ep in run_loop(specs, start, respond, width=width, on_done=report)]
+    resume = None
+    if journal is not None:
+        resume = Resume(
+            journal,
+            ["agentboard", *phase],
+            lambda spec: [spec.task, spec.index, int(spec.info.get("sample", 0))],
+            lambda ep: dataclasses.asdict(ep.log) | {"spec": None},
+            _restored,
+        )
+    episodes = run_loop(specs, start, respond, width=width, on_done=report, resume=resume)
+    return [ep.log for ep in episodes]
+
+
+@dataclasses.dataclass
+class _Restored:
+    """An episode read back from the journal (it finished in an earlier, interrupted run)."""
+
+    log: EpisodeLog
+    finished: bool = True
+
+
+def _restored(spec: EpisodeSpec, record: dict[str, Any]) -> _Restored:
+    scores = [(int(s), float(p)) for s, p in record["score_change_record"]]
+    return _Restored(EpisodeLog(**(record | {"spec": spec, "score_change_record": scores})))
 
 
 def episode_key(ep: Episode) -> tuple[str, int, int]:
