@@ -147,3 +147,14 @@ print("went on")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "went on"
     assert done.stderr.count("cannot write the journal") == 1
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_exits_130_keeping_the_journal(tmp_path, uninterrupted):
+    out = tmp_path / "r.json"
+    stopped = _eval(out, fault="after_episode@2:INT")
+    assert stopped.returncode == 130 and "Traceback" not in stopped.stderr
+    assert len(pathlib.Path(journal_path(str(out))).read_text().splitlines()) == 1 + 2
+    resumed = _eval(out)
+    assert resumed.returncode == 0, resumed.stderr
+    assert _timeless(json.loads(out.read_text())) == uninterrupted
