@@ -109,7 +109,7 @@ class Journal:
             self._file.flush()
             os.fsync(self._file.fileno())
             self.appended += 1
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, TypeError) as e:  # a full disk; a record JSON cannot hold
             self.failed = True
             log.warning(
                 f"cannot write the journal {self.path} ({e}); the evaluation goes on, but a kill now loses "
