@@ -1,7 +1,7 @@
 """Named kill points for the fault tests: a real signal to this very process at a chosen moment.
 
-`AGENTREFINE_FAULT="<point>@<step>:<KILL|TERM>"` (tests only; unset, every call is a no-op)
-sends SIGKILL or SIGTERM to the process itself when the save of step `<step>` reaches
+`AGENTREFINE_FAULT="<point>@<step>:<KILL|TERM|INT>"` (tests only; unset, every call is a no-op)
+sends SIGKILL, SIGTERM or SIGINT (Ctrl-C) to the process itself when the save of step `<step>` reaches
 `<point>` — the same signal a scheduler or the OOM killer would send, at a moment that a
 test could otherwise hit only by chance. The points, in the order a save passes them:
 
@@ -10,6 +10,10 @@ test could otherwise hit only by chance. The points, in the order a save passes 
   after_commit     Orbax has committed (and may have deleted older steps), no manifest yet
   during_manifest  the manifest is hashed and in MANIFEST.tmp, not yet renamed into place
   during_export    the end-of-run export (train.export_hf_at_end) has started writing
+
+and, for an evaluation (`<step>` = episodes this process has journaled):
+
+  after_episode    an episode's journal line is written and fsync'd (eval/journal.py)
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import signal
 import time
 
 FAULT_ENV = "AGENTREFINE_FAULT"
-POINTS = ("before_save", "before_commit", "after_commit", "during_manifest", "during_export")
+POINTS = ("before_save", "before_commit", "after_commit", "during_manifest", "during_export", "after_episode")
 
 
 def spec() -> tuple[str, int | None, signal.Signals] | None:
@@ -29,8 +33,8 @@ def spec() -> tuple[str, int | None, signal.Signals] | None:
         return None
     where, _, sig = text.partition(":")
     point, _, at = where.partition("@")
-    if point not in POINTS or sig not in ("KILL", "TERM"):
-        raise ValueError(f"{FAULT_ENV}={text!r}: expected <{'|'.join(POINTS)}>[@<step>]:<KILL|TERM>")
+    if point not in POINTS or sig not in ("KILL", "TERM", "INT"):
+        raise ValueError(f"{FAULT_ENV}={text!r}: expected <{'|'.join(POINTS)}>[@<step>]:<KILL|TERM|INT>")
     return point, int(at) if at else None, signal.Signals[f"SIG{sig}"]
 
 

@@ -28,7 +28,7 @@ import pathlib
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
-from typing import TextIO
+from typing import Any, TextIO
 
 MARKER = ".agentrefine_output.json"
 # What a training run directory holds (agentrefine_jax.train.run_dir): never an output to replace.
@@ -132,8 +132,15 @@ def write_text(path: PathLike, text: str) -> None:
         f.write(text)
 
 
+def json_dumps(obj: object, **kwargs: Any) -> str:
+    """The one JSON encoder of every file and line this project writes: strict RFC 8259, so `NaN` and
+    `Infinity` raise (a writer puts `null` and the reason instead) and every JSON parser reads our files.
+    Other arguments as `json.dumps`'. tests/test_strict_json.py checks no module calls `json.dump(s)`."""
+    return json.dumps(obj, allow_nan=False, **kwargs)
+
+
 def write_json(path: PathLike, obj: object, *, indent: int | None = 1) -> None:
-    write_text(path, json.dumps(obj, ensure_ascii=False, indent=indent))
+    write_text(path, json_dumps(obj, ensure_ascii=False, indent=indent))
 
 
 def fsync_dir(path: PathLike) -> None:

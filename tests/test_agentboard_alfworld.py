@@ -226,3 +226,64 @@ def test_handcoded_expert_oracle_succeeds(tmp_path):
         "open cabinet 1",
         "put mug 1 in/on cabinet 1",
     ]
+
+
+class _Scripted:
+    """A model backend replying a fixed script per episode; it records every user prompt it is sent."""
+
+    name, context_length, max_tokens = "scripted", 10**6, 100
+
+    def __init__(self, replies: list[str]):
+        self.replies, self.prompts = list(replies), []
+
+    def num_tokens(self, system, user):
+        return len(user)
+
+    def generate(self, prompts, keys=None):
+        self.prompts += [u for _, u in prompts]
+        return [self.replies.pop(0) for _ in prompts]
+
+    def forget(self, key):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.mark.timeout(300)
+def test_history_holds_agentboards_parsed_action(tmp_path):
+    """AgentBoard's ALFWorld loop parses the reply (`put X in Y` -> `put X in/on Y`, no trailing `.`) and
+    writes that action into the memory the next prompt shows, not the raw reply."""
+    from agentrefine_jax.eval.agentboard.protocol import Agent, run_episodes
+
+    ck = write_checkout(tmp_path)
+    prompt = {"instruction": "I.", "system_msg": "S.", "examples": {"put": ["Action: go to desk 1\n"]}}
+    (tmp_path / "agentboard/prompts/VanillaAgent").mkdir(parents=True)
+    (tmp_path / "agentboard/prompts/VanillaAgent/alfworld_base.json").write_text(json.dumps(prompt))
+    task = ALFWorldTask()
+    spec = task.episodes(ck)[0]
+    script = [
+        "go to countertop 1.",
+        "take mug 1 from countertop 1",
+        "go to cabinet 1",
+        "put mug 1 in cabinet 1.",  # closed: not admissible, the episode goes on
+        "open cabinet 1",
+        "put mug 1 on cabinet 1",
+    ]
+    model = _Scripted(script)
+    [log] = run_episodes(task, ck, [spec], Agent(model=model), max_steps=10)
+    assert (log.success, log.end, log.steps) == (True, "done", 6)
+    parsed = [
+        "go to countertop 1",
+        "take mug 1 from countertop 1",
+        "go to cabinet 1",
+        "put mug 1 in/on cabinet 1",
+        "open cabinet 1",
+        "put mug 1 in/on cabinet 1",
+    ]
+    assert [t["action"] for t in log.turns] == parsed
+    assert log.turns[0]["reply"] == "go to countertop 1." and "reply" not in log.turns[1]
+    last = model.prompts[-1]  # the prompt of the sixth step shows the first five parsed actions
+    assert "Action: go to countertop 1\nObservation: " in last
+    assert "Action: put mug 1 in/on cabinet 1\nObservation: Nothing happens.\nAction: open cabinet 1" in last
+    assert "Action: put mug 1 in cabinet 1" not in last and "Action: go to countertop 1." not in last

@@ -140,3 +140,34 @@ def test_truncation_drops_oldest_history_lines_until_it_fits():
 )
 def test_action_parser(reply, action):
     assert parse_action(reply) == action
+
+
+@pytest.mark.timeout(300)
+def test_truncation_boundary_counts_what_agentboards_vllm_wrapper_counts():
+    """AgentBoard's vLLM wrapper counts `len(tokenizer(full_prompt)["input_ids"])`: the templated text
+    tokenized again, which puts the tokenizer's BOS in front of the template's own. A prompt of exactly the
+    budget keeps its whole history; one token more drops the oldest history item."""
+    from agentrefine_jax.data.templates import get_template
+    from agentrefine_jax.data.tokenizers import load_tokenizer
+    from agentrefine_jax.eval.agentboard.runner import TemplateModel
+
+    tok = load_tokenizer("llama3")
+    template = get_template("llama3", tok)
+    system, head = "You plan.", "Move balls.\nYou should perform actions to accomplish the goal: G\n"
+    memory = [("Observation", "You are in room a."), ("Action", "move a b"), ("Observation", "Moved.")]
+    full = user_prompt(head, [f"{k}: {t}" for k, t in memory])
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": full}]
+    text = template.decode(template.encode_prompt(messages), skip_special_tokens=False)
+    assert text.startswith("<|begin_of_text|>")
+    agentboard_count = len(tok(text)["input_ids"])  # what AgentBoard's num_tokens_from_messages returns
+    assert agentboard_count == len(template.encode_prompt(messages)) + 1  # the re-tokenisation's extra BOS
+
+    def fits(model):  # AgentBoard's test: tokens(system + user) <= context_length - max_tokens
+        return lambda user: model.num_tokens(system, user) <= model.context_length - model.max_tokens
+
+    exact = TemplateModel("m", template, agentboard_count + 100, actor=None)  # budget = context - 100
+    assert exact.num_tokens(system, full) == agentboard_count
+    assert fit_history(head, memory, fits(exact)) == (full, 0)
+    short = TemplateModel("m", template, agentboard_count + 99, actor=None)
+    prompt, dropped = fit_history(head, memory, fits(short))
+    assert dropped == 1 and prompt == user_prompt(head, ["Action: move a b", "Observation: Moved."])

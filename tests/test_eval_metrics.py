@@ -64,7 +64,8 @@ def test_held_out_average_is_weighted_and_renormalised():
         t: {"success_rate": 1.0 if t == "textworld" else 0.0, "progress_rate": 0.0} for t in PAPER_WEIGHTS
     }
     assert held_out_average(full)["success_rate"] == pytest.approx(20 / 282)
-    assert math.isnan(held_out_average({})["success_rate"])
+    # Strict JSON (issue 31): no held-out task -> null with the reason, not NaN.
+    assert held_out_average({})["success_rate"] is None and held_out_average({})["missing"]
 
 
 def test_perturbation_summary_reports_mean_and_population_std():

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import pathlib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from agentrefine_jax import logs
 from agentrefine_jax.cli_errors import OneLineParser, fail, int_in
@@ -26,6 +28,18 @@ from agentrefine_jax.data.schema import FORMATS
 
 log = logging.getLogger("agentrefine_jax.analyze")
 INTERRUPTED = 130
+
+
+# Strict JSON has no NaN: a mean over pairs of fewer than two rows is null, for this reason.
+NULLS = "a source with fewer than 2 Thoughts or environments has no pair to average"
+
+
+def _finite(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+def _similarity_json(labels: Sequence[str], m: Any) -> dict[str, dict[str, float | None]]:
+    return {a: dict(zip(labels, map(_finite, m[i].tolist()), strict=True)) for i, a in enumerate(labels)}
 
 
 def _pairs(values: Sequence[str], flag: str) -> list[tuple[str, str]]:
@@ -160,7 +174,7 @@ def cmd_diversity(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "sources": {
             s.label: {
-                "diversity": scores[s.label],
+                "diversity": _finite(scores[s.label]),
                 "thoughts": len(s.thoughts),
                 "environments": len(s.environments),
                 "rows_total": s.rows_total,
@@ -171,15 +185,13 @@ def cmd_diversity(args: argparse.Namespace) -> int:
             }
             for s in texts
         },
-        "environment_similarity": {
-            a: dict(zip(labels, env_sim[i].tolist(), strict=True)) for i, a in enumerate(labels)
-        },
-        "thought_similarity": {
-            a: dict(zip(labels, thought_sim[i].tolist(), strict=True)) for i, a in enumerate(labels)
-        },
+        "environment_similarity": _similarity_json(labels, env_sim),
+        "thought_similarity": _similarity_json(labels, thought_sim),
         "files": {k: str(v) for k, v in files.items() if k != "json"},
         "figure_sizes_px": {"tsne": figures.SIZES["tsne"], "heatmap": figures.SIZES["heatmap"]},
     }
+    if any(math.isnan(v) for v in [*scores.values(), *env_sim.ravel(), *thought_sim.ravel()]):
+        summary["nulls"] = NULLS
     write_json(files["json"], summary)
     print(f"diversity (mean pairwise cosine distance of Thoughts, {method.split(' ')[0]}):")
     for s in texts:

@@ -5,19 +5,18 @@ and the mechanism are agentrefine_jax.outputs'; this module adds the formats ana
 from __future__ import annotations
 
 import csv
-import json
 import os
 from collections.abc import Sequence
 from typing import Any
 
 from agentrefine_jax.outputs import atomic_path as atomic
-from agentrefine_jax.outputs import open_atomic, write_text
+from agentrefine_jax.outputs import json_dumps, open_atomic, write_text
 
 __all__ = ["atomic", "write_csv", "write_json", "write_text"]
 
 
 def write_json(path: str | os.PathLike[str], obj: Any) -> None:
-    write_text(path, json.dumps(obj, ensure_ascii=False, indent=1) + "\n")
+    write_text(path, json_dumps(obj, ensure_ascii=False, indent=1) + "\n")
 
 
 def write_csv(path: str | os.PathLike[str], header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:

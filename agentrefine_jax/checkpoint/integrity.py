@@ -27,6 +27,7 @@ from etils import epath
 
 from agentrefine_jax.checkpoint.format import ITEM_META, ITEM_PARAMS, checkpoint_steps, resolve_checkpoint
 from agentrefine_jax.checkpoint.meta import CheckpointMeta, read_meta
+from agentrefine_jax.outputs import json_dumps
 from agentrefine_jax.paths import as_path, is_url
 
 MANIFEST = "agentrefine_manifest.json"
@@ -97,7 +98,7 @@ def write_manifest(step_dir: str | os.PathLike[str]) -> epath.Path:
     if not files:
         raise CheckpointIntegrityError(f"checkpoint {step_dir} holds no files")
     target = step_dir / MANIFEST
-    body = json.dumps({"version": 1, "files": files}, indent=1, sort_keys=True)
+    body = json_dumps({"version": 1, "files": files}, indent=1, sort_keys=True)
     if is_url(step_dir):
         target.write_text(body)  # object stores publish an object whole
     else:

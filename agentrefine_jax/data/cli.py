@@ -39,6 +39,7 @@ from agentrefine_jax.data.schema import (
 )
 from agentrefine_jax.data.sources import RecordSet
 from agentrefine_jax.data.templates import TEMPLATES
+from agentrefine_jax.outputs import json_dumps
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -124,14 +125,14 @@ def cmd_dump(args: argparse.Namespace) -> int:
                     "input_ids": ids.tolist(),
                     "loss_mask": mask.astype(int).tolist(),
                 }
-                f.write(json.dumps(rec) + "\n")
+                f.write(json_dumps(rec) + "\n")
                 n += 1
         else:
             for row in local.rows:
                 arrays = materialize(store, row, cfg.max_length, pad_id)
                 rec: dict[str, Any] = {"sources": [store.where[i] for i in row]}
                 rec.update({k: v.tolist() for k, v in arrays.items()})
-                f.write(json.dumps(rec) + "\n")
+                f.write(json_dumps(rec) + "\n")
                 n += 1
     log.info(local.report.summary())
     log.info(f"wrote {n} {'examples' if args.no_pack else 'packed rows'} to {args.out}")
@@ -148,7 +149,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     stats["batch_size_for_padding"] = args.batch_size
     stats.pop("skipped_at", None)
     if args.json:
-        print(json.dumps(stats, indent=2, default=str))
+        print(json_dumps(stats, indent=2, default=str))
         return 0
     print(rep.summary())
     if len(lengths):

@@ -18,11 +18,12 @@ holds its seed, and `replay(row)` re-runs its actions through the simulator.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import random
 import re
 from typing import Any
+
+from agentrefine_jax.outputs import json_dumps
 
 ROOMS = ["kitchen", "hallway", "living room", "bedroom", "bathroom", "study", "garden", "pantry"]
 CONTAINERS = {
@@ -362,5 +363,5 @@ def write_split(path: pathlib.Path, seeds: range, error_rate: float) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8", newline="\n") as f:
         for s in seeds:
-            f.write(json.dumps(generate_trajectory(s, error_rate), ensure_ascii=False) + "\n")
+            f.write(json_dumps(generate_trajectory(s, error_rate), ensure_ascii=False) + "\n")
     return len(seeds)

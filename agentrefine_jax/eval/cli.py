@@ -15,10 +15,13 @@ import argparse
 import importlib
 import logging
 import shutil
+import signal
+import sys
 import tempfile
 
 from agentrefine_jax import logs, outputs
 from agentrefine_jax.cli_errors import OneLineParser, fail
+from agentrefine_jax.eval.journal import Journal, journal_path
 from agentrefine_jax.eval.policies import (
     DEFAULT_STOP,
     CheckpointPolicy,
@@ -32,6 +35,7 @@ from agentrefine_jax.eval.registry import SOURCES, default_tasks
 from agentrefine_jax.eval.runner import TASK_NAMES, EvalConfig, format_table, run_eval
 
 BEST_OF_TEMPERATURE = 0.7
+TERMINATED = 75  # EX_TEMPFAIL, as the trainer's preemption: finished episodes kept, rerun to resume
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -224,6 +228,31 @@ def task_names(args: argparse.Namespace, source: str) -> tuple[str, ...]:
     return tuple(t.strip() for t in (args.tasks or ",".join(default_tasks(source))).split(",") if t.strip())
 
 
+# Settings that do not change what the episodes do: a journal is resumed across them.
+_NOT_RESULTS = ("quiet", "verbose", "workdir")
+
+
+class Terminated(BaseException):
+    """SIGTERM: not an `Exception`, so no per-episode handler turns it into a failed episode."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+def open_journal(args: argparse.Namespace) -> Journal | None:
+    """The journal beside --out (none without --out: nowhere to resume to)."""
+    if not args.out:
+        return None
+    settings = {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_RESULTS}
+    journal = Journal(journal_path(args.out), settings)
+    if journal.resumed:
+        logging.getLogger("agentrefine_jax.eval").info(
+            f"resuming: {journal.resumed} finished episodes read from {journal.path}"
+        )
+    return journal
+
+
 def run(args: argparse.Namespace) -> int:
     # Output paths first: a long evaluation must never end in results that cannot be written.
     if args.out:
@@ -233,8 +262,18 @@ def run(args: argparse.Namespace) -> int:
     source = source_of(args)
     for module in args.plugin:
         importlib.import_module(module)
-    if source == "agentboard":
-        return run_agentboard(args)
+    journal = _JOURNAL.journal = open_journal(args)
+    try:
+        code = run_agentboard(args, journal) if source == "agentboard" else run_builtin(args, journal)
+    finally:
+        if journal is not None:
+            journal.close()
+    if journal is not None:
+        journal.remove()  # the results are written: a rerun starts afresh
+    return code
+
+
+def run_builtin(args: argparse.Namespace, journal: Journal | None) -> int:
     if args.agentboard_dir or args.context_length or args.log_dir or args.all_checkpoints:
         raise ValueError(
             "--agentboard-dir/--context-length/--log-dir/--all-checkpoints need the agentboard source"
@@ -267,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
     if own_workdir:
         config.workdir = workdir = tempfile.mkdtemp(prefix="agentrefine-eval-")
     try:
-        doc = run_eval(policy, config, log=log)
+        doc = run_eval(policy, config, log=log, journal=journal)
     finally:
         policy.close()
         if own_workdir:
@@ -277,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_agentboard(args: argparse.Namespace) -> int:
+def run_agentboard(args: argparse.Namespace, journal: Journal | None = None) -> int:
     """The AgentBoard source: its episodes, prompts and rules, read from the user's checkout."""
     from agentrefine_jax.eval.agentboard import runner as ab
     from agentrefine_jax.eval.agentboard.checkout import Checkout
@@ -320,6 +359,7 @@ def run_agentboard(args: argparse.Namespace) -> int:
                 path, args.template, args.context_length, kv_reuse=args.kv_reuse
             ),
             log=log,
+            journal=journal,
         )
         print(ab.format_run_table(doc), flush=True)
         _write(args.out, doc, sum(len(r["result"]["episodes"]) for r in doc["checkpoints"]))
@@ -333,7 +373,7 @@ def run_agentboard(args: argparse.Namespace) -> int:
             actor.close()
             raise
     try:
-        doc = ab.run(checkout, config, model=model, policy=args.policy, log=log)
+        doc = ab.run(checkout, config, model=model, policy=args.policy, log=log, journal=journal)
     finally:
         if model is not None:
             model.close()
@@ -350,10 +390,30 @@ def _write(out: str | None, doc: dict, episodes: int) -> None:
     logging.getLogger("agentrefine_jax.eval").info(f"wrote {out} ({episodes} episode records)")
 
 
+class _JournalHolder:
+    journal: Journal | None = None
+
+
+_JOURNAL = _JournalHolder()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs.setup("eval", args)
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return run(args)
     except (ValueError, FileNotFoundError, ImportError) as e:
         return fail("eval", e)
+    except Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the message
+        j = _JOURNAL.journal
+        kept = (
+            f"{len(j.records)} finished episodes kept in {j.path}; rerun the same command to resume"
+            if j is not None
+            else "no --out, so no journal: nothing kept"
+        )
+        print(f"[eval] terminated (SIGTERM): {kept}", file=sys.stderr, flush=True)
+        return TERMINATED
+    finally:
+        signal.signal(signal.SIGTERM, previous)

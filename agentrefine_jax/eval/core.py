@@ -11,7 +11,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from agentrefine_jax.eval.journal import Resume
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +28,9 @@ class StepResult:
     success: bool = False
     # False when the command never reached the simulator ("check valid actions", a rejected command).
     executed: bool = True
+    # The action as the environment parsed it, when it rewrites replies (AgentBoard's ALFWorld `parseAction`,
+    # Jericho's cut): AgentBoard records this form, not the raw reply, in the history a model reads next.
+    action: str | None = None
 
 
 class Running(Protocol):
@@ -41,12 +47,15 @@ def run_loop(
     *,
     width: int,
     on_done: Callable[[E], None] | None = None,
+    resume: Resume[E] | None = None,
 ) -> list[E]:
     """Run every job to its end; the finished episodes come back in job order.
 
     `start(job)` makes a running episode (it may be finished already, e.g. failed to start); each round
     `respond(active)` answers every active episode together and applies the replies; an episode whose
-    `finished` is then set leaves (`on_done`) and the next job takes its place.
+    `finished` is then set leaves (`on_done`) and the next job takes its place. With `resume` (the run's
+    journal), a job the journal holds is not run again (its record comes back, without `on_done`: it was
+    reported when it ran) and every episode that ends is journaled before `on_done`.
     """
     queue = collections.deque(enumerate(jobs))
     active: list[tuple[int, E]] = []
@@ -54,12 +63,18 @@ def run_loop(
 
     def finish(i: int, ep: E) -> None:
         done[i] = ep
+        if resume is not None:
+            resume.record(jobs[i], ep)
         if on_done is not None:
             on_done(ep)
 
     while queue or active:
         while queue and len(active) < max(1, width):
             i, job = queue.popleft()
+            restored = resume.restored(job) if resume is not None else None
+            if restored is not None:
+                done[i] = restored
+                continue
             ep = start(job)
             if ep.finished:
                 finish(i, ep)

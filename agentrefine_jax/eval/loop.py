@@ -20,6 +20,7 @@ from typing import Any
 
 from agentrefine_jax.eval.core import run_loop
 from agentrefine_jax.eval.envs.base import EvalTask, TextEnv
+from agentrefine_jax.eval.journal import Journal, Resume
 from agentrefine_jax.eval.perturb import variant_name
 from agentrefine_jax.eval.policies import (
     ActRequest,
@@ -178,8 +179,11 @@ def run_episodes(
     *,
     batch_size: int = 8,
     on_result: Callable[[EpisodeResult], None] | None = None,
+    journal: Journal | None = None,
+    phase: str = "main",
 ) -> list[EpisodeResult]:
-    """Run every job to completion (the one loop, `core.run_loop`); results come back in job order."""
+    """Run every job to completion (the one loop, `core.run_loop`); results come back in job order. With a
+    `journal`, episodes it holds (under `phase`) are not run again and every finished one is appended."""
 
     def respond(runs: list[_Running]) -> None:
         requests = [
@@ -215,8 +219,27 @@ def run_episodes(
         if on_result is not None and run.result is not None:
             on_result(run.result)
 
-    runs = run_loop(jobs, lambda job: _start(job, policy), respond, width=batch_size, on_done=report)
+    resume = None
+    if journal is not None:
+        resume = Resume(
+            journal,
+            ["builtin", phase],
+            job_key,
+            lambda run: run.result.to_json() if run.result is not None else None,
+            lambda job, rec: _Restored(EpisodeResult(**rec)),
+        )
+    runs = run_loop(
+        jobs, lambda job: _start(job, policy), respond, width=batch_size, on_done=report, resume=resume
+    )
     return [run.result for run in runs if run.result is not None]
+
+
+@dataclasses.dataclass
+class _Restored:
+    """An episode read back from the journal (it finished in an earlier, interrupted run)."""
+
+    result: EpisodeResult
+    finished: bool = True
 
 
 def _advance(run: _Running, reply: str) -> str | None:

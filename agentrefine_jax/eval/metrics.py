@@ -8,7 +8,6 @@ succeeds if any sample does and its progress is the max over samples.
 from __future__ import annotations
 
 import collections
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -74,8 +73,9 @@ def held_out_average(
 ) -> dict[str, Any]:
     """The paper's weighted average, renormalised over the task families present."""
     present = {t: weights[t] for t in per_task if t in weights}
-    if not present:
-        return {"success_rate": math.nan, "progress_rate": math.nan, "weights": {}}
+    if not present:  # null and the reason: strict JSON has no NaN
+        why = "no task with a held-out weight ran"
+        return {"success_rate": None, "progress_rate": None, "weights": {}, "missing": why}
     total = sum(present.values())
     return {
         "success_rate": sum(w * per_task[t]["success_rate"] for t, w in present.items()) / total,
@@ -103,10 +103,9 @@ def perturbation_summary(variants: Mapping[str, Mapping[str, Any]]) -> dict[str,
     return out
 
 
-def _metric(variant: Mapping[str, Any], key: str, metric: str) -> float:
-    if key == HELD_OUT:
-        return float(variant[HELD_OUT][metric])
-    return float(variant["tasks"][key][metric])
+def _metric(variant: Mapping[str, Any], key: str, metric: str) -> float | None:
+    value = variant[HELD_OUT][metric] if key == HELD_OUT else variant["tasks"][key][metric]
+    return None if value is None else float(value)
 
 
 def summarize(results: Sequence[Any], weights: Mapping[str, int] = PAPER_WEIGHTS) -> dict[str, Any]:
@@ -118,9 +117,9 @@ def summarize(results: Sequence[Any], weights: Mapping[str, int] = PAPER_WEIGHTS
     return {"variants": variants, "perturbation_summary": perturbation_summary(variants)}
 
 
-def _mean(values: Iterable[float]) -> float:
+def _mean(values: Iterable[float]) -> float | None:
     vals = list(values)
-    return sum(vals) / len(vals) if vals else math.nan
+    return sum(vals) / len(vals) if vals else None
 
 
 def _mean_or_none(values: Sequence[float]) -> float | None:

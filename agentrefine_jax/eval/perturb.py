@@ -212,7 +212,7 @@ class RewordedEnv:
         if action == HELP:
             result = self.env.step(HELP)  # progress regexes see the game's own listing
             text = "Choose an action from these valid actions: " + ", ".join(table)
-            return StepResult(text, result.done, result.progress, True)
+            return StepResult(text, result.done, result.progress, True, action=action)
         if valid:
             command = table[action]
         elif self.rw.surface(action) != action:
@@ -220,7 +220,7 @@ class RewordedEnv:
         else:
             command = action
         result = self.env.step(command)
-        return StepResult(result.observation, result.done, result.progress, valid)
+        return StepResult(result.observation, result.done, result.progress, valid, action=action)
 
     def __getattr__(
         self, name: str
@@ -228,8 +228,12 @@ class RewordedEnv:
         return getattr(self.env, name)
 
 
-def summary(original: float, variants: Sequence[float]) -> dict[str, Any]:
-    """Table 3's layout: the original score, each variant, their mean and population standard deviation."""
-    mean = sum(variants) / len(variants) if variants else math.nan
-    std = math.sqrt(sum((v - mean) ** 2 for v in variants) / len(variants)) if variants else math.nan
-    return {"original": original, "perturbations": list(variants), "mean": mean, "std": std}
+def summary(original: float | None, variants: Sequence[float | None]) -> dict[str, Any]:
+    """Table 3's layout: the original score, each variant, their mean and population standard deviation.
+    Without variants (or with a variant that has no score) mean and std are null and `missing` says why."""
+    out: dict[str, Any] = {"original": original, "perturbations": list(variants)}
+    if not variants or any(v is None for v in variants):
+        return out | {"mean": None, "std": None, "missing": "no perturbed score to average"}
+    values = [float(v) for v in variants if v is not None]
+    mean = sum(values) / len(values)
+    return out | {"mean": mean, "std": math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))}

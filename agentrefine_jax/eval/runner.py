@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from agentrefine_jax.eval.envs.base import EvalTask
+from agentrefine_jax.eval.journal import Journal
 from agentrefine_jax.eval.loop import EpisodeJob, EpisodeResult, job_seed, run_episodes
 from agentrefine_jax.eval.metrics import HELD_OUT, SCHEMA, best_of_metrics, best_of_table, summarize
 from agentrefine_jax.eval.perturb import variant_name
@@ -63,8 +64,11 @@ class EvalConfig:
         check_style(self.prompt_style)
 
 
-def run_eval(policy: Policy, config: EvalConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run every episode and return the results document (metrics, config, transcripts)."""
+def run_eval(
+    policy: Policy, config: EvalConfig, log: Callable[[str], None] = print, journal: Journal | None = None
+) -> dict[str, Any]:
+    """Run every episode and return the results document (metrics, config, transcripts). With a `journal`,
+    episodes an interrupted run finished are taken from it and every new one is appended as it ends."""
     config.validate()
     os.makedirs(config.workdir, exist_ok=True)
     # matplotlib (imported by pddlgym) would otherwise build its font cache under $HOME.
@@ -75,9 +79,9 @@ def run_eval(policy: Policy, config: EvalConfig, log: Callable[[str], None] = pr
     for name in config.tasks:
         task = make_task(name, config.workdir, **config.task_options.get(name, {}))
         try:
-            results.extend(_run_task(name, task, policy, config, log))
+            results.extend(_run_task(name, task, policy, config, log, journal))
             if config.best_of > 1:
-                greedy[name] = _greedy(name, task, policy, config, results, log)
+                greedy[name] = _greedy(name, task, policy, config, results, log, journal)
         finally:
             task.close()
     summary = summarize(results, task_weights())
@@ -96,7 +100,12 @@ def run_eval(policy: Policy, config: EvalConfig, log: Callable[[str], None] = pr
 
 
 def _run_task(
-    name: str, task: EvalTask, policy: Policy, config: EvalConfig, log: Callable[[str], None]
+    name: str,
+    task: EvalTask,
+    policy: Policy,
+    config: EvalConfig,
+    log: Callable[[str], None],
+    journal: Journal | None = None,
 ) -> list[EpisodeResult]:
     max_steps = config.max_steps or task.default_max_steps
     specs = task.episode_specs(config.episodes, config.seed)
@@ -118,7 +127,7 @@ def _run_task(
         )
 
     t0 = time.perf_counter()
-    results = run_episodes(jobs, policy, batch_size=config.batch_size, on_result=report)
+    results = run_episodes(jobs, policy, batch_size=config.batch_size, on_result=report, journal=journal)
     log(f"{name}: {len(results)} runs in {time.perf_counter() - t0:.1f}s")
     return results
 
@@ -139,7 +148,13 @@ def _jobs(
 
 
 def _greedy(
-    name: str, task: EvalTask, policy: Policy, config: EvalConfig, results: list[EpisodeResult], log: Any
+    name: str,
+    task: EvalTask,
+    policy: Policy,
+    config: EvalConfig,
+    results: list[EpisodeResult],
+    log: Any,
+    journal: Journal | None = None,
 ) -> list[EpisodeResult]:
     """The greedy run beside Best-of-N (Table 4): a model decodes at temperature 0; a privileged policy's
     sample 0 is its greedy run (the same seeds)."""
@@ -149,7 +164,7 @@ def _greedy(
     greedy = dataclasses.replace(policy.sampling, temperature=0.0)
     jobs = _jobs(name, task, [r.spec for r in original if r.sample == 0], config, 1, 1, greedy)
     log(f"{name}: greedy run of {len(jobs)} episodes beside Best-of-{config.best_of}")
-    return run_episodes(jobs, policy, batch_size=config.batch_size)
+    return run_episodes(jobs, policy, batch_size=config.batch_size, journal=journal, phase="greedy")
 
 
 def _best_of(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import pathlib
 import time
@@ -20,6 +19,7 @@ import jax
 from agentrefine_jax import logs, outputs
 from agentrefine_jax.cli_errors import OneLineParser, fail, float_in
 from agentrefine_jax.models.llama import param_count
+from agentrefine_jax.outputs import json_dumps
 
 log = logging.getLogger("agentrefine_jax.export")
 OVERWRITE_HELP = (
@@ -188,7 +188,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     )
     print(summary(result), flush=True)
     if args.json:
-        print(json.dumps(result_dict(result)))
+        print(json_dumps(result_dict(result)))
     return 0 if result.passed else 1
 
 

@@ -44,6 +44,7 @@ from agentrefine_jax import outputs
 from agentrefine_jax.models import families, llama, params
 from agentrefine_jax.models.config import ModelConfig, RopeScaling
 from agentrefine_jax.models.llama import abstract_params
+from agentrefine_jax.outputs import json_dumps
 from agentrefine_jax.paths import as_path, is_url
 from agentrefine_jax.sharding import param_shardings
 
@@ -653,10 +654,10 @@ def save_hf(
         return
     if len(shards) > 1:
         index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
-        (out / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+        (out / SAFE_INDEX).write_text(json_dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json_dumps(config_json, indent=2) + "\n")
     (out / "generation_config.json").write_text(
-        json.dumps(generation_config_dict(model_cfg), indent=2) + "\n"
+        json_dumps(generation_config_dict(model_cfg), indent=2) + "\n"
     )
     log(f"wrote config.json, generation_config.json ({total_bytes / 1e6:.1f} MB of {dtype} weights)")
     if tokenizer:

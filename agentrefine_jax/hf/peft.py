@@ -18,6 +18,7 @@ from typing import Any
 from safetensors.numpy import save_file
 
 from agentrefine_jax.models import lora
+from agentrefine_jax.outputs import json_dumps
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -61,7 +62,7 @@ def write_peft_adapter(
         write_base(out / BASE_SUBDIR)
         base = BASE_SUBDIR
     save_file(lora.to_peft(adapters, spec), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(spec, base), indent=2) + "\n")
+    (out / ADAPTER_CONFIG).write_text(json_dumps(adapter_config(spec, base), indent=2) + "\n")
     return out
 
 

@@ -30,6 +30,7 @@ from agentrefine_jax.inference.http_server import ServerLimits
 from agentrefine_jax.inference.loading import load_for_inference
 from agentrefine_jax.inference.server import ChatService, make_server
 from agentrefine_jax.models.llama import param_count
+from agentrefine_jax.outputs import json_dumps
 
 PROG = "python -m agentrefine_jax.inference"
 log = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ def run_generate(args: argparse.Namespace) -> int:
             f"{time.perf_counter() - t1:.1f}s (incl. compile)"
         )
         for g in gens:
-            print(json.dumps(g.tokens), flush=True)
+            print(json_dumps(g.tokens), flush=True)
         return 0
 
     gen = ChatGenerator.from_loaded(loaded, args.template, args.tokenizer)
@@ -161,7 +162,7 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     if args.json:
         print(
-            json.dumps(
+            json_dumps(
                 {
                     "text": c.text,
                     "finish_reason": c.finish_reason,

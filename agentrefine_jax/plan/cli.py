@@ -8,10 +8,10 @@ and with `--topology T --compile` the XLA TPU compiler's own figures beside the 
 from __future__ import annotations
 
 import argparse
-import json
 
 from agentrefine_jax import logs
 from agentrefine_jax.cli_errors import OneLineParser, fail, int_in
+from agentrefine_jax.outputs import json_dumps
 from agentrefine_jax.train import planner
 from agentrefine_jax.train.topology import HBM_BYTES
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         if not args.leaves:
             result.pop("param_leaves")
-        print(json.dumps(result, indent=2))
+        print(json_dumps(result, indent=2))
     else:
         print(planner.format_plan(result, args.config))
     return 0

@@ -14,10 +14,11 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from agentrefine_jax import outputs
+from agentrefine_jax.outputs import json_dumps
 
 
 def dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return json_dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
 def iter_lines(path: str | pathlib.Path) -> Iterator[str]:

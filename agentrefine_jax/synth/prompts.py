@@ -10,8 +10,9 @@ prefix with `continue_messages`.  `script_instruction` is what the tuned agent i
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from agentrefine_jax.outputs import json_dumps
 
 SCRIPT_SYSTEM = """\
 You design text-based agent environments for training AI agents. You write precise, \
@@ -64,7 +65,7 @@ corrects course.
 
 
 def _script_block(script: dict[str, Any]) -> str:
-    return json.dumps(script, ensure_ascii=False, indent=2)
+    return json_dumps(script, ensure_ascii=False, indent=2)
 
 
 def script_messages(persona: str) -> list[dict[str, str]]:
@@ -94,7 +95,7 @@ def continue_messages(
         f"Script:\n{_script_block(script)}\n\n"
         "The interaction below was started but a later turn was rejected by a checker "
         f"({failure}). These first {len(prefix)} turns were accepted and stay as they are:\n"
-        f"{json.dumps(prefix, ensure_ascii=False, indent=2)}\n\n"
+        f"{json_dumps(prefix, ensure_ascii=False, indent=2)}\n\n"
         "Continue the interaction from exactly this point until the task is accomplished.\n\n"
         f"{_TURN_FORMAT}\n\n"
         "Reply with exactly one JSON object containing only the NEW turns that come after the "

@@ -12,6 +12,7 @@ import os
 
 from agentrefine_jax import logs
 from agentrefine_jax.cli_errors import OneLineParser, fail
+from agentrefine_jax.outputs import json_dumps
 
 TOOL = "train"
 
@@ -79,7 +80,6 @@ def compile_only(
     config: str, overrides: list[str], topology: str | None, num_slices: int, as_json: bool, tool: str
 ) -> int:
     """`train --compile-only` and `plan --compile`: 0 fits, 1 does not, 2 bad input."""
-    import json
 
     from agentrefine_jax.config import ConfigError
     from agentrefine_jax.train import aot
@@ -97,7 +97,7 @@ def compile_only(
         TypeError,
     ) as e:
         return fail(tool, e)
-    print(json.dumps(result, indent=2) if as_json else aot.format_check(result))
+    print(json_dumps(result, indent=2) if as_json else aot.format_check(result))
     return 0 if result["compiled"]["fits"] else 1
 
 
@@ -123,9 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return fail(TOOL, e)
     if args.print_config:
-        import json
-
-        print(json.dumps(to_dict(cfg), indent=2))
+        print(json_dumps(to_dict(cfg), indent=2))
         return 0
     try:
         check_outputs(cfg)  # a run dir or export target that cannot be written: before any work

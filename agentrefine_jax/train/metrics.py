@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 
+from agentrefine_jax.outputs import json_dumps
 from agentrefine_jax.paths import is_url
 from agentrefine_jax.train.run_dir import RunPaths
 
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 def json_row(row: dict[str, Any]) -> str:
     """One JSON line; NaN/inf become null (bare NaN is not JSON)."""
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
-    return json.dumps(clean, allow_nan=False)
+    return json_dumps(clean)
 
 
 class MetricsWriter:

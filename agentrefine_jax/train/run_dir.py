@@ -13,6 +13,7 @@ from etils import epath
 
 from agentrefine_jax.checkpoint import RUN_CHECKPOINTS_SUBDIR, CheckpointMeta
 from agentrefine_jax.config import Config, to_dict
+from agentrefine_jax.outputs import json_dumps
 from agentrefine_jax.paths import as_path
 from agentrefine_jax.train.optimizer import horizon_matters
 
@@ -69,7 +70,7 @@ class RunPaths:
 
     def write_config(self, cfg: Config) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        self.config.write_text(json.dumps(to_dict(cfg), indent=2))
+        self.config.write_text(json_dumps(to_dict(cfg), indent=2))
 
 
 def check_resume_config(paths: RunPaths, cfg: Config) -> None:
@@ -77,7 +78,7 @@ def check_resume_config(paths: RunPaths, cfg: Config) -> None:
     if not paths.config.exists():
         return
     old = json.loads(paths.config.read_text())
-    new = json.loads(json.dumps(to_dict(cfg)))
+    new = json.loads(json_dumps(to_dict(cfg)))
     diffs = [k for k in _FROZEN_ON_RESUME if old.get(k) != new.get(k)]
     diffs += [f"train.{k}" for k in _FROZEN_TRAIN_KEYS if old.get("train", {}).get(k) != new["train"].get(k)]
     if diffs:

@@ -26,6 +26,7 @@ from typing import Any
 from etils import epath
 
 from agentrefine_jax.checkpoint import CheckpointSaveError
+from agentrefine_jax.outputs import json_dumps
 from agentrefine_jax.paths import as_path, is_url
 from agentrefine_jax.train.run_dir import TrainingInputError
 
@@ -80,7 +81,7 @@ class RunLock:
 
     # ------------------------------------------------------------------ create-if-absent
     def _create(self) -> bool:
-        data = json.dumps(self.body).encode()
+        data = json_dumps(self.body).encode()
         if is_url(self.path):
             import fsspec
 

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from agentrefine_jax.eval.agentboard.checkout import CLONE, Checkout, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import AgentBoardEnv, EpisodeSpec
 from agentrefine_jax.eval.core import StepResult, run_loop
+from agentrefine_jax.eval.journal import Journal, Resume
 from agentrefine_jax.eval.policies import (
     RandomPolicy,  # noqa: F401 - the one random policy, re-exported
     forget,
@@ -258,6 +259,9 @@ class Episode:
         """Take one (parsed) action; update memory, metrics and the log."""
         step = self.log.steps
         result = self.env.step(action)
+        # AgentBoard's tasks that parse the reply (ALFWorld's parseAction, Jericho's cut) log and remember the
+        # parsed action: the history the model reads next shows what was executed.
+        action = result.action if result.action is not None else action
         self.log.steps += 1
         self.log.valid_steps += bool(result.valid)
         if result.progress > self.log.progress:
@@ -313,13 +317,14 @@ class Agent:
             raise ValueError("an Agent needs exactly one of a model backend or a policy")
 
 
-def _prompt_for(ep: Episode, model: ModelBackend, system: str) -> tuple[str, int]:
+def budget_fits(model: ModelBackend, system: str) -> Callable[[str], bool]:
+    """AgentBoard's truncation test: the prompt fits while its tokens are <= context_length - max_tokens."""
     budget = model.context_length - model.max_tokens
+    return lambda user: model.num_tokens(system, user) <= budget
 
-    def fits(user: str) -> bool:
-        return model.num_tokens(system, user) <= budget
 
-    return fit_history(ep.head(), ep.memory, fits)
+def _prompt_for(ep: Episode, model: ModelBackend, system: str) -> tuple[str, int]:
+    return fit_history(ep.head(), ep.memory, budget_fits(model, system))
 
 
 def run_episodes(
@@ -333,6 +338,8 @@ def run_episodes(
     on_done: Callable[[EpisodeLog], None] | None = None,
     wrap_env: Callable[[Any], Any] | None = None,
     reword_prompt: Callable[[PromptSet], PromptSet] | None = None,
+    journal: Journal | None = None,
+    phase: Sequence[Any] = ("main",),
 ) -> list[EpisodeLog]:
     """Run every episode of `specs` under AgentBoard's loop; results in `specs` order.
 
@@ -400,7 +407,30 @@ def run_episodes(
         if on_done is not None:
             on_done(ep.log)
 
-    return [ep.log for ep in run_loop(specs, start, respond, width=width, on_done=report)]
+    resume = None
+    if journal is not None:
+        resume = Resume(
+            journal,
+            ["agentboard", *phase],
+            lambda spec: [spec.task, spec.index, int(spec.info.get("sample", 0))],
+            lambda ep: dataclasses.asdict(ep.log) | {"spec": None},
+            _restored,
+        )
+    episodes = run_loop(specs, start, respond, width=width, on_done=report, resume=resume)
+    return [ep.log for ep in episodes]
+
+
+@dataclasses.dataclass
+class _Restored:
+    """An episode read back from the journal (it finished in an earlier, interrupted run)."""
+
+    log: EpisodeLog
+    finished: bool = True
+
+
+def _restored(spec: EpisodeSpec, record: dict[str, Any]) -> _Restored:
+    scores = [(int(s), float(p)) for s, p in record["score_change_record"]]
+    return _Restored(EpisodeLog(**(record | {"spec": spec, "score_change_record": scores})))
 
 
 def episode_key(ep: Episode) -> tuple[str, int, int]:
@@ -414,5 +444,5 @@ def _step(ep: Episode, action: str, reply: str) -> None:
     except Exception as e:  # noqa: BLE001 - a simulator crash ends this episode, reported with its step
         ep.fail(f"env_error: {type(e).__name__}: {e}")
         return
-    if reply != action:
+    if reply != ep.log.turns[-1]["action"]:
         ep.log.turns[-1]["reply"] = reply

@@ -9,7 +9,6 @@ weights for BabyAI/ScienceWorld/PDDL/Jericho when complete).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -26,6 +25,7 @@ from agentrefine_jax.eval.agentboard.protocol import (
     run_episodes,
     vllm_system_suffix,
 )
+from agentrefine_jax.eval.journal import Journal
 from agentrefine_jax.eval.metrics import (
     SCHEMA,
     best_of_held_out,
@@ -44,6 +44,7 @@ from agentrefine_jax.eval.policies import (
     ask,
     forget,
 )
+from agentrefine_jax.outputs import json_dumps
 
 # AgentBoard's own task names (its log file names); ours differ only for ScienceWorld.
 AGENTBOARD_NAMES = {"sciworld": "scienceworld"}
@@ -84,7 +85,14 @@ class TemplateModel:
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
     def num_tokens(self, system: str, user: str) -> int:
-        return len(self.template.encode_prompt(self.messages(system, user)))
+        """What AgentBoard's vLLM wrapper counts: `len(tokenizer(full_prompt)["input_ids"])`, the templated
+        text tokenized again. The tokenizer adds its BOS (`<|begin_of_text|>` for Llama-3, `<s>` for Mistral)
+        in front of a text that already starts with the template's own, so the count is one more than the
+        prompt's ids (Mistral's SentencePiece may also split the re-read text differently); counting the ids
+        alone let a prompt one token over AgentBoard's budget keep its oldest history item."""
+        ids = self.template.encode_prompt(self.messages(system, user))
+        text = self.template.decode(ids, skip_special_tokens=False)
+        return len(self.template.tokenizer(text)["input_ids"])
 
     def generate(
         self, prompts: Sequence[tuple[str, str]], keys: Sequence[Hashable] | None = None
@@ -184,7 +192,7 @@ class LogWriter:
     def episode(self, task: str, log: EpisodeLog) -> None:
         name = AGENTBOARD_NAMES.get(task, task)
         with open(os.path.join(self.root, "logs", f"{name}.jsonl"), "a", encoding="utf-8") as f:
-            f.write(json.dumps(agentboard_log(log), ensure_ascii=False, indent=2) + "\n")
+            f.write(json_dumps(agentboard_log(log), ensure_ascii=False, indent=2) + "\n")
         with open(os.path.join(self.root, f"{name}.txt"), "a", encoding="utf-8") as f:
             f.write(
                 f"[EXP] {log.spec.index}: [success_rate]: {log.success}, [progress_rate]: {log.progress}, "
@@ -196,7 +204,7 @@ class LogWriter:
             k: v for k, v in metrics.items() if k != "seconds"
         }
         with open(os.path.join(self.root, "all_results.txt"), "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json_dumps(row) + "\n")
 
 
 # ----------------------------------------------------------------------------------------- run
@@ -247,8 +255,11 @@ def run(
     model: ModelBackend | None = None,
     policy: str | None = None,
     log: Callable[[str], None] = print,
+    journal: Journal | None = None,
+    phase: Sequence[Any] = (),
 ) -> dict[str, Any]:
-    """Evaluate a model backend, or a policy ("oracle" | "random"), on `config.tasks`."""
+    """Evaluate a model backend, or a policy ("oracle" | "random"), on `config.tasks`. With a `journal`,
+    episodes an interrupted run finished (under `phase`, e.g. a checkpoint's step) are taken from it."""
     config.validate()
     if (model is None) == (policy is None):
         raise ValueError("give exactly one of a model or a policy")
@@ -287,9 +298,14 @@ def run(
                 writer.episode(task.name, ep)
 
         try:
-            logs = _episodes(task, checkout, specs, agent, config, on_done=report)
+            jr = {"journal": journal}
+            logs = _episodes(
+                task, checkout, specs, agent, config, on_done=report, phase=[*phase, "main"], **jr
+            )
             if config.best_of > 1:
-                samples = _samples(task, checkout, specs, logs, model, policy, suffix, config, log)
+                samples = _samples(
+                    task, checkout, specs, logs, model, policy, suffix, config, log, [*phase, "samples"], jr
+                )
                 head = {"n": config.best_of, "temperature": config.temperature, "top_p": config.top_p}
                 bon = doc.setdefault("best_of", head | {"tasks": {}, "episodes": []})
                 bon["tasks"][task.name] = best_of_metrics(
@@ -311,7 +327,7 @@ def run(
             writer.task(task.name, metrics)
         if config.perturbations and task.name == "alfworld":
             doc.setdefault("perturbation", {})[task.name] = _perturbed(
-                task, checkout, specs, agent, config, metrics, log
+                task, checkout, specs, agent, config, metrics, log, [*phase, "perturb"], journal
             )
     notes = [n for t in tasks for n in getattr(t, "notes", [])]
     if notes:
@@ -355,6 +371,8 @@ def _samples(
     suffix: str,
     config: RunConfig,
     log: Callable[[str], None],
+    phase: list[Any],
+    jr: dict[str, Any],
 ) -> list[EpisodeLog]:
     """`config.best_of` samples of every episode. A model decodes at the temperature and all samples of all
     episodes share the batched calls; the random policy draws sample k with its own seed (sample 0 = the
@@ -366,13 +384,14 @@ def _samples(
     elif model is not None:
         sampled = model.sampled(float(config.temperature or 0.0), config.top_p, config.seed)
         jobs = [dataclasses.replace(s, info={**s.info, "sample": k}) for k in range(n) for s in specs]
-        logs = _episodes(task, checkout, jobs, Agent(model=sampled, system_suffix=suffix), config)
+        agent = Agent(model=sampled, system_suffix=suffix)
+        logs = _episodes(task, checkout, jobs, agent, config, phase=phase, **jr)
         out = [dataclasses.replace(x, sample=j // len(specs)) for j, x in enumerate(logs)]
     else:
         out = []
         for k in range(n):
             agent = _agent(None, policy, config.seed, suffix, sample=k)
-            logs = _episodes(task, checkout, specs, agent, config)
+            logs = _episodes(task, checkout, specs, agent, config, phase=[*phase, k], **jr)
             out += [dataclasses.replace(x, sample=k) for x in logs]
     return out
 
@@ -395,6 +414,8 @@ def _perturbed(
     config: RunConfig,
     original: dict[str, Any],
     log: Callable[[str], None],
+    phase: list[Any],
+    journal: Journal | None,
 ) -> dict[str, Any]:
     """The task's episodes again under each reworded-action variant; Table 3's original/mean/std layout."""
     from agentrefine_jax.eval import perturb
@@ -410,7 +431,17 @@ def _perturbed(
 
         log(f"[agentboard] {task.name}: perturbation {k} ({rw.name})")
         wrap = lambda env, rw=rw: perturb.RewordedEnv(env, rw)  # noqa: E731
-        logs = _episodes(task, checkout, specs, agent, config, wrap_env=wrap, reword_prompt=reword)
+        logs = _episodes(
+            task,
+            checkout,
+            specs,
+            agent,
+            config,
+            wrap_env=wrap,
+            reword_prompt=reword,
+            phase=[*phase, k],
+            journal=journal,
+        )
         variants.append({"index": k, "name": rw.name} | task_metrics(logs))
     out: dict[str, Any] = {"variants": variants}
     for m in ("success_rate", "progress_rate"):
@@ -492,6 +523,7 @@ def run_checkpoints(
     checkpoints: Sequence[tuple[int, str]],
     make_model: Callable[[str], ModelBackend],
     log: Callable[[str], None] = print,
+    journal: Journal | None = None,
 ) -> dict[str, Any]:
     """Evaluate each kept checkpoint (the paper reports the epoch with the best average) and pick the best."""
     results = []
@@ -502,7 +534,7 @@ def run_checkpoints(
             step_cfg = dataclasses.replace(
                 config, log_dir=os.path.join(config.log_dir, f"step_{step}") if config.log_dir else None
             )
-            doc = run(checkout, step_cfg, model=model, log=log)
+            doc = run(checkout, step_cfg, model=model, log=log, journal=journal, phase=[f"step_{step}"])
         finally:
             model.close()
         results.append({"step": step, "checkpoint": path, "score": list(selection_score(doc)), "result": doc})

@@ -7,6 +7,7 @@ score, best so far, divided by 100 (a failed task reports -100 and counts as 0).
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 import threading
 from typing import Any
@@ -128,38 +129,72 @@ _CHOICE_RE = re.compile(r"^(\s*\d+:\s*)(.*)$", re.MULTILINE)
 
 
 class JVMPool:
-    """ScienceWorld servers are JVMs that take seconds to start; reuse them across episodes (both sources)."""
+    """ScienceWorld simulators, one fresh JVM per episode (both sources), the next one started in advance.
+
+    A simulator is never reused: `load` seeds Scala's global `Random` with the variation index, but the
+    first use of a class in a JVM (companion objects' initialisers: pictures, books, animals...) draws from
+    that same generator. On a JVM that already ran other episodes those draws are gone, so the same
+    task/variation shows other wandering bees or a thermometer one degree off. With a pool shared by the
+    episodes in flight, which JVM ran what depended on the batch size: runs were not reproducible.
+    AgentBoard runs every episode on one fresh JVM in file order; a fresh JVM per episode makes each
+    episode depend on its own seed only (the first episode equals AgentBoard's). `release` closes the JVM;
+    a spare is started in a background thread after each `acquire`, so an episode rarely waits for one.
+    """
 
     def __init__(self, step_limit: int):
         self.step_limit = step_limit
-        self._free: list[Any] = []
-        self._all: list[Any] = []
         self._lock = threading.Lock()
+        self._spare: concurrent.futures.Future[Any] | None = None
+        self._starter = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="sciworld-jvm"
+        )
+        self._open: list[Any] = []
+        self._closed = False
 
-    def acquire(self) -> Any:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
+    def _start(self) -> Any:
         from scienceworld import ScienceWorldEnv
 
         env = ScienceWorldEnv("", envStepLimit=self.step_limit)
         with self._lock:
-            self._all.append(env)
+            self._open.append(env)
+        return env
+
+    def acquire(self) -> Any:
+        with self._lock:
+            spare, self._spare = self._spare, None
+        env = spare.result() if spare is not None else self._start()
+        with self._lock:
+            if not self._closed:
+                self._spare = self._starter.submit(self._start)
         return env
 
     def release(self, env: Any) -> None:
         with self._lock:
-            self._free.append(env)
+            if env in self._open:
+                self._open.remove(env)
+        _close(env)
 
     def close(self) -> None:
         with self._lock:
-            for env in self._all:
-                try:
-                    env.close()
-                except Exception:  # noqa: BLE001 - best effort shutdown of a child JVM
-                    pass
-            self._all.clear()
-            self._free.clear()
+            self._closed = True
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            try:
+                spare.result()  # joined, then closed below with the rest
+            except Exception:  # noqa: BLE001 - a spare that failed to start has nothing to close
+                pass
+        self._starter.shutdown(wait=True)
+        with self._lock:
+            envs, self._open = self._open, []
+        for env in envs:
+            _close(env)
+
+
+def _close(env: Any) -> None:
+    try:
+        env.close()
+    except Exception:  # noqa: BLE001 - best effort shutdown of a child JVM
+        pass
 
 
 class SciWorldEnv(TextEnv):

@@ -245,7 +245,7 @@ class ALFWorldEnv:
         for i, pattern in enumerate(self.subgoals):
             if re.search(pattern, text):
                 self.flags[i] = 1
-        return StepResult(text, self.won, self.progress, valid)
+        return StepResult(text, self.won, self.progress, valid, action=action)
 
     def close(self) -> None:
         if self.env is not None:

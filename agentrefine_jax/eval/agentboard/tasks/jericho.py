@@ -92,12 +92,12 @@ class JerichoEnv:
         lowered = action.strip().lower()
         if "check" in lowered and "action" in lowered:
             text = "You can take the following actions: " + ", ".join(self.valid_actions())
-            return StepResult(text, self.done, self.progress, True)
+            return StepResult(text, self.done, self.progress, True, action=action)
         feedback, _, game_over, _ = self.env.step(action)
         text = clean_feedback(feedback)
         self.tracker.update(text)
         self.done = self.progress == 1 or bool(game_over)
-        return StepResult(text, self.done, self.progress, "[!" not in text)
+        return StepResult(text, self.done, self.progress, "[!" not in text, action=action)
 
     def walkthrough(self) -> list[str]:
         steps = self.env.get_walkthrough() if self.env.is_fully_supported else []

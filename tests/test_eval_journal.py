@@ -1,0 +1,160 @@
+"""An evaluation survives a kill: real `python -m agentrefine_jax.eval` processes killed (SIGKILL, SIGTERM)
+at a chosen episode by the fault hook, then rerun with the same command; the results equal an uninterrupted
+run's."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from agentrefine_jax.eval.journal import NAME_BYTES, Journal, journal_path
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# A cheap built-in task and a deterministic policy (the random policy draws from per-episode seeds).
+ARGS = [
+    "--policy",
+    "random",
+    "--tasks",
+    "babyai",
+    "--episodes",
+    "6",
+    "--max-steps",
+    "12",
+    "--batch-size",
+    "2",
+]
+
+
+def _eval(out: pathlib.Path, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("AGENTREFINE_FAULT", None)
+    if fault:
+        env["AGENTREFINE_FAULT"] = fault
+    return subprocess.run(
+        [sys.executable, "-m", "agentrefine_jax.eval", *ARGS, *extra, "--out", str(out)],
+        env=env,
+        cwd=out.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _timeless(x):
+    """The results without wall times (the only thing a resumed run may change)."""
+    if isinstance(x, dict):
+        return {k: _timeless(v) for k, v in x.items() if k != "seconds"}
+    if isinstance(x, list):
+        return [_timeless(v) for v in x]
+    return x
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("whole") / "r.json"
+    done = _eval(out)
+    assert done.returncode == 0, done.stderr
+    assert not os.path.exists(journal_path(str(out)))  # the results are written: the journal is gone
+    return _timeless(json.loads(out.read_text()))
+
+
+@pytest.mark.timeout(600)
+def test_sigkill_mid_run_then_rerun_equals_uninterrupted(tmp_path, uninterrupted):
+    out = tmp_path / "r.json"
+    killed = _eval(out, fault="after_episode@3:KILL")
+    assert killed.returncode == -signal.SIGKILL
+    assert not out.exists()  # --out only at the end
+    lines = pathlib.Path(journal_path(str(out))).read_text().splitlines()
+    assert len(lines) == 1 + 3 and json.loads(lines[0])["journal"].startswith("agentrefine_jax.eval/journal")
+
+    resumed = _eval(out)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming: 3 finished episodes" in resumed.stderr
+    assert resumed.stderr.count("babyai original episode") == 3  # only the other three ran
+    assert _timeless(json.loads(out.read_text())) == uninterrupted
+    assert not os.path.exists(journal_path(str(out)))
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_exits_75_keeping_finished_episodes(tmp_path, uninterrupted):
+    out = tmp_path / "r.json"
+    stopped = _eval(out, fault="after_episode@2:TERM")
+    assert stopped.returncode == 75
+    last = stopped.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "[eval] terminated (SIGTERM): 2 finished episodes kept in "
+    ) and "Traceback" not in (stopped.stderr)
+    assert not out.exists()
+    # Another command on the same --out is refused with one line, the journal untouched.
+    other = _eval(out, "--seed", "5")
+    assert other.returncode == 2 and other.stderr.count("\n") == 1
+    assert "different command or configuration" in other.stderr
+    assert len(pathlib.Path(journal_path(str(out))).read_text().splitlines()) == 3
+
+    resumed = _eval(out)
+    assert resumed.returncode == 0, resumed.stderr
+    assert _timeless(json.loads(out.read_text())) == uninterrupted
+
+
+def test_journal_name_is_bounded_and_a_cut_line_is_dropped(tmp_path):
+    long_out = str(tmp_path / ("r" * 245 + ".json"))  # a 250-character name
+    name = os.path.basename(journal_path(long_out))
+    assert len(name.encode()) <= NAME_BYTES + 40 and name.endswith(".journal.jsonl")
+    assert journal_path(str(tmp_path / ("r" * 244 + "x.json"))) != journal_path(long_out)
+    assert os.path.basename(journal_path(str(tmp_path / "r.json"))) == "r.json.journal.jsonl"
+
+    path = str(tmp_path / "j.jsonl")
+    j = Journal(path, {"a": 1})
+    j.append(["t", 0], {"x": 1})
+    j.append(["t", 1], {"x": 2})
+    j.close()
+    with open(path, "a") as f:
+        f.write('{"key": "[\\"t\\", 2]", "rec')  # a kill in the middle of a line
+    again = Journal(path, {"a": 1})
+    assert again.resumed == 2 and again.get(["t", 1]) == {"x": 2} and again.get(["t", 2]) is None
+    again.append(["t", 2], {"x": 3})
+    again.close()
+    assert Journal(path, {"a": 1}).resumed == 3
+
+
+def test_a_journal_write_failure_warns_once_and_the_run_goes_on(tmp_path):
+    """A full disk (here: the file-size limit, EFBIG) must not lose the evaluation."""
+    code = f"""
+import logging, resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+logging.basicConfig(stream=sys.stderr)
+from agentrefine_jax.eval.journal import Journal
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+j = Journal({str(tmp_path / "j.jsonl")!r}, {{"a": 1}})
+for i in range(20):
+    j.append(["t", i], {{"text": "x" * 1000}})
+assert len(j.records) == 20 and j.failed
+print("went on")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "went on"
+    assert done.stderr.count("cannot write the journal") == 1
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_exits_130_keeping_the_journal(tmp_path, uninterrupted):
+    out = tmp_path / "r.json"
+    stopped = _eval(out, fault="after_episode@2:INT")
+    assert stopped.returncode == 130 and "Traceback" not in stopped.stderr
+    assert len(pathlib.Path(journal_path(str(out))).read_text().splitlines()) == 1 + 2
+    resumed = _eval(out)
+    assert resumed.returncode == 0, resumed.stderr
+    assert _timeless(json.loads(out.read_text())) == uninterrupted
