@@ -185,30 +185,67 @@ def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Conf
 
 
 def apply_overrides(cfg: Config, overrides: typing.Sequence[str]) -> Config:
+    """Every `--set` parsed first, then each dataclass rebuilt once with all of its changes, so
+    fields checked together (heads 4->9 with kv-heads 2->3) can change together in any order. An
+    error names the key(s) it is about."""
+    tree: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         key, raw = item.split("=", 1)
-        cfg = _set_path(cfg, key.strip().split("."), raw, key)
-    return cfg
+        _plant(cfg, tree, key.strip().split("."), raw, key.strip())
+    return _rebuild(cfg, tree)
 
 
-def _set_path(obj: Any, parts: list[str], raw: str, full_key: str) -> Any:
+@dataclasses.dataclass
+class _Leaf:
+    value: Any
+    key: str
+    raw: str
+
+
+def _plant(obj: Any, tree: dict[str, Any], parts: list[str], raw: str, full_key: str) -> None:
+    """Parse one override into `tree` (field name -> _Leaf or sub-tree) against `obj`'s types."""
     if not dataclasses.is_dataclass(obj):
         raise ConfigKeyError(f"--set {full_key}: {type(obj).__name__} has no sub-fields")
-    fields = {f.name: f for f in dataclasses.fields(obj)}
+    fields = {f.name for f in dataclasses.fields(obj)}
     name = parts[0]
     if name not in fields:
         raise ConfigKeyError(f"--set {full_key}: unknown key {name!r}; choose from {sorted(fields)}")
-    hints = typing.get_type_hints(type(obj))
     if len(parts) == 1:
-        value = parse_value(raw, hints[name], full_key)
-    else:
-        value = _set_path(getattr(obj, name), parts[1:], raw, full_key)
+        hints = typing.get_type_hints(type(obj))
+        tree[name] = _Leaf(parse_value(raw, hints[name], full_key), full_key, raw)
+        return
+    sub = tree.get(name)
+    if isinstance(sub, _Leaf):  # a whole value set earlier, then one of its fields: edit that value
+        base = sub.value
+        tree[name] = sub = {"": base}
+    elif sub is None:
+        tree[name] = sub = {}
+    _plant(sub.get("", getattr(obj, name)), sub, parts[1:], raw, full_key)
+
+
+def _leaves(tree: dict[str, Any]) -> list[_Leaf]:
+    out: list[_Leaf] = []
+    for name, v in tree.items():
+        if name:
+            out.extend([v] if isinstance(v, _Leaf) else _leaves(v))
+    return out
+
+
+def _rebuild(obj: Any, tree: dict[str, Any]) -> Any:
+    obj = tree.get("", obj)
+    changes = {
+        name: v.value if isinstance(v, _Leaf) else _rebuild(getattr(obj, name), v)
+        for name, v in tree.items()
+        if name
+    }
     try:
-        return dataclasses.replace(obj, **{name: value})
+        return dataclasses.replace(obj, **changes)
     except (ValueError, TypeError) as e:  # a dataclass's own __post_init__ check (ModelConfig)
-        raise ConfigError(f"--set {full_key}={raw}: {e}") from None
+        leaves = _leaves(tree)
+        named = [x for x in leaves if x.key.rsplit(".", 1)[-1] in str(e)] or leaves
+        raise ConfigError(f"--set {' '.join(f'{x.key}={x.raw}' for x in named)}: {e}") from None
 
 
 def parse_value(raw: str, tp: Any, key: str = "") -> Any:
