@@ -204,3 +204,52 @@ def hf_logits(
 
 def random_ids(rng: np.random.Generator, vocab_size: int, *shape: int) -> np.ndarray:
     return rng.integers(0, vocab_size, size=shape, dtype=np.int64)
+
+
+# ChatML, as SmolLM2 / Qwen ship it (written here): what a directory's own template looks like.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def chatml_llama_dir(out: str | pathlib.Path, texts: list[str], **config_overrides: Any) -> pathlib.Path:
+    """A tiny random Llama with its own byte-level BPE tokenizer (trained on `texts`, specials
+    <|endoftext|> 0, <|im_start|> 1, <|im_end|> 2) and ChatML `chat_template.jinja`; bos 1, eos 2,
+    pad 0 and a context of 8192, as SmolLM2-Instruct: none of them the tiny preset's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    out = pathlib.Path(out)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(texts, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(out)
+    kw: dict[str, Any] = dict(
+        vocab_size=len(fast),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    kw.update(config_overrides)
+    save_checkpoint(build_model(llama_config(**kw), seed=3), out)
+    return out

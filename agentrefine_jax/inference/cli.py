@@ -2,8 +2,9 @@
 
     python -m agentrefine_jax.inference generate --checkpoint CKPT --prompt-ids 1,2,3 --max-new-tokens 16
         -> prints the generated ids as a JSON list (one line per --prompt-ids, batched)
-    python -m agentrefine_jax.inference generate --checkpoint CKPT --prompt "Hello" --template llama3
-        -> prints the assistant reply (the prompt is built with the training chat template)
+    python -m agentrefine_jax.inference generate --checkpoint CKPT --prompt "Hello"
+        -> prints the assistant reply (the prompt is built with the checkpoint's chat template:
+           the training run's, or an HF directory's own)
     python -m agentrefine_jax.inference serve --checkpoint CKPT --port 8000
         -> an OpenAI-compatible /v1/chat/completions server (see inference/server.py)
 
@@ -27,7 +28,7 @@ from agentrefine_jax.cli_errors import OneLineParser, fail, float_in, int_in
 from agentrefine_jax.inference.chat import ChatGenerator
 from agentrefine_jax.inference.engine import generate
 from agentrefine_jax.inference.http_server import ServerLimits
-from agentrefine_jax.inference.loading import load_for_inference
+from agentrefine_jax.inference.loading import check_chat_names, load_for_inference
 from agentrefine_jax.inference.server import ChatService, make_server
 from agentrefine_jax.models.llama import param_count
 
@@ -116,6 +117,8 @@ def _messages(args: argparse.Namespace) -> list[dict[str, Any]]:
 def run_generate(args: argparse.Namespace) -> int:
     temperature = _temperature(args)
     t0 = time.perf_counter()
+    if args.prompt_ids is None:  # chat mode: refuse a missing template before the weights load
+        check_chat_names(args.checkpoint, args.template, args.tokenizer)
     loaded = load_for_inference(args.checkpoint, dtype=args.dtype)
     log.info(
         f"loaded {args.checkpoint} ({loaded.source}, {param_count(loaded.model) / 1e6:.2f}M params, "

@@ -457,10 +457,13 @@ def check_init_from_hf(cfg: Config) -> None:
         raise TrainingInputError(f"{where}: {e}") from None
     bad = [
         f"{f}: config {getattr(cfg.model, f)!r} vs checkpoint {getattr(hf_cfg, f)!r}"
-        for f in cfg.model.architecture_diff(hf_cfg)
+        for f in cfg.model.hf_diff(hf_cfg)
     ]
     if bad:
-        raise TrainingInputError(f"{where} does not match model config: {bad}")
+        raise TrainingInputError(
+            f"{where} does not match model config: {bad} "
+            "(train.model_source=init_from_hf takes the model from the directory)"
+        )
     if cfg.data.max_length > hf_cfg.max_position_embeddings:
         raise TrainingInputError(
             f"data.max_length={cfg.data.max_length} exceeds the context of {where} "
