@@ -152,6 +152,8 @@ class Config:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    # The `--set key=value` items this config was loaded with (a record; not itself settable).
+    overrides: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------------------- loading
@@ -187,9 +189,9 @@ def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Conf
         raise ConfigError(f"config file {path} failed: {type(e).__name__}: {e}") from e
     if not isinstance(cfg, Config):
         raise ConfigError(f"{path}: config() returned {type(cfg).__name__}, expected Config")
-    cfg = validate(apply_overrides(cfg, overrides))
-    cfg = absolute_paths(cfg)
-    return validate(model_from_source(cfg, [o.split("=", 1)[0].strip() for o in overrides]))
+    cfg = absolute_paths(validate(apply_overrides(cfg, overrides)))
+    # Recorded: train.model_source (hf/model_source.py) holds these keys against the HF directory.
+    return dataclasses.replace(cfg, overrides=tuple(overrides))
 
 
 # Names `data.tokenizer` resolves without a directory (data/tokenizers.py).
@@ -204,69 +206,24 @@ def _absolute(p: str) -> str:
     return str(pathlib.Path(p).expanduser().resolve())
 
 
+def _absolute_all(files: Any) -> Any:
+    """A list of paths, or one name given where a list belongs (accepted as such by the loader)."""
+    return _absolute(files) if isinstance(files, str) else tuple(map(_absolute, files))
+
+
 def absolute_paths(cfg: Config) -> Config:
     """The paths a run records (training files, tokenizer, init_from_hf) as absolute paths."""
     d, t = cfg.data, cfg.train
     tokenizer = d.tokenizer if d.tokenizer in VENDOR_TOKENIZERS else _absolute(d.tokenizer)
     data = dataclasses.replace(
         d,
-        train_files=tuple(map(_absolute, d.train_files)),
-        eval_files=tuple(map(_absolute, d.eval_files)),
-        general_files=tuple(map(_absolute, d.general_files)),
+        train_files=_absolute_all(d.train_files),
+        eval_files=_absolute_all(d.eval_files),
+        general_files=_absolute_all(d.general_files),
         tokenizer=tokenizer,
     )
     train = dataclasses.replace(t, init_from_hf=t.init_from_hf and _absolute(t.init_from_hf))
     return dataclasses.replace(cfg, data=data, train=train)
-
-
-def hf_chat_template(hf_dir: str | pathlib.Path) -> bool:
-    """Whether an HF directory ships a chat template (chat_template.jinja or tokenizer_config.json)."""
-    d = pathlib.Path(hf_dir)
-    if (d / "chat_template.jinja").is_file():
-        return True
-    try:
-        return bool(json.loads((d / "tokenizer_config.json").read_text()).get("chat_template"))
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def model_from_source(cfg: Config, set_keys: typing.Sequence[str]) -> Config:
-    """`train.model_source`: the model from init_from_hf's config.json where it says so.
-
-    The execution fields (dtypes, kernels, layout) stay the config's. A `--set model.*` that
-    contradicts the directory is refused naming the field; `data.tokenizer` / `data.template` not
-    set on the command line follow the directory when it ships a tokenizer / chat template.
-    """
-    source, hf_dir = cfg.train.model_source, cfg.train.init_from_hf
-    if source == "auto":
-        source = "init_from_hf" if hf_dir else "config"
-    if source == "config":
-        return cfg
-    if not hf_dir:
-        raise ConfigError("train.model_source=init_from_hf needs train.init_from_hf=DIR")
-    from agentrefine_jax.hf.io import read_hf_config  # jax: only for runs that start from HF
-    from agentrefine_jax.models.config import HF_FIELDS, same_value
-
-    try:
-        hf = read_hf_config(hf_dir)
-    except (ValueError, OSError):
-        return cfg  # the trainer's full check of the directory reports it in one line
-    for key in set_keys:
-        parts = key.split(".")
-        if parts[0] == "model" and len(parts) > 1 and parts[1] in HF_FIELDS:
-            ours, theirs = getattr(cfg.model, parts[1]), getattr(hf, parts[1])
-            if not same_value(ours, theirs):
-                raise ConfigError(
-                    f"--set model.{parts[1]}={ours!r} contradicts train.init_from_hf={hf_dir} "
-                    f"({parts[1]}={theirs!r}); drop it or set train.model_source=config"
-                )
-    model = dataclasses.replace(cfg.model, **{f: getattr(hf, f) for f in HF_FIELDS})
-    data = cfg.data
-    if "data.tokenizer" not in set_keys and (pathlib.Path(hf_dir) / "tokenizer.json").is_file():
-        data = dataclasses.replace(data, tokenizer=hf_dir)
-    if "data.template" not in set_keys and hf_chat_template(hf_dir):
-        data = dataclasses.replace(data, template="hf")
-    return dataclasses.replace(cfg, model=model, data=data)
 
 
 def apply_overrides(cfg: Config, overrides: typing.Sequence[str]) -> Config:
@@ -293,7 +250,7 @@ def _plant(obj: Any, tree: dict[str, Any], parts: list[str], raw: str, full_key:
     """Parse one override into `tree` (field name -> _Leaf or sub-tree) against `obj`'s types."""
     if not dataclasses.is_dataclass(obj):
         raise ConfigKeyError(f"--set {full_key}: {type(obj).__name__} has no sub-fields")
-    fields = {f.name for f in dataclasses.fields(obj)}
+    fields = {f.name for f in dataclasses.fields(obj)} - ({"overrides"} if isinstance(obj, Config) else set())
     name = parts[0]
     if name not in fields:
         raise ConfigKeyError(f"--set {full_key}: unknown key {name!r}; choose from {sorted(fields)}")

@@ -14,12 +14,18 @@ import sys
 import pytest
 from hf_fixtures import chatml_llama_dir
 
-from agentrefine_jax.config import load_config
+from agentrefine_jax.config import load_config as _load
 from agentrefine_jax.config_checks import ConfigError
+from agentrefine_jax.hf import model_source
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DEMO = REPO / "agentrefine_jax" / "data" / "demo" / "train.jsonl"
 CONVERSATIONS = [json.loads(line)["messages"] for line in DEMO.read_text().splitlines()[:8]]
+
+
+def load_config(name: str, overrides: list[str]):
+    """As the train CLI loads a config: load, then resolve train.model_source."""
+    return model_source.resolve(_load(name, overrides))
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec
 from agentrefine_jax import sharding as shd
 from agentrefine_jax.models import cpu_layout
 from agentrefine_jax.models.config import ModelConfig
+from agentrefine_jax.sharding import mesh_platform
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # The splash kernel's key blocks must be multiples of the TPU lane width.
@@ -47,15 +48,6 @@ def attention_mask(
 
 
 # ----------------------------------------------------------------------------- choice
-
-
-def mesh_platform() -> str:
-    """Platform of the devices the current trace targets: the active mesh's, else the default's."""
-    ctx = shd.current()
-    devices = getattr(ctx.mesh, "devices", None) if ctx is not None else None
-    if devices is not None and getattr(devices, "size", 0):
-        return devices.flat[0].platform
-    return jax.devices()[0].platform
 
 
 def resolve(cfg: ModelConfig, platform: str | None = None) -> str:

@@ -11,6 +11,8 @@ import dataclasses
 import struct
 from typing import Literal
 
+from agentrefine_jax.models import families
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -71,8 +73,6 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        from agentrefine_jax.models import families  # the table imports this module
-
         families.get(self.family)  # ValueError naming the supported families
         if self.num_heads % self.num_kv_heads:
             raise ValueError(

@@ -72,9 +72,11 @@ def layer_forward(
     kv: tuple[jax.Array, jax.Array] | None,
     index: jax.Array | None,
     lora_spec: lora.LoraSpec | None = None,
+    mlp_chunk: int = 0,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """One decoder layer on per-layer weights `p` (a slice of DecoderLayers); with `lora_spec`,
-    `p["lora"]` holds this layer's adapters and `p["lora_key"]` (optional) its dropout key."""
+    `p["lora"]` holds this layer's adapters and `p["lora_key"]` (optional) its dropout key.
+    `mlp_chunk`: the MLP's sequence chunk in a full-sequence pass (0 = whole; `forward` decides)."""
     dt = jnp.dtype(cfg.dtype)
     flat = kv is None and cpu_layout.active(cfg)
     proj_in = cpu_layout.project_in if flat else _project_in
@@ -115,9 +117,8 @@ def layer_forward(
         act = constrain(jax.nn.silu(gate) * up, ("batch", "activation_seq", "activation_mlp"))
         return proj(proj_out, act, "w_down")
 
-    # Dropout draws one mask per call, so a LoRA layer with dropout keeps the whole sequence.
-    chunked = kv is None and not flat and "lora_key" not in p
-    x = x + (mlp_in_chunks(mlp, h, cfg.mlp_chunk_size) if chunked else mlp(h))
+    chunked = kv is None and not flat
+    x = x + (mlp_in_chunks(mlp, h, mlp_chunk) if chunked else mlp(h))
     return constrain(x, ("batch", "activation_seq", "activation_embed")), new_kv
 
 
@@ -214,16 +215,19 @@ class Transformer(nnx.Module):
             k_pos = jax.lax.dynamic_update_slice_in_dim(cache["positions"], positions, index, axis=1)
 
         weights: dict[str, Any] = {name: getattr(self.layers, name)[...] for name in params.layer_names(cfg)}
-        spec = None
+        spec, key = None, None
         if adapters is not None:
             spec, weights["lora"], key = adapters
-            if key is not None and spec.dropout > 0:
-                weights["lora_key"] = jax.random.split(key, cfg.num_layers)
+        dropout_keys = lora.dropout_keys(spec, key, cfg.num_layers)
+        # Dropout draws one mask per call, so a layer that draws it runs its MLP unchunked.
+        mlp_chunk = cfg.mlp_chunk_size if dropout_keys is None else 0
+        if dropout_keys is not None:
+            weights["lora_key"] = dropout_keys
 
         def body(carry: jax.Array, xs: tuple[dict[str, jax.Array], Any]) -> tuple[jax.Array, Any]:
             p, kv = xs
             return layer_forward(
-                cfg, p, carry, sin, cos, segment_ids, positions, k_seg, k_pos, kv, index, spec
+                cfg, p, carry, sin, cos, segment_ids, positions, k_seg, k_pos, kv, index, spec, mlp_chunk
             )
 
         # The CPU layout unrolls the layers (models/cpu_layout.py); decoding keeps the scan unless

@@ -28,7 +28,9 @@ from agentrefine_jax.checkpoint import (
     restore_train_state,
 )
 from agentrefine_jax.config import Config
+from agentrefine_jax.config_checks import ConfigError
 from agentrefine_jax.data.packing import BATCH_KEYS
+from agentrefine_jax.hf import model_source
 from agentrefine_jax.paths import as_path, join
 from agentrefine_jax.train import flops
 from agentrefine_jax.train.hooks import Checkpointing, Evaluate, ExportAtEnd, Hook, MetricsLog, RunState
@@ -188,6 +190,10 @@ def run_steps(
 def train(cfg: Config) -> dict[str, Any]:
     """Run (or resume) training; returns a summary with the final step and losses.
     Holds the run directory's lock throughout (RunDirInUse when another trainer has it)."""
+    try:
+        cfg = model_source.resolve(cfg)  # the train CLI did; callers of train() may not have
+    except ConfigError as e:
+        raise TrainingInputError(str(e)) from None
     paths = RunPaths(cfg.train.run_dir)
     with RunLock(paths.root, take=jax.process_index() == 0):
         return _train(cfg, paths)
