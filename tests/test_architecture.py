@@ -9,9 +9,9 @@
 * model-parameter names only in the parameter table (models/params.py);
 * no function over 120 lines, and `train/step.py:build_steps` at most 80;
 * LoRA / int8 decided in one place: a test (`if`, `while`, conditional expression, filter,
-  every operand of a short-circuit `and`/`or`) that names LoRA, int8 or quantisation only in the parameter mode
-  (train/param_mode.py) and the few homes listed in MODE_BRANCH_HOMES, each with its reason; the
-  trainer's loop and step, loaders, inference and eval read straight through.
+  every operand of a short-circuit `and`/`or`) that names LoRA, int8 or quantisation only in the
+  parameter mode (train/param_mode.py) and the few homes listed in MODE_BRANCH_HOMES, each with
+  its reason; the trainer's loop and step, loaders, inference and eval read straight through.
 
 Every import counts, including the lazy ones inside functions: they are dependencies too.
 The checkers are also run on a small synthetic package with a deliberate upward import, circle
