@@ -30,6 +30,7 @@ from agentrefine_jax.inference.engine import generate
 from agentrefine_jax.inference.http_server import ServerLimits
 from agentrefine_jax.inference.loading import check_chat_names, load_for_inference
 from agentrefine_jax.inference.server import ChatService, make_server
+from agentrefine_jax.models.config import DTYPES
 from agentrefine_jax.models.llama import param_count
 
 PROG = "python -m agentrefine_jax.inference"
@@ -90,7 +91,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
         "--stop-ids", type=_ids, help="ids that end a row (ids mode; default: the model's eos)"
     )
     stops.add_argument("--no-stop-ids", action="store_true", help="never stop before --max-new-tokens")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="override the compute dtype")
+    p.add_argument("--dtype", choices=DTYPES, help="override the compute dtype")
     p.add_argument("--json", action="store_true", help="chat mode: print a JSON object instead of the text")
 
 
@@ -189,7 +190,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", help="the model id clients must send (default: checkpoint dir name)")
     p.add_argument("--template", help="chat template (default: the checkpoint's)")
     p.add_argument("--tokenizer", help="tokenizer name or dir (default: the checkpoint's)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="override the compute dtype")
+    p.add_argument("--dtype", choices=DTYPES, help="override the compute dtype")
     p.add_argument(
         "--default-max-tokens", type=int_in(1), default=512, help="when a request sets no max_tokens"
     )

@@ -79,7 +79,7 @@ class ModelConfig:
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
             )
         for name in ("param_dtype", "dtype"):
-            if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+            if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name} must be float32, bfloat16 or float16, got {getattr(self, name)!r}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
@@ -163,6 +163,8 @@ NOT_ARCHITECTURE = EXECUTION_FIELDS | {
 HF_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in EXECUTION_FIELDS)
 
 
+# The floating-point dtypes a model may store or compute in: the one list (config checks, CLIs).
+DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_attn_out")
 ATTENTION_IMPLS = ("auto", "xla", "splash", "cudnn")
 
