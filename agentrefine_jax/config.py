@@ -134,7 +134,7 @@ class TrainConfig:
     # config's `model`, which init_from_hf must then match field for field; "init_from_hf" =
     # init_from_hf's config.json through the family table (`--set model.*` must agree with it;
     # the directory's tokenizer and chat template become data.tokenizer/template unless set);
-    # "auto" = init_from_hf when it is set, else the config. See docs/training.md.
+    # "auto" = init_from_hf when it is set, else the config. See docs/export.md.
     model_source: typing.Literal["auto", "config", "init_from_hf"] = "config"
     # Export a Hugging Face directory when training ends (a relative path is inside run_dir).
     export_hf_at_end: str | None = None

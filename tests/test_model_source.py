@@ -1,4 +1,4 @@
-"""`train.init_from_hf=DIR` and nothing else about the model (`train.model_source`, docs/training.md):
+"""`train.init_from_hf=DIR` and nothing else about the model (`train.model_source`, docs/export.md):
 the architecture, special tokens, context, tokenizer and chat template all come from DIR; a `--set`
 that contradicts DIR is refused naming the field; the run's paths are absolute, so it loads from
 another working directory; its export carries DIR's special tokens and context."""
