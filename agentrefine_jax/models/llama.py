@@ -19,7 +19,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from agentrefine_jax.models import cpu_layout, lora, params, quant, rope
-from agentrefine_jax.models.attention import attend
+from agentrefine_jax.models.attention import Segments, attend
 from agentrefine_jax.models.config import ModelConfig
 from agentrefine_jax.sharding import constrain
 
@@ -65,10 +65,7 @@ def layer_forward(
     x: jax.Array,
     sin: jax.Array,
     cos: jax.Array,
-    q_seg: jax.Array,
-    q_pos: jax.Array,
-    k_seg: jax.Array,
-    k_pos: jax.Array,
+    seg: Segments,
     kv: tuple[jax.Array, jax.Array] | None,
     index: jax.Array | None,
     lora_spec: lora.LoraSpec | None = None,
@@ -105,7 +102,7 @@ def layer_forward(
         v_cache = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), index, axis=1)
         new_kv = (k_cache, v_cache)
         k, v = k_cache.astype(dt), v_cache.astype(dt)
-    attn = attend(cfg, q, k, v, q_seg, q_pos, k_seg, k_pos, cached=kv is not None)
+    attn = attend(cfg, q, k, v, seg, cached=kv is not None)
     attn = checkpoint_name(attn, "attn_out")
     x = x + proj(proj_out, attn, "wo")
     x = constrain(x, ("batch", "activation_seq", "activation_embed"))
@@ -214,6 +211,7 @@ class Transformer(nnx.Module):
             k_seg = jax.lax.dynamic_update_slice_in_dim(cache["segment_ids"], segment_ids, index, axis=1)
             k_pos = jax.lax.dynamic_update_slice_in_dim(cache["positions"], positions, index, axis=1)
 
+        seg = Segments(segment_ids, positions, k_seg, k_pos)
         weights: dict[str, Any] = {name: getattr(self.layers, name)[...] for name in params.layer_names(cfg)}
         spec, key = None, None
         if adapters is not None:
@@ -226,9 +224,7 @@ class Transformer(nnx.Module):
 
         def body(carry: jax.Array, xs: tuple[dict[str, jax.Array], Any]) -> tuple[jax.Array, Any]:
             p, kv = xs
-            return layer_forward(
-                cfg, p, carry, sin, cos, segment_ids, positions, k_seg, k_pos, kv, index, spec, mlp_chunk
-            )
+            return layer_forward(cfg, p, carry, sin, cos, seg, kv, index, spec, mlp_chunk)
 
         # The CPU layout unrolls the layers (models/cpu_layout.py); decoding keeps the scan unless
         # the cache comes as one array per layer (see `unstack_cache`).
