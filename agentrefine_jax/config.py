@@ -130,6 +130,12 @@ class TrainConfig:
     loss_impl: typing.Literal["auto", "fused", "remat"] = "auto"
     seed: int = 0
     init_from_hf: str | None = None
+    # Where the model (architecture, special tokens, context length) comes from: "config" = the
+    # config's `model`, which init_from_hf must then match field for field; "init_from_hf" =
+    # init_from_hf's config.json through the family table (`--set model.*` must agree with it;
+    # the directory's tokenizer and chat template become data.tokenizer/template unless set);
+    # "auto" = init_from_hf when it is set, else the config. See docs/export.md.
+    model_source: typing.Literal["auto", "config", "init_from_hf"] = "config"
     # Export a Hugging Face directory when training ends (a relative path is inside run_dir).
     export_hf_at_end: str | None = None
     # "auto": the dtype init_from_hf weights came in, else model.param_dtype; or float32/bfloat16/float16.
@@ -146,6 +152,8 @@ class Config:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    # The `--set key=value` items this config was loaded with (a record; not itself settable).
+    overrides: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------------------- loading
@@ -181,34 +189,105 @@ def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Conf
         raise ConfigError(f"config file {path} failed: {type(e).__name__}: {e}") from e
     if not isinstance(cfg, Config):
         raise ConfigError(f"{path}: config() returned {type(cfg).__name__}, expected Config")
-    return validate(apply_overrides(cfg, overrides))
+    cfg = absolute_paths(validate(apply_overrides(cfg, overrides)))
+    # Recorded: train.model_source (hf/model_source.py) holds these keys against the HF directory.
+    return dataclasses.replace(cfg, overrides=tuple(overrides))
+
+
+# Names `data.tokenizer` resolves without a directory (data/tokenizers.py).
+VENDOR_TOKENIZERS = ("llama3", "mistral")
+
+
+def _absolute(p: str) -> str:
+    """A local path that exists, made absolute (a run then loads from any working directory);
+    URLs, `datasets` names and vendor names are kept as they are."""
+    if not p or "://" in p or not pathlib.Path(p).expanduser().exists():
+        return p
+    return str(pathlib.Path(p).expanduser().resolve())
+
+
+def _absolute_all(files: Any) -> Any:
+    """A list of paths, or one name given where a list belongs (accepted as such by the loader)."""
+    return _absolute(files) if isinstance(files, str) else tuple(map(_absolute, files))
+
+
+def absolute_paths(cfg: Config) -> Config:
+    """The paths a run records (training files, tokenizer, init_from_hf) as absolute paths."""
+    d, t = cfg.data, cfg.train
+    tokenizer = d.tokenizer if d.tokenizer in VENDOR_TOKENIZERS else _absolute(d.tokenizer)
+    data = dataclasses.replace(
+        d,
+        train_files=_absolute_all(d.train_files),
+        eval_files=_absolute_all(d.eval_files),
+        general_files=_absolute_all(d.general_files),
+        tokenizer=tokenizer,
+    )
+    train = dataclasses.replace(t, init_from_hf=t.init_from_hf and _absolute(t.init_from_hf))
+    return dataclasses.replace(cfg, data=data, train=train)
 
 
 def apply_overrides(cfg: Config, overrides: typing.Sequence[str]) -> Config:
+    """Every `--set` parsed first, then each dataclass rebuilt once with all of its changes, so
+    fields checked together (heads 4->9 with kv-heads 2->3) can change together in any order. An
+    error names the key(s) it is about."""
+    tree: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         key, raw = item.split("=", 1)
-        cfg = _set_path(cfg, key.strip().split("."), raw, key)
-    return cfg
+        _plant(cfg, tree, key.strip().split("."), raw, key.strip())
+    return _rebuild(cfg, tree)
 
 
-def _set_path(obj: Any, parts: list[str], raw: str, full_key: str) -> Any:
+@dataclasses.dataclass
+class _Leaf:
+    value: Any
+    key: str
+    raw: str
+
+
+def _plant(obj: Any, tree: dict[str, Any], parts: list[str], raw: str, full_key: str) -> None:
+    """Parse one override into `tree` (field name -> _Leaf or sub-tree) against `obj`'s types."""
     if not dataclasses.is_dataclass(obj):
         raise ConfigKeyError(f"--set {full_key}: {type(obj).__name__} has no sub-fields")
-    fields = {f.name: f for f in dataclasses.fields(obj)}
+    fields = {f.name for f in dataclasses.fields(obj)} - ({"overrides"} if isinstance(obj, Config) else set())
     name = parts[0]
     if name not in fields:
         raise ConfigKeyError(f"--set {full_key}: unknown key {name!r}; choose from {sorted(fields)}")
-    hints = typing.get_type_hints(type(obj))
     if len(parts) == 1:
-        value = parse_value(raw, hints[name], full_key)
-    else:
-        value = _set_path(getattr(obj, name), parts[1:], raw, full_key)
+        hints = typing.get_type_hints(type(obj))
+        tree[name] = _Leaf(parse_value(raw, hints[name], full_key), full_key, raw)
+        return
+    sub = tree.get(name)
+    if isinstance(sub, _Leaf):  # a whole value set earlier, then one of its fields: edit that value
+        base = sub.value
+        tree[name] = sub = {"": base}
+    elif sub is None:
+        tree[name] = sub = {}
+    _plant(sub.get("", getattr(obj, name)), sub, parts[1:], raw, full_key)
+
+
+def _leaves(tree: dict[str, Any]) -> list[_Leaf]:
+    out: list[_Leaf] = []
+    for name, v in tree.items():
+        if name:
+            out.extend([v] if isinstance(v, _Leaf) else _leaves(v))
+    return out
+
+
+def _rebuild(obj: Any, tree: dict[str, Any]) -> Any:
+    obj = tree.get("", obj)
+    changes = {
+        name: v.value if isinstance(v, _Leaf) else _rebuild(getattr(obj, name), v)
+        for name, v in tree.items()
+        if name
+    }
     try:
-        return dataclasses.replace(obj, **{name: value})
+        return dataclasses.replace(obj, **changes)
     except (ValueError, TypeError) as e:  # a dataclass's own __post_init__ check (ModelConfig)
-        raise ConfigError(f"--set {full_key}={raw}: {e}") from None
+        leaves = _leaves(tree)
+        named = [x for x in leaves if x.key.rsplit(".", 1)[-1] in str(e)] or leaves
+        raise ConfigError(f"--set {' '.join(f'{x.key}={x.raw}' for x in named)}: {e}") from None
 
 
 def parse_value(raw: str, tp: Any, key: str = "") -> Any:

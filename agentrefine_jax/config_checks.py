@@ -86,7 +86,6 @@ def optional(check: Check) -> Check:
 
 
 MESH_SIZE = Check(lambda v: v == -1 or (_number(v) and v >= 1), "must be -1 (all remaining devices) or >= 1")
-DTYPES = ("float32", "bfloat16", "float16")
 # Closed sets owned by modules too heavy to import here (transformers); tests/test_config.py
 # asserts they equal the owners' constants so the two cannot drift apart.
 TEMPLATES = ("llama3", "mistral", "hf")
@@ -114,8 +113,8 @@ RULES: dict[str, Check | Callable[[], Check]] = {
     "model.max_position_embeddings": at_least(1),
     "model.sliding_window": optional(at_least(1)),
     "model.initializer_range": greater_than(0),
-    "model.param_dtype": one_of(*DTYPES),
-    "model.dtype": one_of(*DTYPES),
+    "model.param_dtype": lambda: one_of(*_dtypes()),
+    "model.dtype": lambda: one_of(*_dtypes()),
     "model.attention_block_size": at_least(0),
     "model.mlp_chunk_size": at_least(0),
     # data
@@ -158,7 +157,7 @@ RULES: dict[str, Check | Callable[[], Check]] = {
     "train.keep_checkpoints": at_least(1),
     "train.loss_chunk_size": at_least(1),
     # "auto": the dtype the checkpoint was imported from, else the parameter dtype.
-    "train.export_dtype": one_of("auto", *DTYPES),
+    "train.export_dtype": lambda: one_of("auto", *_dtypes()),
     "train.peak_flops_per_device": at_least(0),
     "train.lora.rank": at_least(0),
     "train.lora.alpha": greater_than(0),
@@ -166,6 +165,18 @@ RULES: dict[str, Check | Callable[[], Check]] = {
     "train.lora.targets": lambda: subset_of(*_lora_targets()),
     "train.lora.base_dtype": lambda: one_of(*_lora_base_dtypes()),
 }
+
+
+def _dtypes() -> tuple[str, ...]:
+    from agentrefine_jax.models.config import DTYPES  # the one list; importing models loads jax
+
+    return DTYPES
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":  # config_checks.DTYPES, read from its owner on first use
+        return _dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _lora_targets() -> tuple[str, ...]:

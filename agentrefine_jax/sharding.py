@@ -136,6 +136,16 @@ def current() -> ShardingContext | None:
     return _CONTEXT.get()
 
 
+def mesh_platform() -> str:
+    """Platform of the devices the current trace targets: the active mesh's, else the default's
+    (an ahead-of-time compile for a TPU slice on a CPU host targets "tpu")."""
+    ctx = current()
+    devices = getattr(ctx.mesh, "devices", None) if ctx is not None else None
+    if devices is not None and getattr(devices, "size", 0):
+        return devices.flat[0].platform
+    return jax.devices()[0].platform
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Sharding hint for an activation; a no-op outside `use_sharding`."""
     ctx = _CONTEXT.get()

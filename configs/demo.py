@@ -36,5 +36,7 @@ def config() -> Config:
             loss_chunk_size=128,
             export_hf_at_end="hf",
             export_dtype="float32",
+            # With train.init_from_hf=DIR the model, tokenizer and chat template are DIR's.
+            model_source="auto",
         ),
     )

@@ -306,21 +306,27 @@ def demo_conversations(n: int = 6) -> list[list[dict[str, Any]]]:
     return [json.loads(line)["messages"] for line in DEMO.read_text().splitlines()[:n]]
 
 
-def chatml_tokenizer(out: pathlib.Path) -> transformers.PreTrainedTokenizerFast:
-    """A small byte-level BPE (500 ids) trained on the demo conversations, with ChatML specials and
-    template, saved into `out` (tokenizer.json, tokenizer_config.json, chat_template)."""
+def chatml_tokenizer(
+    out: pathlib.Path, texts: list[str] | None = None, vocab_size: int = 500, bos: str | None = None
+) -> transformers.PreTrainedTokenizerFast:
+    """A small byte-level BPE trained on `texts` (default: the demo conversations), with ChatML
+    specials (<|endoftext|> 0, <|im_start|> 1, <|im_end|> 2) and template, saved into `out`
+    (tokenizer.json, tokenizer_config.json, chat_template)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    texts = [m["content"] for c in demo_conversations() for m in c]
+    if texts is None:
+        texts = [m["content"] for c in demo_conversations() for m in c]
     trainer = trainers.BpeTrainer(
-        vocab_size=500, special_tokens=CHATML_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size,
+        special_tokens=CHATML_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(texts, trainer)
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+        tokenizer_object=tok, bos_token=bos, eos_token="<|im_end|>", pad_token="<|endoftext|>"
     )
     fast.chat_template = CHATML_TEMPLATE
     fast.save_pretrained(out)
@@ -393,3 +399,29 @@ def train_from_hf(
     return subprocess.run(
         cmd + [a for s in every for a in ("--set", s)], capture_output=True, text=True, timeout=timeout
     )
+
+
+def chatml_llama_dir(out: str | pathlib.Path, texts: list[str], **config_overrides: Any) -> pathlib.Path:
+    """A tiny random Llama with its own byte-level BPE tokenizer (trained on `texts`, specials
+    <|endoftext|> 0, <|im_start|> 1, <|im_end|> 2) and ChatML `chat_template.jinja`; bos 1, eos 2,
+    pad 0 and a context of 8192, as SmolLM2-Instruct: none of them the tiny preset's."""
+    out = pathlib.Path(out)
+    fast = chatml_tokenizer(out, texts, vocab_size=400, bos="<|im_start|>")
+    kw: dict[str, Any] = dict(
+        vocab_size=len(fast),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    kw.update(config_overrides)
+    save_checkpoint(build_model(llama_config(**kw), seed=3), out)
+    return out

@@ -1,6 +1,7 @@
 """The house rules of docs/architecture.md, checked on the package's own source (ast, no imports):
 
-* no import circle between the package's units (a stage package or a top-level module);
+* no import circle between the package's units (a stage package or a top-level module), nor
+  between its files (inside one package too: relative, lazy and type-only imports count);
 * no import from a later layer into an earlier one (the layer order is read from
   docs/architecture.md, so the document and the code cannot disagree);
 * `print`, `sys.exit` and `argparse` only in CLI modules (`cli.py`, `__main__.py`, and the shared
@@ -8,13 +9,14 @@
 * model-parameter names only in the parameter table (models/params.py);
 * no function over 120 lines, and `train/step.py:build_steps` at most 80;
 * LoRA / int8 decided in one place: a test (`if`, `while`, conditional expression, filter,
-  short-circuit `and`/`or`) that names LoRA, int8 or quantisation only in the parameter mode
-  (train/param_mode.py) and the few homes listed in MODE_BRANCH_HOMES, each with its reason; the
-  trainer's loop and step, loaders, inference and eval read straight through.
+  every operand of a short-circuit `and`/`or`) that names LoRA, int8 or quantisation only in the
+  parameter mode (train/param_mode.py) and the few homes listed in MODE_BRANCH_HOMES, each with
+  its reason; the trainer's loop and step, loaders, inference and eval read straight through.
 
 Every import counts, including the lazy ones inside functions: they are dependencies too.
 The checkers are also run on a small synthetic package with a deliberate upward import, circle
-and stray print, so a checker that stops finding anything fails here.
+(between units, and between two files of one package) and stray print, so a checker that stops
+finding anything fails here.
 """
 
 from __future__ import annotations
@@ -87,6 +89,37 @@ def imports(root: pathlib.Path) -> dict[str, set[tuple[str, int, str]]]:
                 other = unit_of(t)
                 if other != me:
                     out[me].add((other, node.lineno, str(path.relative_to(root.parent))))
+    return out
+
+
+def file_imports(root: pathlib.Path) -> dict[str, set[tuple[str, int, str]]]:
+    """{module: {(imported module, line, file)}} between the package's files: absolute and relative
+    imports, lazy ones inside functions and `if TYPE_CHECKING:` ones included. `from pkg.sub import
+    x` is an edge to the module `pkg.sub.x` when that is a file, else to `pkg.sub` (its __init__)."""
+    pkg = root.name
+    modules = {module_name(root, p): p for p in root.rglob("*.py")}
+    out: dict[str, set[tuple[str, int, str]]] = {m: set() for m in modules}
+    for mod, path in modules.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the module's package, `level - 1` packages up
+                    parts = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    parts = parts[: len(parts) - (node.level - 1)]
+                    base = ".".join(parts + ([base] if base else []))
+                if base == pkg or base.startswith(pkg + "."):
+                    for a in node.names:
+                        sub = f"{base}.{a.name}"
+                        targets.append(sub if sub in modules else base)
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name == pkg or a.name.startswith(pkg + ".")]
+            for t in targets:
+                while t not in modules and "." in t:
+                    t = t.rsplit(".", 1)[0]
+                if t != mod and t in modules:
+                    out[mod].add((t, node.lineno, str(path.relative_to(root.parent))))
     return out
 
 
@@ -188,7 +221,7 @@ def mode_branches(root: pathlib.Path) -> list[tuple[str, str, int]]:
             elif isinstance(node, ast.comprehension):
                 tests = list(node.ifs)
             elif isinstance(node, ast.BoolOp):
-                tests = node.values[:-1]
+                tests = list(node.values)  # every operand: `a and "lora_key" not in p` too
             elif isinstance(node, ast.Match):
                 tests = [node.subject]
             found.update((rel, func, t.lineno) for t in tests if _names_mode(t))
@@ -217,6 +250,11 @@ def graph() -> dict[str, set[tuple[str, int, str]]]:
 
 def test_no_import_circle(graph) -> None:
     assert circles(graph) == []
+
+
+def test_no_import_circle_between_files() -> None:
+    """Inside a package too: a lazy import that closes a circle is still a circle."""
+    assert circles(file_imports(PACKAGE)) == []
 
 
 def test_no_import_runs_back_up(graph) -> None:
@@ -280,3 +318,29 @@ def test_checkers_find_a_planted_violation(tmp_path: pathlib.Path) -> None:
         "agentrefine_jax/train/loop.py:4: save",
         "agentrefine_jax/train/loop.py:6: save",
     ]
+    # The last operand of an `and` chain is a test too.
+    (pkg / "train" / "step.py").write_text(
+        "def chunk(kv, p):\n    return kv is None and 'lora_key' not in p\n"
+    )
+    assert stray_mode_branches(pkg, {"agentrefine_jax/train/loop.py": "planted home"}) == [
+        "agentrefine_jax/train/step.py:2: chunk"
+    ]
+
+
+def test_file_circles_are_found_inside_one_package(tmp_path: pathlib.Path) -> None:
+    """Two files of one package importing each other, one lazily and relatively: a circle."""
+    pkg = tmp_path / "agentrefine_jax"
+    (pkg / "models").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "models" / "__init__.py").write_text("")
+    (pkg / "models" / "a.py").write_text("from agentrefine_jax.models import b\n")
+    (pkg / "models" / "b.py").write_text("def f():\n    from . import a\n    return a\n")
+    (pkg / "models" / "c.py").write_text("from .b import f\n")
+    assert circles(imports(pkg)) == []  # one unit: the package-level check cannot see it
+    found = circles(file_imports(pkg))
+    assert found in (
+        [["agentrefine_jax.models.a", "agentrefine_jax.models.b", "agentrefine_jax.models.a"]],
+        [["agentrefine_jax.models.b", "agentrefine_jax.models.a", "agentrefine_jax.models.b"]],
+    )
+    (pkg / "models" / "b.py").write_text("def f():\n    return 1\n")
+    assert circles(file_imports(pkg)) == []

@@ -61,7 +61,7 @@ def _compare(cfg: ModelConfig, impl) -> None:
         return jax.jit(run)(q, k, v)
 
     want, g_want = fwd_bwd(
-        lambda cfg, q, k, v, seg, pos: attn.xla_attention(cfg, q, k, v, seg, pos, seg, pos)
+        lambda cfg, q, k, v, seg, pos: attn.xla_attention(cfg, q, k, v, attn.Segments(seg, pos, seg, pos))
     )
     got, g_got = fwd_bwd(impl)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
@@ -101,7 +101,7 @@ def test_cudnn_call_plumbing_equals_xla():
     # GQA layout handed to cuDNN; the kernel itself is unverified on GPU.
     _compare(
         dataclasses.replace(CFG, sliding_window=24),
-        lambda cfg, q, k, v, seg, pos: attn.cudnn_attention(cfg, q, k, v, seg, pos, seg, pos, None),
+        lambda cfg, q, k, v, s, p: attn.cudnn_attention(cfg, q, k, v, attn.Segments(s, p, s, p), None),
     )
 
 

@@ -212,6 +212,7 @@ def test_init_from_hf_refuses_llama31_weights_under_a_llama3_config(tmp_path) ->
             f"train.run_dir={tmp_path / 'run'}",
             f"train.init_from_hf={hf_dir}",
             "train.export_hf_at_end=none",
+            "train.model_source=config",  # the demo's "auto" would take the model from hf_dir
         ],
     )
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(hf_cfg, rope_scaling=None, dtype="float32"))

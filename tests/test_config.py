@@ -243,3 +243,15 @@ def test_closed_sets_match_the_modules_that_own_them():
         from agentrefine_jax.train.optimizer import learning_rate_schedule
 
         learning_rate_schedule(OptimConfig(schedule=schedule), 10)
+
+
+@pytest.mark.parametrize("order", [0, 1])
+def test_overrides_are_applied_together_then_checked_once(order):
+    """heads 4->9 with kv-heads 2->3 is valid only as a pair: either order works, and a set that
+    stays invalid is refused naming its key."""
+    sets = ["model.num_heads=9", "model.num_kv_heads=3"][:: 1 if order else -1]
+    cfg = load_config("demo", sets)
+    assert (cfg.model.num_heads, cfg.model.num_kv_heads) == (9, 3)
+    with pytest.raises(ConfigError) as e:
+        load_config("demo", ["model.num_heads=9", "train.max_steps=3"])
+    assert str(e.value).startswith("--set model.num_heads=9: num_heads=9 must be a multiple")

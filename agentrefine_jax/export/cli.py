@@ -18,6 +18,7 @@ import jax
 
 from agentrefine_jax import logs, outputs
 from agentrefine_jax.cli_errors import OneLineParser, fail, float_in
+from agentrefine_jax.models.config import DTYPES
 from agentrefine_jax.models.llama import param_count
 from agentrefine_jax.outputs import json_dumps
 
@@ -254,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--out", required=True, help="checkpoint root to create, new or empty (step 0 is written)")
     a.add_argument("--tokenizer", help="tokenizer name/path to record (default: the HF dir if it has one)")
     a.add_argument("--template", help="chat template name to record (e.g. llama3, mistral)")
-    a.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    a.add_argument("--param-dtype", default="float32", choices=DTYPES)
     a.add_argument("--mesh", default="auto", help=mesh_help)
     a.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     a.set_defaults(func=cmd_from_hf)

@@ -19,7 +19,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from agentrefine_jax.inference.engine import generate
-from agentrefine_jax.inference.loading import LoadedModel, load_for_inference
+from agentrefine_jax.inference.loading import LoadedModel, check_chat_names, load_for_inference
 from agentrefine_jax.inference.sessions import SessionCache
 from agentrefine_jax.models.llama import Transformer
 from agentrefine_jax.paths import as_path
@@ -70,6 +70,7 @@ class ChatGenerator:
         name: str | None = None,
     ) -> ChatGenerator:
         """Load a project checkpoint or HF directory; template/tokenizer default to its metadata."""
+        check_chat_names(path, template, tokenizer)  # before the weights: seconds to minutes
         loaded = load_for_inference(path, dtype=dtype)
         return cls.from_loaded(loaded, template, tokenizer, name=name or as_path(path).name)
 
@@ -88,9 +89,12 @@ class ChatGenerator:
         tok_name = tokenizer or loaded.tokenizer
         tpl_name = template or loaded.template
         if tok_name is None:
-            raise ValueError("the checkpoint records no tokenizer; pass one (e.g. --tokenizer llama3)")
+            raise ValueError("the checkpoint records no tokenizer; pass --tokenizer (llama3, mistral, a dir)")
         if tpl_name is None:
-            raise ValueError("the checkpoint records no chat template; pass one (e.g. --template llama3)")
+            raise ValueError(
+                "the checkpoint records no chat template; pass one (--template llama3, mistral, "
+                "or hf with a tokenizer directory that ships a chat_template)"
+            )
         tpl = get_template(tpl_name, load_tokenizer(tok_name))
         vocab = len(tpl.tokenizer)
         if vocab > loaded.cfg.vocab_size:

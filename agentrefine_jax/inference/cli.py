@@ -2,8 +2,9 @@
 
     python -m agentrefine_jax.inference generate --checkpoint CKPT --prompt-ids 1,2,3 --max-new-tokens 16
         -> prints the generated ids as a JSON list (one line per --prompt-ids, batched)
-    python -m agentrefine_jax.inference generate --checkpoint CKPT --prompt "Hello" --template llama3
-        -> prints the assistant reply (the prompt is built with the training chat template)
+    python -m agentrefine_jax.inference generate --checkpoint CKPT --prompt "Hello"
+        -> prints the assistant reply (the prompt is built with the checkpoint's chat template:
+           the training run's, or an HF directory's own)
     python -m agentrefine_jax.inference serve --checkpoint CKPT --port 8000
         -> an OpenAI-compatible /v1/chat/completions server (see inference/server.py)
 
@@ -27,8 +28,9 @@ from agentrefine_jax.cli_errors import OneLineParser, fail, float_in, int_in
 from agentrefine_jax.inference.chat import ChatGenerator
 from agentrefine_jax.inference.engine import generate
 from agentrefine_jax.inference.http_server import ServerLimits
-from agentrefine_jax.inference.loading import load_for_inference
+from agentrefine_jax.inference.loading import check_chat_names, load_for_inference
 from agentrefine_jax.inference.server import ChatService, make_server
+from agentrefine_jax.models.config import DTYPES
 from agentrefine_jax.models.llama import param_count
 from agentrefine_jax.outputs import json_dumps
 
@@ -90,7 +92,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
         "--stop-ids", type=_ids, help="ids that end a row (ids mode; default: the model's eos)"
     )
     stops.add_argument("--no-stop-ids", action="store_true", help="never stop before --max-new-tokens")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="override the compute dtype")
+    p.add_argument("--dtype", choices=DTYPES, help="override the compute dtype")
     p.add_argument("--json", action="store_true", help="chat mode: print a JSON object instead of the text")
 
 
@@ -117,6 +119,8 @@ def _messages(args: argparse.Namespace) -> list[dict[str, Any]]:
 def run_generate(args: argparse.Namespace) -> int:
     temperature = _temperature(args)
     t0 = time.perf_counter()
+    if args.prompt_ids is None:  # chat mode: refuse a missing template before the weights load
+        check_chat_names(args.checkpoint, args.template, args.tokenizer)
     loaded = load_for_inference(args.checkpoint, dtype=args.dtype)
     log.info(
         f"loaded {args.checkpoint} ({loaded.source}, {param_count(loaded.model) / 1e6:.2f}M params, "
@@ -187,7 +191,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", help="the model id clients must send (default: checkpoint dir name)")
     p.add_argument("--template", help="chat template (default: the checkpoint's)")
     p.add_argument("--tokenizer", help="tokenizer name or dir (default: the checkpoint's)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="override the compute dtype")
+    p.add_argument("--dtype", choices=DTYPES, help="override the compute dtype")
     p.add_argument(
         "--default-max-tokens", type=int_in(1), default=512, help="when a request sets no max_tokens"
     )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,16 +31,26 @@ from jax.sharding import PartitionSpec
 from agentrefine_jax import sharding as shd
 from agentrefine_jax.models import cpu_layout
 from agentrefine_jax.models.config import ModelConfig
+from agentrefine_jax.sharding import mesh_platform
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # The splash kernel's key blocks must be multiples of the TPU lane width.
 _LANES = 128
 
 
-def attention_mask(
-    q_seg: jax.Array, q_pos: jax.Array, k_seg: jax.Array, k_pos: jax.Array, window: int | None
-) -> jax.Array:
+class Segments(NamedTuple):
+    """Which document (segment, 0 = padding) and position each query and key belongs to: all the
+    mask is made of. q_*: [B, Sq]; k_*: [B, Sk] (the cache's slots when decoding)."""
+
+    q_seg: jax.Array
+    q_pos: jax.Array
+    k_seg: jax.Array
+    k_pos: jax.Array
+
+
+def attention_mask(seg: Segments, window: int | None) -> jax.Array:
     """[B, Sq, Sk] boolean: same document, causal by position, inside the sliding window."""
+    q_seg, q_pos, k_seg, k_pos = seg
     mask = (q_seg[:, :, None] == k_seg[:, None, :]) & (k_pos[:, None, :] <= q_pos[:, :, None])
     if window is not None:
         mask &= (q_pos[:, :, None] - k_pos[:, None, :]) < window
@@ -47,15 +58,6 @@ def attention_mask(
 
 
 # ----------------------------------------------------------------------------- choice
-
-
-def mesh_platform() -> str:
-    """Platform of the devices the current trace targets: the active mesh's, else the default's."""
-    ctx = shd.current()
-    devices = getattr(ctx.mesh, "devices", None) if ctx is not None else None
-    if devices is not None and getattr(devices, "size", 0):
-        return devices.flat[0].platform
-    return jax.devices()[0].platform
 
 
 def resolve(cfg: ModelConfig, platform: str | None = None) -> str:
@@ -76,10 +78,7 @@ def attend(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    q_seg: jax.Array,
-    q_pos: jax.Array,
-    k_seg: jax.Array,
-    k_pos: jax.Array,
+    seg: Segments,
     *,
     cached: bool = False,
 ) -> jax.Array:
@@ -90,10 +89,10 @@ def attend(
     """
     impl = "xla" if cached else resolve(cfg)
     if impl == "splash":
-        return splash_attention(cfg, q, k, v, q_seg)
+        return splash_attention(cfg, q, k, v, seg.q_seg)
     if impl == "cudnn":
-        return cudnn_attention(cfg, q, k, v, q_seg, q_pos, k_seg, k_pos)
-    return xla_attention(cfg, q, k, v, q_seg, q_pos, k_seg, k_pos, flat=not cached and cpu_layout.active(cfg))
+        return cudnn_attention(cfg, q, k, v, seg)
+    return xla_attention(cfg, q, k, v, seg, flat=not cached and cpu_layout.active(cfg))
 
 
 # ----------------------------------------------------------------------------- XLA
@@ -144,17 +143,14 @@ def xla_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    q_seg: jax.Array,
-    q_pos: jax.Array,
-    k_seg: jax.Array,
-    k_pos: jax.Array,
+    seg: Segments,
     *,
     flat: bool = False,
 ) -> jax.Array:
     """Exact softmax attention, queries in `attention_block_size` blocks; GQA by grouping.
     With `flat` (model.cpu_layout, training only) one-batch-dimension dots, fast on XLA:CPU."""
     b, s, h, d = q.shape
-    mask = attention_mask(q_seg, q_pos, k_seg, k_pos, cfg.sliding_window)
+    mask = attention_mask(seg, cfg.sliding_window)
     qg = q.reshape(b, s, cfg.num_kv_heads, h // cfg.num_kv_heads, d)
     if flat:
         return attend_flat(qg, k, v, mask).reshape(b, s, h, d)
@@ -169,16 +165,13 @@ def cudnn_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    q_seg: jax.Array,
-    q_pos: jax.Array,
-    k_seg: jax.Array,
-    k_pos: jax.Array,
+    seg: Segments,
     implementation: str | None = "cudnn",
 ) -> jax.Array:
     """cuDNN flash attention. Packed documents and the window go in as a [B, 1, S, T] mask
     (cuDNN turns it into a bias); `is_causal` lets it skip the upper triangle. GQA is native.
     `implementation=None` runs jax's XLA reference with the same arguments (CPU tests)."""
-    mask = attention_mask(q_seg, q_pos, k_seg, k_pos, cfg.sliding_window)[:, None]
+    mask = attention_mask(seg, cfg.sliding_window)[:, None]
     out = jax.nn.dot_product_attention(
         q, k, v, mask=mask, is_causal=q.shape[1] == k.shape[1], implementation=implementation
     )

@@ -8,7 +8,10 @@ fields and the family's row, never on a family name.
 from __future__ import annotations
 
 import dataclasses
+import struct
 from typing import Literal
+
+from agentrefine_jax.models import families
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,15 +73,13 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        from agentrefine_jax.models import families  # the table imports this module
-
         families.get(self.family)  # ValueError naming the supported families
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
             )
         for name in ("param_dtype", "dtype"):
-            if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+            if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name} must be float32, bfloat16 or float16, got {getattr(self, name)!r}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
@@ -103,19 +104,35 @@ class ModelConfig:
 
         Everything counts except `NOT_ARCHITECTURE` (how and in what precision it runs, token
         ids, init), so a field added later is compared unless it is listed there on purpose.
-        Used by `train.init_from_hf` and `export verify`.
+        Floats compare as float32 (config.json round trips). Used by `export verify`.
         """
         return [
             f.name
             for f in dataclasses.fields(self)
-            if f.name not in NOT_ARCHITECTURE and getattr(self, f.name) != getattr(other, f.name)
+            if f.name not in NOT_ARCHITECTURE
+            and not same_value(getattr(self, f.name), getattr(other, f.name))
         ]
 
+    def hf_diff(self, other: ModelConfig) -> list[str]:
+        """Fields a Hugging Face `config.json` describes that differ: the architecture plus the
+        special tokens and the context length (`HF_FIELDS`). Used by `train.init_from_hf`."""
+        return [f for f in HF_FIELDS if not same_value(getattr(self, f), getattr(other, f))]
 
-# Fields that do not change the function: storage/compute precision, memory-saving execution
-# choices, initialisation, token ids and the advertised context length (RoPE depends on
-# rope_theta / rope_scaling, never on max_position_embeddings).
-NOT_ARCHITECTURE = frozenset(
+
+def same_value(a: object, b: object) -> bool:
+    """Equal, with floats (also inside RopeScaling) compared at float32: `rms_norm_eps` 1e-05 and
+    9.999999747378752e-06 (its float32 round trip through a checkpoint) are the same setting."""
+    if isinstance(a, float) or isinstance(b, float):
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b)):
+            return False
+        return struct.pack("<f", a) == struct.pack("<f", b)
+    if dataclasses.is_dataclass(a) and type(a) is type(b):
+        return all(same_value(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    return a == b
+
+
+# How the model runs, not what it is: not read from a config.json, never compared with one.
+EXECUTION_FIELDS = frozenset(
     {
         "param_dtype",
         "dtype",
@@ -124,15 +141,30 @@ NOT_ARCHITECTURE = frozenset(
         "cpu_layout",
         "attention_block_size",
         "mlp_chunk_size",
+        "attention",
+        "splash_block_q",
+        "splash_block_kv",
+        "splash_block_kv_compute",
         "initializer_range",
-        "bos_token_id",
-        "eos_token_ids",
-        "pad_token_id",
-        "max_position_embeddings",
     }
 )
 
 
+# Fields that do not change the function: how it runs (EXECUTION_FIELDS), token ids and the
+# advertised context length (RoPE depends on rope_theta / rope_scaling, never on
+# max_position_embeddings).
+NOT_ARCHITECTURE = EXECUTION_FIELDS | {
+    "bos_token_id",
+    "eos_token_ids",
+    "pad_token_id",
+    "max_position_embeddings",
+}
+# What an HF config.json fixes (architecture, special tokens, context): everything else.
+HF_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in EXECUTION_FIELDS)
+
+
+# The floating-point dtypes a model may store or compute in: the one list (config checks, CLIs).
+DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_attn_out")
 ATTENTION_IMPLS = ("auto", "xla", "splash", "cudnn")
 

@@ -22,12 +22,12 @@ from typing import Any
 
 import jax
 
+from agentrefine_jax.sharding import mesh_platform
+
 
 def active(cfg: Any) -> bool:
     """Whether `cfg.cpu_layout` ("auto", True or False) applies to the step being traced."""
     if cfg.cpu_layout == "auto":
-        from agentrefine_jax.models.attention import mesh_platform
-
         return mesh_platform() == "cpu"
     return bool(cfg.cpu_layout)
 

@@ -22,8 +22,6 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from agentrefine_jax.models.config import ModelConfig
-
 
 @dataclasses.dataclass(frozen=True)
 class Family:
@@ -37,7 +35,8 @@ class Family:
     sliding_window: bool = False
     # Extra HF config.json keys: read check (raises on what we cannot run) and written constants.
     check_hf: Callable[[Mapping[str, Any]], None] = lambda c: None
-    hf_constants: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: {}
+    # Takes the ModelConfig (typed Any: models/config.py imports this table, not the reverse).
+    hf_constants: Callable[[Any], dict[str, Any]] = lambda cfg: {}
     # Default chat template and tokenizer: a vendor-checked name, or "hf" (the HF directory's own).
     template: str = "hf"
     tokenizer: str = "hf"

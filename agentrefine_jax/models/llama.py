@@ -19,7 +19,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from agentrefine_jax.models import cpu_layout, lora, params, quant, rope
-from agentrefine_jax.models.attention import attend
+from agentrefine_jax.models.attention import Segments, attend
 from agentrefine_jax.models.config import ModelConfig
 from agentrefine_jax.sharding import constrain
 
@@ -65,16 +65,15 @@ def layer_forward(
     x: jax.Array,
     sin: jax.Array,
     cos: jax.Array,
-    q_seg: jax.Array,
-    q_pos: jax.Array,
-    k_seg: jax.Array,
-    k_pos: jax.Array,
+    seg: Segments,
     kv: tuple[jax.Array, jax.Array] | None,
     index: jax.Array | None,
     lora_spec: lora.LoraSpec | None = None,
+    mlp_chunk: int = 0,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """One decoder layer on per-layer weights `p` (a slice of DecoderLayers); with `lora_spec`,
-    `p["lora"]` holds this layer's adapters and `p["lora_key"]` (optional) its dropout key."""
+    `p["lora"]` holds this layer's adapters and `p["lora_key"]` (optional) its dropout key.
+    `mlp_chunk`: the MLP's sequence chunk in a full-sequence pass (0 = whole; `forward` decides)."""
     dt = jnp.dtype(cfg.dtype)
     flat = kv is None and cpu_layout.active(cfg)
     proj_in = cpu_layout.project_in if flat else _project_in
@@ -106,7 +105,7 @@ def layer_forward(
         v_cache = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), index, axis=1)
         new_kv = (k_cache, v_cache)
         k, v = k_cache.astype(dt), v_cache.astype(dt)
-    attn = attend(cfg, q, k, v, q_seg, q_pos, k_seg, k_pos, cached=kv is not None)
+    attn = attend(cfg, q, k, v, seg, cached=kv is not None)
     attn = checkpoint_name(attn, "attn_out")
     x = x + proj(proj_out, attn, "wo")
     x = constrain(x, ("batch", "activation_seq", "activation_embed"))
@@ -118,9 +117,8 @@ def layer_forward(
         act = constrain(jax.nn.silu(gate) * up, ("batch", "activation_seq", "activation_mlp"))
         return proj(proj_out, act, "w_down")
 
-    # Dropout draws one mask per call, so a LoRA layer with dropout keeps the whole sequence.
-    chunked = kv is None and not flat and "lora_key" not in p
-    x = x + (mlp_in_chunks(mlp, h, cfg.mlp_chunk_size) if chunked else mlp(h))
+    chunked = kv is None and not flat
+    x = x + (mlp_in_chunks(mlp, h, mlp_chunk) if chunked else mlp(h))
     return constrain(x, ("batch", "activation_seq", "activation_embed")), new_kv
 
 
@@ -216,18 +214,20 @@ class Transformer(nnx.Module):
             k_seg = jax.lax.dynamic_update_slice_in_dim(cache["segment_ids"], segment_ids, index, axis=1)
             k_pos = jax.lax.dynamic_update_slice_in_dim(cache["positions"], positions, index, axis=1)
 
+        seg = Segments(segment_ids, positions, k_seg, k_pos)
         weights: dict[str, Any] = {name: getattr(self.layers, name)[...] for name in params.layer_names(cfg)}
-        spec = None
+        spec, key = None, None
         if adapters is not None:
             spec, weights["lora"], key = adapters
-            if key is not None and spec.dropout > 0:
-                weights["lora_key"] = jax.random.split(key, cfg.num_layers)
+        dropout_keys = lora.dropout_keys(spec, key, cfg.num_layers)
+        # Dropout draws one mask per call, so a layer that draws it runs its MLP unchunked.
+        mlp_chunk = cfg.mlp_chunk_size if dropout_keys is None else 0
+        if dropout_keys is not None:
+            weights["lora_key"] = dropout_keys
 
         def body(carry: jax.Array, xs: tuple[dict[str, jax.Array], Any]) -> tuple[jax.Array, Any]:
             p, kv = xs
-            return layer_forward(
-                cfg, p, carry, sin, cos, segment_ids, positions, k_seg, k_pos, kv, index, spec
-            )
+            return layer_forward(cfg, p, carry, sin, cos, seg, kv, index, spec, mlp_chunk)
 
         # The CPU layout unrolls the layers (models/cpu_layout.py); decoding keeps the scan unless
         # the cache comes as one array per layer (see `unstack_cache`).

@@ -119,6 +119,13 @@ def init(spec: LoraSpec, cfg: ModelConfig, key: jax.Array) -> Adapters:
     return out
 
 
+def dropout_keys(spec: LoraSpec | None, key: jax.Array | None, num_layers: int) -> jax.Array | None:
+    """One dropout key per layer when the adapters draw dropout (training with a key), else None."""
+    if spec is None or key is None or spec.dropout <= 0:
+        return None
+    return jax.random.split(key, num_layers)
+
+
 def delta(
     x: jax.Array, ab: dict[str, jax.Array], n_in: int, spec: LoraSpec, key: jax.Array | None
 ) -> jax.Array:

@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         return fail(TOOL, msg)
     try:
         cfg = load_config(args.config, args.overrides)  # validated: nothing is read before this passes
+        from agentrefine_jax.hf import model_source
+
+        cfg = model_source.resolve(cfg)  # train.model_source: the model from init_from_hf's config.json
     except ConfigError as e:
         return fail(TOOL, e)
     if args.print_config:

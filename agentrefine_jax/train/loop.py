@@ -26,7 +26,9 @@ from agentrefine_jax.checkpoint import (
     restore_train_state,
 )
 from agentrefine_jax.config import Config
+from agentrefine_jax.config_checks import ConfigError
 from agentrefine_jax.data.packing import BATCH_KEYS
+from agentrefine_jax.hf import model_source
 from agentrefine_jax.paths import as_path, join
 from agentrefine_jax.train import flops, save_strategy
 from agentrefine_jax.train.hooks import (
@@ -133,6 +135,10 @@ def run_steps(
 def train(cfg: Config) -> dict[str, Any]:
     """Run (or resume) training; returns a summary with the final step and losses.
     Holds the run directory's lock throughout (RunDirInUse when another trainer has it)."""
+    try:
+        cfg = model_source.resolve(cfg)  # the train CLI did; callers of train() may not have
+    except ConfigError as e:
+        raise TrainingInputError(str(e)) from None
     paths = RunPaths(cfg.train.run_dir)
     with RunLock(paths.root, take=jax.process_index() == 0):
         return _train(cfg, paths)
@@ -397,10 +403,13 @@ def check_init_from_hf(cfg: Config) -> None:
         raise TrainingInputError(f"{where}: {e}") from None
     bad = [
         f"{f}: config {getattr(cfg.model, f)!r} vs checkpoint {getattr(hf_cfg, f)!r}"
-        for f in cfg.model.architecture_diff(hf_cfg)
+        for f in cfg.model.hf_diff(hf_cfg)
     ]
     if bad:
-        raise TrainingInputError(f"{where} does not match model config: {bad}")
+        raise TrainingInputError(
+            f"{where} does not match model config: {bad} "
+            "(train.model_source=init_from_hf takes the model from the directory)"
+        )
     if cfg.data.max_length > hf_cfg.max_position_embeddings:
         raise TrainingInputError(
             f"data.max_length={cfg.data.max_length} exceeds the context of {where} "

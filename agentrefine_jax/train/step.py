@@ -114,7 +114,8 @@ def build_steps(
     mode: ParamMode | None = None,
 ) -> StepFns:
     """The jitted steps for `mode` (default: from model_cfg, lora_spec and lora_base_dtype)."""
-    mode = mode or ParamMode.of_settings(model_cfg, lora_spec, lora_base_dtype)
+    if mode is None:  # the parameter mode decides from the settings (train/param_mode.py)
+        mode = ParamMode.of_settings(model_cfg, lora_spec, lora_base_dtype)
     micro = micro_batch or global_batch
     if global_batch % micro:
         raise ValueError(f"train.global_batch_size={global_batch} not divisible by micro_batch_size={micro}")

@@ -1,0 +1,65 @@
+"""`train.model_source`: where a run's model comes from, resolved once before any work.
+
+"config" keeps the config's `model` (the trainer then checks `train.init_from_hf` against it field
+for field: architecture, special tokens, context). "init_from_hf" takes those fields from the
+directory's `config.json` through the family table (`read_hf_config`), keeps the config's
+execution fields (dtypes, kernels, layout), and makes the directory's own tokenizer and chat
+template the run's unless `--set data.tokenizer` / `data.template` name others. A `--set
+model.<field>` that contradicts the directory is refused naming the field. "auto" is
+"init_from_hf" when `train.init_from_hf` is set, else "config".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+from agentrefine_jax.config import Config
+from agentrefine_jax.config_checks import ConfigError
+from agentrefine_jax.hf.io import read_hf_config
+from agentrefine_jax.models.config import HF_FIELDS, same_value
+
+
+def hf_chat_template(hf_dir: str | pathlib.Path) -> bool:
+    """Whether an HF directory ships a chat template (chat_template.jinja or tokenizer_config.json)."""
+    d = pathlib.Path(hf_dir)
+    if (d / "chat_template.jinja").is_file():
+        return True
+    try:
+        return bool(json.loads((d / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def resolve(cfg: Config) -> Config:
+    """The config with its model taken from `train.init_from_hf` where `model_source` says so.
+    Idempotent; a directory that cannot be read is left to the trainer's full check (one line)."""
+    source, hf_dir = cfg.train.model_source, cfg.train.init_from_hf
+    if source == "auto":
+        source = "init_from_hf" if hf_dir else "config"
+    if source == "config":
+        return cfg
+    if not hf_dir:
+        raise ConfigError("train.model_source=init_from_hf needs train.init_from_hf=DIR")
+    try:
+        hf = read_hf_config(hf_dir)
+    except (ValueError, OSError):
+        return cfg
+    set_keys = [o.split("=", 1)[0].strip() for o in cfg.overrides]
+    for key in set_keys:
+        parts = key.split(".")
+        if parts[0] == "model" and len(parts) > 1 and parts[1] in HF_FIELDS:
+            ours, theirs = getattr(cfg.model, parts[1]), getattr(hf, parts[1])
+            if not same_value(ours, theirs):
+                raise ConfigError(
+                    f"--set model.{parts[1]}={ours!r} contradicts train.init_from_hf={hf_dir} "
+                    f"({parts[1]}={theirs!r}); drop it or set train.model_source=config"
+                )
+    model = dataclasses.replace(cfg.model, **{f: getattr(hf, f) for f in HF_FIELDS})
+    data = cfg.data
+    if "data.tokenizer" not in set_keys and (pathlib.Path(hf_dir) / "tokenizer.json").is_file():
+        data = dataclasses.replace(data, tokenizer=hf_dir)
+    if "data.template" not in set_keys and hf_chat_template(hf_dir):
+        data = dataclasses.replace(data, template="hf")
+    return dataclasses.replace(cfg, model=model, data=data)
