@@ -11,7 +11,9 @@ only the rows of each global batch that its devices hold (`batch_rows`). The ite
 position is the global step, so a run stopped on one topology resumes on another with the
 same data (`Pipeline.iterator(start_step)`). The price: every process tokenizes the whole
 training set up front (the packing plan and `steps_per_epoch` need every length before
-step 0), which is a one-off cost of about 130k tokens/s/core and ~5 bytes per token.
+step 0), which is a one-off cost of about 130k tokens/s/core and ~5 bytes per token (held in
+memory up to `examples.SPILL_BYTES`, then in a temporary file); records are parsed
+`_READ_CHUNK` at a time, so the file's size never has to fit in memory.
 
 Final partial batch: the training split DROPS it (rows are reshuffled every epoch, so a
 different handful sits out each epoch; the report says how many). The eval split PADS it

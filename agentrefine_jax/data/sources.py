@@ -2,9 +2,11 @@
 
 All inputs are concatenated into one indexable record space so that processes can shard by
 record (record i belongs to process i % process_count), which works with any number of
-files. JSONL files are indexed by line offsets and only the requested lines are parsed, so a
-process decodes only its own shard. Every record carries a location ("file:line") for error
-reports.
+files. JSONL files are indexed by one streaming pass (byte range and line number of every
+non-blank line) and only the requested lines are read (pread) and parsed, so memory does not
+grow with the file. JSON / JSONL text is UTF-8 (BOM optional) or UTF-16/32 with a BOM; without
+a BOM, UTF-16/32 is refused (`detect_encoding`). Every record carries a location ("file:line")
+for error reports.
 """
 
 from __future__ import annotations
