@@ -9,6 +9,8 @@ no token carries loss (no 0/0 in the loss).
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -29,14 +31,62 @@ from agentrefine_jax.data.templates import ChatTemplate
 
 OVERLENGTH_MODES = ("truncate", "drop")
 _ENCODE_CHUNK = 256  # conversations per tokenizer batch call
+# Token bytes (ids + mask) held in memory before a store moves to a temporary file; past it,
+# memory holds only a `_SPILL_BUFFER` of not-yet-written tokens. The environment variable is
+# for tests and for hosts with little memory.
+SPILL_BYTES = int(os.environ.get("AGENTREFINE_DATA_SPILL_BYTES", 256 << 20))
+_SPILL_BUFFER = 16 << 20
+
+
+class FileArray:
+    """A read-only 1-D array in an unlinked temporary file, read with pread.
+
+    Not a memory map on purpose: mapped pages count in the process's RSS while they stay in
+    the page cache, read pages here do not. Picklable for Grain's worker processes, which
+    reopen the file through /proc/<owner>/fd (it has no name, so nothing is left behind when
+    the owner is killed).
+    """
+
+    def __init__(self, fd: int, dtype: np.dtype, length: int, owner_pid: int | None = None):
+        self.fd = fd
+        self.dtype = np.dtype(dtype)
+        self.length = length
+        self.owner_pid = owner_pid or os.getpid()
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError("FileArray supports contiguous slices only")
+        a, b, _ = index.indices(self.length)
+        if b <= a:
+            return np.zeros(0, self.dtype)
+        size = self.dtype.itemsize
+        return np.frombuffer(os.pread(self.fd, (b - a) * size, a * size), dtype=self.dtype)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"owner_pid": self.owner_pid, "fd": self.fd, "dtype": self.dtype.str, "length": self.length}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.owner_pid = state["owner_pid"]
+        self.dtype = np.dtype(state["dtype"])
+        self.length = state["length"]
+        self.fd = os.open(f"/proc/{self.owner_pid}/fd/{state['fd']}", os.O_RDONLY)
+
+    def __del__(self) -> None:
+        try:
+            os.close(self.fd)
+        except (OSError, AttributeError):
+            pass
 
 
 @dataclasses.dataclass
 class TokenStore:
     """Examples as flat arrays: example i is ids[offsets[i]:offsets[i+1]]."""
 
-    ids: np.ndarray  # int32
-    mask: np.ndarray  # uint8
+    ids: np.ndarray | FileArray  # int32
+    mask: np.ndarray | FileArray  # uint8
     offsets: np.ndarray  # int64, len n+1
     where: list[str]  # record location of each example
 
@@ -72,17 +122,81 @@ def prepare_messages(
     return prepare_example(row, field_map, fallback_id, drop_refinement, report)[1]
 
 
+class StoreBuilder:
+    """Appends stores; the result is in memory up to `spill_bytes` of tokens, else file-backed.
+
+    The in-memory result is exactly what concatenating the stores gives; a file-backed one
+    holds the same tokens (`TokenStore.example` reads them with pread), so what training
+    sees does not depend on where the tokens are kept.
+    """
+
+    def __init__(self, spill_bytes: int | None = None):
+        self.spill_bytes = SPILL_BYTES if spill_bytes is None else spill_bytes
+        self.pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self.held = 0
+        self.files: tuple[Any, Any] | None = None
+        self.written = 0  # tokens in the files
+        self.lengths: list[np.ndarray] = []
+        self.where: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def add(self, store: TokenStore) -> None:
+        self.lengths.append(store.lengths)
+        self.where.extend(store.where)
+        if isinstance(store.ids, np.ndarray):
+            self.pending.append((store.ids, store.mask))
+            self.held += store.ids.nbytes + store.mask.nbytes
+        else:  # a file-backed store: copied through in blocks
+            n = len(store.ids)
+            for a in range(0, n, _SPILL_BUFFER):
+                b = min(n, a + _SPILL_BUFFER)
+                self.pending.append((store.ids[a:b], store.mask[a:b]))
+                self.held += (b - a) * 5
+                self._maybe_spill(force=True)
+        self._maybe_spill()
+
+    def _maybe_spill(self, force: bool = False) -> None:
+        """Write the pending tokens out once past the budget (then whenever a buffer is full)."""
+        limit = self.spill_bytes if self.files is None else _SPILL_BUFFER
+        if force or self.held > limit:
+            self._write()
+
+    def _write(self) -> None:
+        if self.files is None:
+            self.files = (tempfile.TemporaryFile(), tempfile.TemporaryFile())  # unlinked at once
+        for ids, mask in self.pending:
+            self.files[0].write(memoryview(np.ascontiguousarray(ids, dtype=np.int32)))
+            self.files[1].write(memoryview(np.ascontiguousarray(mask, dtype=np.uint8)))
+            self.written += len(ids)
+        self.pending.clear()
+        self.held = 0
+
+    def finish(self) -> TokenStore:
+        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        if self.files is None:
+            parts = self.pending
+            ids = np.concatenate([i for i, _ in parts]) if parts else np.zeros(0, np.int32)
+            mask = np.concatenate([m for _, m in parts]) if parts else np.zeros(0, np.uint8)
+            return TokenStore(ids=ids, mask=mask, offsets=offsets, where=self.where)
+        self._write()
+        arrays = []
+        for f, dtype in zip(self.files, (np.int32, np.uint8), strict=True):
+            f.flush()
+            arrays.append(FileArray(os.dup(f.fileno()), np.dtype(dtype), self.written))
+            f.close()
+        return TokenStore(ids=arrays[0], mask=arrays[1], offsets=offsets, where=self.where)
+
+
 def concat_stores(stores: Sequence[TokenStore]) -> TokenStore:
-    """One store holding the examples of `stores`, in order."""
-    lengths = np.concatenate([s.lengths for s in stores]) if stores else np.zeros(0, np.int64)
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return TokenStore(
-        ids=np.concatenate([s.ids for s in stores]) if stores else np.zeros(0, np.int32),
-        mask=np.concatenate([s.mask for s in stores]) if stores else np.zeros(0, np.uint8),
-        offsets=offsets,
-        where=[w for s in stores for w in s.where],
-    )
+    """One store holding the examples of `stores`, in order (file-backed past `SPILL_BYTES`)."""
+    builder = StoreBuilder()
+    for store in stores:
+        builder.add(store)
+    return builder.finish()
 
 
 def fit_length(

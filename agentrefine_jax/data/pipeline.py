@@ -11,7 +11,9 @@ only the rows of each global batch that its devices hold (`batch_rows`). The ite
 position is the global step, so a run stopped on one topology resumes on another with the
 same data (`Pipeline.iterator(start_step)`). The price: every process tokenizes the whole
 training set up front (the packing plan and `steps_per_epoch` need every length before
-step 0), which is a one-off cost of about 130k tokens/s/core and ~5 bytes per token.
+step 0), which is a one-off cost of about 130k tokens/s/core and ~5 bytes per token (held in
+memory up to `examples.SPILL_BYTES`, then in a temporary file); records are parsed
+`_READ_CHUNK` at a time, so the file's size never has to fit in memory.
 
 Final partial batch: the training split DROPS it (rows are reshuffled every epoch, so a
 different handful sits out each epoch; the report says how many). The eval split PADS it
@@ -28,7 +30,7 @@ import grain
 import numpy as np
 
 from agentrefine_jax.config import DataConfig
-from agentrefine_jax.data.examples import TokenStore, build_examples, concat_stores
+from agentrefine_jax.data.examples import StoreBuilder, TokenStore, build_examples, concat_stores
 from agentrefine_jax.data.packing import materialize, pack_best_fit
 from agentrefine_jax.data.report import DataReport
 from agentrefine_jax.data.schema import FieldMap, check_loss_on, resolve_field_map
@@ -39,6 +41,7 @@ from agentrefine_jax.data.tokenizers import load_tokenizer
 SPLITS = ("train", "eval")
 # Seeds of the independent random streams derived from data.seed.
 _HOLDOUT, _SELECT, _GENERAL, _EPOCH = 0xE7A1, 0x5E1EC7, 0x6E7E, 0xE90C
+_READ_CHUNK = 512  # records parsed at once: bounds the memory of parsed rows, whatever the file size
 
 
 class DataError(ValueError):
@@ -83,8 +86,10 @@ def _examples(
 ) -> TokenStore:
     """Examples from `records[order]`; with `limit`, exactly the first `limit` valid ones.
 
-    Records are read in chunks of what is still missing (a record yields at most one
-    example), so the examples and the report cover exactly the records consumed.
+    Records are parsed `_READ_CHUNK` at a time (never the whole file at once: a parsed row
+    costs several times its bytes), and with `limit` never more than are still missing (a
+    record yields at most one example), so the examples and the report cover exactly the
+    records consumed: the shortest prefix of `order` holding `limit` valid examples.
     """
     kwargs = dict(
         loss_on=check_loss_on(cfg.loss_on),
@@ -95,17 +100,14 @@ def _examples(
         report=report,
         seen_ids={},
     )
-    if limit is None:
-        report.records_in_shard = len(order)
-        return build_examples(records.read(order.tolist()), template, **kwargs)
-    stores, have, pos = [], 0, 0
-    while have < limit and pos < len(order):
-        chunk = order[pos : pos + (limit - have)]
+    builder, pos = StoreBuilder(), 0  # tokens past SPILL_BYTES go to a temporary file
+    while pos < len(order) and (limit is None or len(builder) < limit):
+        want = _READ_CHUNK if limit is None else min(_READ_CHUNK, limit - len(builder))
+        chunk = order[pos : pos + want]
         pos += len(chunk)
-        stores.append(build_examples(records.read(chunk.tolist()), template, **kwargs))
-        have += len(stores[-1])
+        builder.add(build_examples(records.read(chunk.tolist()), template, **kwargs))
     report.records_in_shard = pos
-    return concat_stores(stores)
+    return builder.finish()
 
 
 _HINT = "check data.format / data.field_map (all skips: python -m agentrefine_jax.data stats)"

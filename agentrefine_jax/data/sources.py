@@ -2,9 +2,11 @@
 
 All inputs are concatenated into one indexable record space so that processes can shard by
 record (record i belongs to process i % process_count), which works with any number of
-files. JSONL files are indexed by line offsets and only the requested lines are parsed, so a
-process decodes only its own shard. Every record carries a location ("file:line") for error
-reports.
+files. JSONL files are indexed by one streaming pass (byte range and line number of every
+non-blank line) and only the requested lines are read (pread) and parsed, so memory does not
+grow with the file. JSON / JSONL text is UTF-8 (BOM optional) or UTF-16/32 with a BOM; without
+a BOM, UTF-16/32 is refused (`detect_encoding`). Every record carries a location ("file:line")
+for error reports.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import bisect
 import glob
 import json
-import mmap
+import os
 import pathlib
 from collections.abc import Sequence
 from typing import Any
@@ -35,26 +37,119 @@ class _Source:
         raise NotImplementedError
 
 
+# Byte-order marks, longest first (UTF-32-LE's starts with UTF-16-LE's).
+_BOMS = (
+    (b"\x00\x00\xfe\xff", "utf-32-be", 4),
+    (b"\xff\xfe\x00\x00", "utf-32-le", 4),
+    (b"\xef\xbb\xbf", "utf-8", 1),
+    (b"\xfe\xff", "utf-16-be", 2),
+    (b"\xff\xfe", "utf-16-le", 2),
+)
+_UNIT_DTYPES = {"utf-8": "u1", "utf-16-le": "<u2", "utf-16-be": ">u2", "utf-32-le": "<u4", "utf-32-be": ">u4"}
+# What bytes.strip() strips: a line holding only these is blank (no row).
+_BLANK = np.array([0x20, 0x09, 0x0A, 0x0D, 0x0B, 0x0C])
+_SCAN_BLOCK = 8 << 20  # bytes per read while indexing: the index costs this much memory, not the file
+
+
+def detect_encoding(path: pathlib.Path) -> tuple[str, int]:
+    """(codec, BOM length in bytes) of a JSON / JSONL file: UTF-8 (BOM optional), UTF-16/32 with a BOM.
+
+    JSON text starts with an ASCII character, so UTF-16/32 without a BOM shows as NUL bytes
+    around the first one (RFC 4627's rule): refused, since the byte order would be a guess.
+    """
+    with open(path, "rb") as f:
+        head = f.read(4)
+    for bom, codec, _unit in _BOMS:
+        if head.startswith(bom):
+            return codec, len(bom)
+    guess = None
+    if len(head) >= 4 and head[:3] == b"\0\0\0" and head[3]:
+        guess = "UTF-32-BE"
+    elif len(head) >= 4 and head[0] and head[1:4] == b"\0\0\0":
+        guess = "UTF-32-LE"
+    elif len(head) >= 2 and not head[0] and head[1]:
+        guess = "UTF-16-BE"
+    elif len(head) >= 2 and head[0] and not head[1]:
+        guess = "UTF-16-LE"
+    if guess:
+        raise ValueError(
+            f"{path}: looks like {guess} text without a byte-order mark; save it as UTF-8 "
+            "(or as UTF-16/UTF-32 with a BOM)"
+        )
+    return "utf-8", 0
+
+
+def _has_content(units: np.ndarray) -> bool:
+    return bool(len(units)) and not np.isin(units, _BLANK).all()
+
+
+def _index_lines(path: pathlib.Path, codec: str, bom: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Byte start, byte end (newline excluded) and 1-based line number of every non-blank line.
+
+    Streams the file in blocks of code units (so UTF-16/32 newlines are found as whole code
+    units, never inside another character): memory is the block plus 24 bytes per row.
+    """
+    dtype = np.dtype(_UNIT_DTYPES[codec])
+    unit = dtype.itemsize
+    starts: list[np.ndarray] = []
+    ends: list[np.ndarray] = []
+    lines: list[np.ndarray] = []
+    line_start = bom  # byte offset where the current (unfinished) line starts
+    line_content = False  # whether it holds a non-blank code unit so far
+    lineno = 0  # newlines seen
+    pos = bom
+    block_size = max(unit, _SCAN_BLOCK - _SCAN_BLOCK % unit)
+    with open(path, "rb") as f:
+        f.seek(bom)
+        while True:
+            block = f.read(block_size)
+            usable = len(block) - len(block) % unit  # a torn last code unit: not a newline
+            if not usable:
+                break
+            units = np.frombuffer(block, dtype=dtype, count=usable // unit)
+            nl = np.flatnonzero(units == 0x0A)
+            if len(nl):
+                # line k of this block spans units [begin_k, nl_k); the first began before the block
+                begin = np.concatenate(([0], nl[:-1] + 1))
+                # Almost every row starts with "{": only lines starting with a blank are scanned.
+                has = (nl > begin) & ~np.isin(units[np.minimum(begin, nl)], _BLANK)
+                for k in np.flatnonzero((nl > begin) & ~has):
+                    has[k] = _has_content(units[begin[k] : nl[k]])
+                has[0] |= line_content
+                line_starts = pos + begin * unit
+                line_starts[0] = line_start
+                keep = np.flatnonzero(has)
+                starts.append(line_starts[keep])
+                ends.append(pos + nl[keep] * unit)
+                lines.append(lineno + 1 + keep)
+                lineno += len(nl)
+                line_start = pos + (int(nl[-1]) + 1) * unit
+                line_content = _has_content(units[int(nl[-1]) + 1 :])
+            else:
+                line_content = line_content or _has_content(units)
+            pos += usable
+            if len(block) < block_size:
+                break
+    if line_content:  # a last line without a newline
+        starts.append(np.asarray([line_start]))
+        ends.append(np.asarray([path.stat().st_size]))
+        lines.append(np.asarray([lineno + 1]))
+
+    def cat(parts: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+    return cat(starts), cat(ends), cat(lines)
+
+
 class _JsonlSource(_Source):
-    def __init__(self, path: pathlib.Path):
+    """One row per line. Only a line index is held (24 bytes a row); rows are read with pread on
+    demand, so a file of any size costs memory in proportion to the rows asked for at once."""
+
+    def __init__(self, path: pathlib.Path, encoding: tuple[str, int] | None = None):
         self.label = str(path)
         self.path = path
-        data = path.read_bytes()
-        # Start offset and 1-based line number of every non-blank line (blank lines hold no row).
-        starts, lines = [], []
-        pos = 0
-        lineno = 0
-        n = len(data)
-        while pos < n:
-            lineno += 1
-            end = data.find(b"\n", pos)
-            end = n if end < 0 else end
-            if data[pos:end].strip():
-                starts.append(pos)
-                lines.append(lineno)
-            pos = end + 1
-        self.starts = np.asarray(starts, dtype=np.int64)
-        self.lines = np.asarray(lines, dtype=np.int64)
+        self.codec, bom = encoding or detect_encoding(path)
+        self.starts, self.ends, self.lines = _index_lines(path, self.codec, bom)
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -63,28 +158,39 @@ class _JsonlSource(_Source):
         out: list[tuple[str, Any]] = []
         if not len(local):
             return out
-        with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
             for i in local:
-                start = int(self.starts[i])
-                end = mm.find(b"\n", start)
-                raw = mm[start : (len(mm) if end < 0 else end)]
+                start, end = int(self.starts[i]), int(self.ends[i])
+                raw = os.pread(fd, end - start, start)
                 where = f"{self.label}:{int(self.lines[i])}"
                 try:
-                    out.append((where, json.loads(raw)))
+                    # UTF-8 bytes go straight to the parser (it validates them); others decode first.
+                    out.append((where, json.loads(raw if self.codec == "utf-8" else raw.decode(self.codec))))
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:
                     out.append((where, RowError("invalid json", str(e))))
                 except RecursionError:  # e.g. 100k nested brackets: a bad row, not a crash
                     out.append((where, RowError(TOO_DEEP, "JSON nested deeper than the parser allows")))
+        finally:
+            os.close(fd)
         return out
 
 
-class _ListSource(_Source):
-    """A JSON file holding a list of rows (or {"data": [...]}); locations are list indices."""
+def _read_text(path: pathlib.Path, encoding: tuple[str, int]) -> str:
+    codec, bom = encoding
+    return path.read_bytes()[bom:].decode(codec)
 
-    def __init__(self, path: pathlib.Path):
+
+class _ListSource(_Source):
+    """A JSON file holding a list of rows (or {"data": [...]}); locations are list indices.
+
+    Parsed whole (a JSON document has no row boundaries to index): large data belongs in JSONL.
+    """
+
+    def __init__(self, path: pathlib.Path, encoding: tuple[str, int] | None = None):
         self.label = str(path)
         try:
-            obj = json.loads(path.read_text(encoding="utf-8"))
+            obj = json.loads(_read_text(path, encoding or detect_encoding(path)))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path}: not valid JSON ({e}); use .jsonl for one row per line") from None
         except RecursionError:
@@ -144,24 +250,43 @@ def _expand(spec: str) -> list[pathlib.Path] | None:
 
 
 def _file_source(path: pathlib.Path) -> _Source:
-    if path.suffix == ".jsonl":
-        return _JsonlSource(path)
-    if path.suffix == ".json":
-        # Many tools write JSON Lines with a .json suffix: try a list first, then lines.
-        text_head = path.open("rb").read(1)
-        return (
-            _ListSource(path) if text_head in (b"[", b"{") and _is_single_json(path) else _JsonlSource(path)
-        )
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         return _TableSource(str(path), pq.read_table(path))
-    raise ValueError(f"{path}: unsupported file type (use {DATA_SUFFIXES})")
+    if path.suffix not in (".jsonl", ".json"):
+        raise ValueError(f"{path}: unsupported file type (use {DATA_SUFFIXES})")
+    encoding = detect_encoding(path)  # refuses UTF-16/32 without a BOM before anything is read
+    if path.suffix == ".json" and _is_single_json(path, encoding):
+        return _ListSource(path, encoding)
+    # Many tools write JSON Lines with a .json suffix: those are read as lines.
+    return _JsonlSource(path, encoding)
 
 
-def _is_single_json(path: pathlib.Path) -> bool:
+def _is_single_json(path: pathlib.Path, encoding: tuple[str, int]) -> bool:
+    """Whether a .json file is one JSON document (a list) rather than JSON Lines.
+
+    Decided from the first line when it can be: a complete value followed by more text is JSON
+    Lines (no need to read a large file whole to find that out).
+    """
+    codec, bom = encoding
+    unit = np.dtype(_UNIT_DTYPES[codec]).itemsize
+    with open(path, "rb") as f:
+        f.seek(bom)
+        head = f.read(1 << 20)
+    head = head[: len(head) - len(head) % unit].decode(codec, errors="replace")
+    first = head.lstrip()[:1]
+    if first not in ("[", "{"):
+        return False
+    line, newline, rest = head.lstrip().partition("\n")
+    if newline and rest.strip():
+        try:
+            json.loads(line)
+            return False  # a whole value on the first line and more after it: JSON Lines
+        except (json.JSONDecodeError, RecursionError):
+            pass  # a document spread over lines (or a bad first row): parse it whole below
     try:
-        json.loads(path.read_text(encoding="utf-8"))
+        json.loads(_read_text(path, encoding))
         return True
     except (json.JSONDecodeError, UnicodeDecodeError):
         return False
