@@ -112,3 +112,32 @@ def test_cli_runs_demo_world(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert doc["variants"]["original"]["tasks"]["demo_world"]["valid_action_rate"] == 1.0
+
+
+def test_wilson_interval_matches_the_closed_form():
+    from agentrefine_jax.analyze.tables import wilson_interval
+
+    assert wilson_interval(0, 0) is None
+    lo, hi = wilson_interval(0, 10)
+    assert lo == 0.0 and hi == pytest.approx(0.2775, abs=1e-4)  # the textbook 0/10 upper bound
+    lo, hi = wilson_interval(5, 10)
+    assert (lo, hi) == (pytest.approx(0.2366, abs=1e-4), pytest.approx(0.7634, abs=1e-4))
+
+
+def test_report_shows_counts_intervals_rates_and_endings(workdir, tmp_path):
+    from agentrefine_jax.analyze.cli import main as analyze
+
+    path = tmp_path / "scripted.json"
+    doc = _run(Scripted(), workdir, episodes=3)
+    path.write_text(json.dumps(doc))
+    rand = tmp_path / "random.json"
+    rand.write_text(json.dumps(_run(RandomPolicy(seed=0), workdir, episodes=3, max_steps=4)))
+    assert analyze(["report", f"scripted={path}", f"random={rand}", "--out", str(tmp_path / "rep")]) == 0
+    md = (tmp_path / "rep" / "report.md").read_text()
+    section = md.split("## Episodes", 1)[1].split("##", 1)[0]
+    m = doc["variants"]["original"]["tasks"]["demo_world"]
+    scripted = next(line for line in section.splitlines() if line.startswith("| scripted"))
+    assert "n=3" in scripted and "succ 95% CI 43.8–100.0" in scripted and "ends: success 3" in scripted
+    assert f"valid {100 * m['valid_action_rate']:.1f}" in scripted
+    assert f"fmt err {100 * m['format_error_rate']:.1f}" in scripted
+    assert "max_steps" in next(line for line in section.splitlines() if line.startswith("| random"))
