@@ -7,6 +7,7 @@ Tables 1 and 2 and the episodes table hold every row with the new columns; a sec
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -60,10 +61,12 @@ def base_dir(tmp_path_factory) -> pathlib.Path:
 
 
 def _run(base: pathlib.Path, out: pathlib.Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(SCRIPT), "--base", str(base), "--out", str(out), "--tokens", "512",
-           "--batch", "2", "--max-length", "128", "--tasks", "babyai", "--episodes", "1",
+    cmd = [sys.executable, str(SCRIPT), "--base", str(base), "--out", str(out), "--tokens", "1024",
+           "--batch", "1", "--max-length", "512", "--tasks", "babyai", "--episodes", "1",
            "--demo-episodes", "2", "--max-steps", "2", "--max-new-tokens", "6", "-q", *extra]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=out.parent)
+    # As a user runs it: one CPU device, not the 8 the test session's XLA_FLAGS fake for sharding tests.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=out.parent, env=env)
 
 
 def test_mini_paper_end_to_end_and_resume(base_dir, tmp_path):
@@ -75,7 +78,7 @@ def test_mini_paper_end_to_end_and_resume(base_dir, tmp_path):
     settings = ["agentrefine", "no_refinement_loss", "erroneous_loss", "no_refinement_data"]
     if "objective" in TrainConfig.__dataclass_fields__:
         settings.append("sft_dpo")
-    for s in settings:  # the same token budget: 512 / (2 x 128) = 2 steps each
+    for s in settings:  # the same token budget: 1024 / (1 x 512) = 2 steps each
         assert json.loads((out / "runs" / f"{s}.done.json").read_text())["steps"] == 2
     md = (out / "report" / "report.md").read_text()
     t1 = md.split("## Table 1", 1)[1].split("\n## ", 1)[0]
@@ -111,3 +114,30 @@ def test_mini_paper_end_to_end_and_resume(base_dir, tmp_path):
     r4 = _run(base_dir, foreign)
     assert r4.returncode == 2 and "not a mini-paper output" in r4.stderr
     assert (foreign / "notes.txt").read_text() == "mine"
+
+
+def test_model_settings_give_the_directory_architecture(tmp_path):
+    """SmolLM2-135M-Instruct's shape (9 heads over 3 KV heads, from the demo preset's 4 over 2; a float32
+    round-tripped rms_norm_eps; tied; its own special tokens and context) through `--set` alone."""
+    import dataclasses
+
+    from agentrefine_jax.config import apply_overrides, load_config
+    from agentrefine_jax.hf.io import read_hf_config
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import mini_paper
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+              "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+              "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+              "max_position_embeddings": 8192, "rms_norm_eps": 9.999999747378752e-06,
+              "rope_theta": 100000.0, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+              "hidden_act": "silu"}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = apply_overrides(load_config("demo"), mini_paper.model_settings(tmp_path))
+    want = read_hf_config(tmp_path)
+    for f in dataclasses.fields(want):
+        if f.name not in mini_paper.RUNTIME_FIELDS:
+            assert getattr(cfg.model, f.name) == getattr(want, f.name), f.name
+    assert cfg.train.init_from_hf == str(tmp_path.resolve()) and cfg.data.template == "hf"
+    assert mini_paper.train_steps(200_000, 4, 512) == 98 and mini_paper.train_steps(1, 4, 512) == 1
