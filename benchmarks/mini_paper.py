@@ -416,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    args.tasks = tuple(t for t in args.tasks.split(",") if t)
+    args.tasks = tuple(t for t in args.tasks.split(",") if t and t != DEMO_TASK)  # demo_world always runs
     available = available_settings()
     settings = list(available) if not args.settings else [s for s in args.settings.split(",") if s]
     for s in settings:
