@@ -46,6 +46,11 @@ def build_report(results: Sequence[RunResult], out_dir: str | pathlib.Path, incl
     )
     optional = (
         ("## Table 1: success / progress per task", tables.table1(results, include_paper)),
+        (
+            "## Episodes: count, success 95% interval (Wilson), valid-action % and format-error % of the "
+            "replies, and why episodes ended",
+            tables.episodes_table(results),
+        ),
         ("## Table 2: ablations", tables.table2(results, include_paper)),
         (
             "## Table 3: perturbations (average and population std over the original and every perturbation)",

@@ -41,6 +41,12 @@ class Score:
     success: float | None
     progress: float | None
     episodes: int | None = None
+    # How the replies fared (built-in source): the mean over episodes of the share of actions the
+    # environment accepted, and of replies the parser could not read; None when the file lacks them.
+    valid_action_rate: float | None = None
+    format_error_rate: float | None = None
+    # Why episodes ended: (termination, count) pairs, e.g. ("max_steps", 3); () when not recorded.
+    terminations: tuple[tuple[str, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,10 +88,14 @@ def _num(value: Any) -> float | None:
 
 def _score(m: Mapping[str, Any], prefix: str = "") -> Score:
     eps = m.get("episodes")
+    ends = m.get("terminations")
     return Score(
         _num(m.get(prefix + "success_rate")),
         _num(m.get(prefix + "progress_rate")),
         eps if isinstance(eps, int) else None,
+        _num(m.get("valid_action_rate")),
+        _num(m.get("format_error_rate")),
+        tuple(sorted((str(k), int(v)) for k, v in ends.items())) if isinstance(ends, Mapping) else (),
     )
 
 

@@ -114,6 +114,44 @@ def table2(results: Sequence[RunResult], include_paper: bool = False) -> str | N
     return _markdown(["setting", *map(display, tasks), "held-out"], rows)
 
 
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float] | None:
+    """Wilson score interval of a success rate (95% at z = 1.96); None without episodes. Unlike
+    p ± z·se it stays inside [0, 1] and is not empty at 0 or n successes (small evals score 0 often)."""
+    if n <= 0:
+        return None
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _episodes_cell(s: Score | None) -> str:
+    if s is None:
+        return DASH
+    parts = [f"n={s.episodes}" if s.episodes is not None else "n=?"]
+    if s.episodes and s.success is not None:
+        lo, hi = wilson_interval(round(s.success * s.episodes), s.episodes) or (math.nan, math.nan)
+        parts.append(f"succ 95% CI {pct(lo)}–{pct(hi)}")
+    parts.append(f"valid {pct(s.valid_action_rate)}")
+    parts.append(f"fmt err {pct(s.format_error_rate)}")
+    if s.terminations:
+        parts.append("ends: " + ", ".join(f"{k} {c}" for k, c in s.terminations))
+    return "; ".join(parts)
+
+
+def episodes_table(results: Sequence[RunResult]) -> str | None:
+    """Per run and task: episode count, the success rate's Wilson 95% interval, the valid-action and
+    format-error rates (%) and why episodes ended (counts), so a score reads with its sample size and
+    what the replies did; rows named like Table 1's (the run's label)."""
+    results = [r for r in results if r.tasks]
+    if not results:
+        return None
+    tasks = task_columns(results)
+    rows = [[r.label, *(_episodes_cell(r.tasks.get(t)) for t in tasks)] for r in results]
+    return _markdown(["model", *map(display, tasks)], rows)
+
+
 def paper_style_summary(values: Sequence[float | None]) -> tuple[float | None, float | None]:
     """Table 3's average and std over the original and every perturbation. Every published average is
     the mean of all six values; the population std of the six gives some published stds (AgentRefine's

@@ -24,6 +24,8 @@ from agentrefine_jax.eval.registry import PAPER_WEIGHTS
 HELD_OUT = "held_out_average"
 AGENTBOARD_METRICS = ("success_rate", "progress_rate", "grounding_acc")
 RATES = AGENTBOARD_METRICS[:2]
+# How a model's replies fare, per task (`behaviour_rates`): where a small model shows training's effect.
+BEHAVIOUR = ("valid_action_rate", "format_error_rate")
 SCHEMA = "agentrefine_jax.eval/1"  # the results JSON layout, docs/eval.md ("Results JSON")
 
 
@@ -64,8 +66,34 @@ def task_metrics(results: Sequence[Any]) -> dict[str, dict[str, dict[str, Any]]]
             "first_sample_progress_rate": _mean(float(_get(r, "progress")) for r in first),
             "terminations": dict(sorted(terminations.items())),
             "errors": terminations.get("error", 0),
-        }
+        } | behaviour_rates(rs)
     return dict(out)
+
+
+def episode_rates(r: Any) -> dict[str, float | None]:
+    """One episode's reply behaviour: the valid-action rate (of the actions the parser read and sent
+    to the environment, the share it accepted as valid) and the format-error rate (of all replies, the
+    share the parser could not read as an action). None where the episode has nothing to divide by."""
+    steps = int(_get(r, "steps"))
+    bad_format = int(_get(r, "format_errors"))
+    actions = steps - bad_format
+    return {
+        "valid_action_rate": (actions - int(_get(r, "invalid_actions"))) / actions if actions > 0 else None,
+        "format_error_rate": bad_format / steps if steps > 0 else None,
+    }
+
+
+def behaviour_rates(results: Sequence[Any]) -> dict[str, float | None]:
+    """A task's valid-action and format-error rates: the mean of its episodes' rates (every sample
+    counts; an episode without an action, or without a reply, is left out of that mean; None when
+    none is left). Episode records without the counts (older files) give None."""
+    counted = [r for r in results if all(_has(r, k) for k in ("steps", "format_errors", "invalid_actions"))]
+    per = [episode_rates(r) for r in counted]
+    return {k: _mean_or_none([e[k] for e in per if e[k] is not None]) for k in BEHAVIOUR}
+
+
+def _has(r: Any, key: str) -> bool:
+    return key in r if isinstance(r, Mapping) else hasattr(r, key)
 
 
 def held_out_average(

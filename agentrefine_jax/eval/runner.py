@@ -12,7 +12,14 @@ from typing import Any
 from agentrefine_jax.eval.envs.base import EvalTask
 from agentrefine_jax.eval.journal import Journal
 from agentrefine_jax.eval.loop import EpisodeJob, EpisodeResult, job_seed, run_episodes
-from agentrefine_jax.eval.metrics import HELD_OUT, SCHEMA, best_of_metrics, best_of_table, summarize
+from agentrefine_jax.eval.metrics import (
+    BEHAVIOUR,
+    HELD_OUT,
+    SCHEMA,
+    best_of_metrics,
+    best_of_table,
+    summarize,
+)
 from agentrefine_jax.eval.perturb import variant_name
 from agentrefine_jax.eval.policies import Policy, is_privileged
 from agentrefine_jax.eval.registry import (
@@ -202,7 +209,11 @@ def format_table(doc: dict[str, Any]) -> str:
     width = 15
     head = f"{'':<18}" + "".join(f"{c:^{width}}" for c in cols)
     sub = f"{'':<18}" + "".join(f"{_metric_label(t):^{width}}" for t in [*tasks, HELD_OUT])
-    lines = [f"policy: {doc['policy']}   (success % / progress %)", head, sub]
+    lines = [
+        f"policy: {doc['policy']}   (success % / progress %; below each: valid-action % / format-error %)",
+        head,
+        sub,
+    ]
 
     def row(label: str, values: Sequence[tuple[float, float]]) -> str:
         return f"{label:<18}" + "".join(f"{_pct(s) + ' / ' + _pct(p):^{width}}" for s, p in values)
@@ -217,6 +228,12 @@ def format_table(doc: dict[str, Any]) -> str:
         ]
         vals.append((v[HELD_OUT]["success_rate"], v[HELD_OUT]["progress_rate"]))
         lines.append(row(vname, vals))
+        # How the replies fared (valid-action % / format-error %): no held-out average of these.
+        rates = [
+            tuple(v["tasks"][t].get(k) for k in BEHAVIOUR) if t in v["tasks"] else (math.nan, math.nan)
+            for t in tasks
+        ]
+        lines.append(row("  valid / fmt err", [*rates, (None, None)]))
     summary = doc.get("perturbation_summary") or {}
     if summary:
         keys = tasks + [HELD_OUT]

@@ -1,0 +1,143 @@
+"""benchmarks/mini_paper.py end to end on a tiny random ChatML Llama (an HF directory with its own
+tokenizer.json and chat template, the shape of SmolLM2-135M-Instruct's): every Table 2 setting trains
+a couple of steps, base and tuned models play one BabyAI episode and demo worlds, and the report's
+Tables 1 and 2 and the episodes table hold every row with the new columns; a second run resumes
+(skips everything) and a foreign --out is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import transformers
+from hf_fixtures import build_model, save_checkpoint
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "mini_paper.py"
+DEMO = REPO / "agentrefine_jax" / "data" / "demo" / "train.jsonl"
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML, as SmolLM2-135M-Instruct ships it in spirit (written here, not copied).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory) -> pathlib.Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    out = tmp_path_factory.mktemp("chatml_llama")
+    texts = [
+        m["content"] for line in DEMO.read_text().splitlines()[:20] for m in json.loads(line)["messages"]
+    ]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(texts, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    config = transformers.LlamaConfig(
+        vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+        bos_token_id=fast.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=fast.convert_tokens_to_ids("<|im_end|>"), attn_implementation="eager",
+    )  # fmt: skip
+    save_checkpoint(build_model(config, seed=3), out)
+    return out
+
+
+def _run(base: pathlib.Path, out: pathlib.Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(SCRIPT), "--base", str(base), "--out", str(out), "--tokens", "1024",
+           "--batch", "1", "--max-length", "512", "--tasks", "babyai", "--episodes", "1",
+           "--demo-episodes", "2", "--max-steps", "2", "--max-new-tokens", "6", "-q", *extra]  # fmt: skip
+    # As a user runs it: one CPU device, not the 8 the test session's XLA_FLAGS fake for sharding tests.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=out.parent, env=env)
+
+
+def test_mini_paper_end_to_end_and_resume(base_dir, tmp_path):
+    from agentrefine_jax.config import TrainConfig
+
+    out = tmp_path / "mini"
+    r = _run(base_dir, out)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    settings = ["agentrefine", "no_refinement_loss", "erroneous_loss", "no_refinement_data"]
+    if "objective" in TrainConfig.__dataclass_fields__:
+        settings.append("sft_dpo")
+    for s in settings:  # the same token budget: 1024 / (1 x 512) = 2 steps each
+        assert json.loads((out / "runs" / f"{s}.done.json").read_text())["steps"] == 2
+    md = (out / "report" / "report.md").read_text()
+    t1 = md.split("## Table 1", 1)[1].split("\n## ", 1)[0]
+    t2 = md.split("## Table 2", 1)[1].split("\n## ", 1)[0]
+    eps = md.split("## Episodes", 1)[1].split("\n## ", 1)[0]
+    for label in ["base", *settings]:
+        assert f"| {label} |" in t1 and f"| {label} |" in eps
+        row = next(line for line in eps.splitlines() if line.startswith(f"| {label} |"))
+        assert row.count("n=1;") == 1 and row.count("n=2;") == 1  # babyai, demo world
+        assert "valid " in row and "fmt err " in row and "ends: " in row and "95% CI" in row
+    rows2 = ("AgentRefine (agentrefine)", "w/o refinement loss (no_refinement_loss)",
+             "w/ erroneous loss (erroneous_loss)", "w/o refinement data (no_refinement_data)")  # fmt: skip
+    for name in rows2:
+        assert f"| {name} |" in t2
+    assert "Demo world" in t1 and "BabyAI" in t1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["machine"]["cpu_count"] >= 1 and summary["steps"] == 2
+    row = next(x for x in summary["rows"] if x["model"] == "base" and x["task"] == "demo_world")
+    assert row["episodes"] == 2 and len(row["success_ci95"]) == 2
+    assert row["format_error_rate"] is not None  # a random model's replies
+    assert "CPUs" in r.stdout and "done in" in r.stdout
+    # Resume: everything exists, nothing is trained or evaluated again.
+    r2 = _run(base_dir, out)
+    assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
+    assert "training" not in r2.stdout and "evaluating" not in r2.stdout
+    assert r2.stdout.count("skipped") == len(settings) + 2 * (len(settings) + 1)
+    # Other settings on the same --out, or a foreign non-empty --out: one line, exit 2.
+    r3 = _run(base_dir, out, "--lr", "1e-3")
+    assert r3.returncode == 2 and "other settings" in r3.stderr and "Traceback" not in r3.stderr
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    r4 = _run(base_dir, foreign)
+    assert r4.returncode == 2 and "not a mini-paper output" in r4.stderr
+    assert (foreign / "notes.txt").read_text() == "mine"
+
+
+def test_model_settings_give_the_directory_architecture(tmp_path):
+    """SmolLM2-135M-Instruct's shape (9 heads over 3 KV heads, from the demo preset's 4 over 2; a float32
+    round-tripped rms_norm_eps; tied; its own special tokens and context) through `--set` alone."""
+    import dataclasses
+
+    from agentrefine_jax.config import apply_overrides, load_config
+    from agentrefine_jax.hf.io import read_hf_config
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import mini_paper
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+              "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+              "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+              "max_position_embeddings": 8192, "rms_norm_eps": 9.999999747378752e-06,
+              "rope_theta": 100000.0, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+              "hidden_act": "silu"}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = apply_overrides(load_config("demo"), mini_paper.model_settings(tmp_path))
+    want = read_hf_config(tmp_path)
+    for f in dataclasses.fields(want):
+        if f.name not in mini_paper.RUNTIME_FIELDS:
+            assert getattr(cfg.model, f.name) == getattr(want, f.name), f.name
+    assert cfg.train.init_from_hf == str(tmp_path.resolve()) and cfg.data.template == "hf"
+    assert mini_paper.train_steps(200_000, 4, 512) == 98 and mini_paper.train_steps(1, 4, 512) == 1
