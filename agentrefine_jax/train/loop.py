@@ -8,6 +8,7 @@ the uninterrupted run step for step, on any number of processes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import signal
 from collections.abc import Iterator, Sequence
@@ -188,6 +189,7 @@ def run_steps(
 def train(cfg: Config) -> dict[str, Any]:
     """Run (or resume) training; returns a summary with the final step and losses.
     Holds the run directory's lock throughout (RunDirInUse when another trainer has it)."""
+    cfg = resolve_init_from_gguf(cfg)
     paths = RunPaths(cfg.train.run_dir)
     with RunLock(paths.root, take=jax.process_index() == 0):
         return _train(cfg, paths)
@@ -443,6 +445,23 @@ def evaluate(fns: StepFns, params: Any, pipeline: Any, global_batch: int) -> flo
         total += float(loss_sum)
         count += float(n)
     return total / max(count, 1.0)
+
+
+def resolve_init_from_gguf(cfg: Config) -> Config:
+    """`train.init_from_gguf=FILE` -> `train.init_from_hf=<FILE's cached conversion>` (converted on
+    first use, hf/gguf_cache.py); everything after this sees an ordinary HF-initialised run. The
+    cache directory is keyed by the file's content, so a resume resolves to the same directory."""
+    tc = cfg.train
+    if not tc.init_from_gguf:
+        return cfg
+    from agentrefine_jax.hf.gguf_cache import cached_hf_dir
+
+    try:
+        hf_dir = cached_hf_dir(tc.init_from_gguf, log=log.info)
+    except (ValueError, OSError) as e:
+        raise TrainingInputError(f"train.init_from_gguf={tc.init_from_gguf}: {e}") from None
+    train_cfg = dataclasses.replace(tc, init_from_gguf=None, init_from_hf=str(hf_dir))
+    return dataclasses.replace(cfg, train=train_cfg)
 
 
 def check_init_from_hf(cfg: Config) -> None:
