@@ -170,3 +170,24 @@ def test_refuses_what_it_cannot_convert(tmp_path: pathlib.Path, capsys) -> None:
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("[export] error: ") and needle in lines[0], lines
         assert not out.exists() and not list(tmp_path.glob(f"out-{path.stem}.partial-*"))
+
+
+def test_init_from_gguf_resolves_through_the_cache(small) -> None:
+    """`train.init_from_gguf=FILE` becomes `train.init_from_hf=<cached conversion>` when training
+    starts (converted once: a second resolution reuses the entry); setting both is refused."""
+    from agentrefine_jax.config import load_config
+    from agentrefine_jax.config_checks import ConfigError
+    from agentrefine_jax.hf.gguf_cache import cache_root
+    from agentrefine_jax.train.loop import resolve_init_from_gguf
+
+    path, weights = small
+    cfg = load_config("demo", [f"train.init_from_gguf={path}"])
+    resolved = resolve_init_from_gguf(cfg)
+    hf_dir = pathlib.Path(resolved.train.init_from_hf)
+    assert resolved.train.init_from_gguf is None and hf_dir.parent == cache_root()
+    assert (hf_dir / "model.safetensors").is_file() and (hf_dir / "tokenizer.json").is_file()
+    mtime = (hf_dir / "model.safetensors").stat().st_mtime_ns
+    assert resolve_init_from_gguf(cfg).train.init_from_hf == str(hf_dir)
+    assert (hf_dir / "model.safetensors").stat().st_mtime_ns == mtime  # reused, not rewritten
+    with pytest.raises(ConfigError, match="set one"):
+        load_config("demo", [f"train.init_from_gguf={path}", f"train.init_from_hf={hf_dir}"])
