@@ -100,9 +100,10 @@ def bench_transformers(hf_dir: pathlib.Path, prompts: np.ndarray, args: argparse
     ).eval()
     ids = torch.as_tensor(prompts)
     mask = torch.ones_like(ids)
-    # Exactly n tokens, no stop token: not min_new_tokens, which would mask the eos logit and so
-    # change the greedy choice whenever the model wants to stop (ours decodes with no stop ids).
-    no_stop = transformers.GenerationConfig(eos_token_id=None, bos_token_id=None, do_sample=False)
+    # Exactly n tokens and no stop token: the model's own eos unset (a None passed to generate()
+    # is filled from it); not min_new_tokens, which masks the eos logit and so changes the greedy
+    # choice where the model would stop (ours decodes with no stop ids).
+    model.generation_config.eos_token_id = None
     state: dict[str, object] = {}
 
     def run(n: int) -> float:
@@ -114,7 +115,6 @@ def bench_transformers(hf_dir: pathlib.Path, prompts: np.ndarray, args: argparse
                 max_new_tokens=n,
                 do_sample=False,
                 pad_token_id=0,
-                generation_config=no_stop,
             )
         state["tokens"] = out[:, ids.shape[1] :].tolist()
         return time.perf_counter() - t0
@@ -122,7 +122,10 @@ def bench_transformers(hf_dir: pathlib.Path, prompts: np.ndarray, args: argparse
     def one_round() -> float:
         t1 = run(1)
         state["prefill_s"] = t1
-        return len(prompts) * (args.new_tokens - 1) / max(run(args.new_tokens) - t1, 1e-9)
+        tn = run(args.new_tokens)
+        if any(len(t) != args.new_tokens for t in state["tokens"]):  # a stop would flatter the rate
+            raise RuntimeError("transformers stopped before --new-tokens")
+        return len(prompts) * (args.new_tokens - 1) / max(tn - t1, 1e-9)
 
     return one_round, state
 
