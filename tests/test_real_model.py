@@ -30,6 +30,8 @@ import transformers
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DEMO = REPO / "agentrefine_jax" / "data" / "demo"
 QUESTION = "What is the capital of France? Answer in one word."
+# A 135M-parameter model on 2 cores: conversion, transformers' GGUF load and the subprocesses.
+pytestmark = pytest.mark.slow
 PROMPTS = [
     QUESTION,
     "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n",
