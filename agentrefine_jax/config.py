@@ -136,6 +136,9 @@ class TrainConfig:
     # the directory's tokenizer and chat template become data.tokenizer/template unless set);
     # "auto" = init_from_hf when it is set, else the config. See docs/export.md.
     model_source: typing.Literal["auto", "config", "init_from_hf"] = "config"
+    # A llama.cpp GGUF file: converted once into the GGUF cache (hf/gguf_cache.py), then used as
+    # `init_from_hf=<that directory>` (the trainer resolves it; set one of the two).
+    init_from_gguf: str | None = None
     # Export a Hugging Face directory when training ends (a relative path is inside run_dir).
     export_hf_at_end: str | None = None
     # "auto": the dtype init_from_hf weights came in, else model.param_dtype; or float32/bfloat16/float16.

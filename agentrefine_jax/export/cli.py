@@ -1,4 +1,4 @@
-"""`python -m agentrefine_jax.export {from-hf,to-hf,verify,demo}`: Hugging Face interop from the shell.
+"""`python -m agentrefine_jax.export {from-hf,from-gguf,to-hf,verify,demo}`: HF interop from the shell.
 
 Exit codes: 0 success, 1 `verify` out of tolerance (or structurally different), 2 bad
 input (missing files, refused weights, config mismatch while loading, ...).
@@ -93,6 +93,32 @@ def cmd_from_hf(args: argparse.Namespace) -> int:
             source_dtype=source_dtype,
         )
     log.info(f"done: {pathlib.Path(args.out) / '0'}")
+    return 0
+
+
+def cmd_from_gguf(args: argparse.Namespace) -> int:
+    """llama.cpp GGUF file -> HF directory (numpy dequantisation; hf/gguf_import.py)."""
+    from agentrefine_jax.hf.gguf_import import read_gguf, write_hf_dir
+
+    outputs.check_dir(args.out, overwrite=args.overwrite, protect=[args.gguf])  # before any reading
+    t0 = time.time()
+    m = read_gguf(args.gguf)  # refuses an unsupported file in one line, before anything is written
+    c = m.cfg
+    types = sorted({t.tensor_type.name for t in m.reader.tensors})
+    eos = [m.tokens[i] for i in c.eos_token_ids]
+    log.info(
+        f"reading {args.gguf}: {m.arch}, {c.num_layers} layers, hidden {c.hidden_size}, "
+        f"heads {c.num_heads}/{c.num_kv_heads} kv, vocab {c.vocab_size}, "
+        f"context {c.max_position_embeddings}, "
+        f"{'tied' if c.tie_embeddings else 'untied'} embeddings; tensors {', '.join(types)}; "
+        f"special tokens (the file's ids) bos {m.token('bos')!r}, eos {eos}, "
+        f"pad {m.token('pad')!r}"
+    )
+    with outputs.publish_dir(
+        args.out, tool="export from-gguf", overwrite=args.overwrite, protect=[args.gguf]
+    ) as tmp:
+        write_hf_dir(m, tmp, dtype=args.dtype, log=log.info)
+    log.info(f"done in {time.time() - t0:.1f}s: {args.out}")
     return 0
 
 
@@ -244,7 +270,10 @@ def _demo(args: argparse.Namespace, out: pathlib.Path, cfg: Any, tokenizer: str)
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="python -m agentrefine_jax.export",
-        description="Convert Hugging Face Llama/Mistral checkpoints to and from project checkpoints; verify.",
+        description=(
+            "Convert Hugging Face Llama/Mistral checkpoints to and from project checkpoints; "
+            "import llama.cpp GGUF files; verify."
+        ),
     )
     sub = p.add_subparsers(dest="command", required=True)
     # Every subcommand takes -q/--quiet and -v/--verbose (added below, once all exist).
@@ -259,6 +288,15 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--mesh", default="auto", help=mesh_help)
     a.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     a.set_defaults(func=cmd_from_hf)
+
+    g = sub.add_parser("from-gguf", help="llama.cpp GGUF file -> HF safetensors directory (no torch)")
+    g.add_argument("--gguf", required=True, help="GGUF file (llama architecture, byte-level BPE tokenizer)")
+    g.add_argument("--out", required=True, help="HF directory to create, new or empty")
+    g.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="storage dtype"
+    )
+    g.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    g.set_defaults(func=cmd_from_gguf)
 
     b = sub.add_parser("to-hf", help="project checkpoint -> HF safetensors directory")
     b.add_argument("--checkpoint", required=True, help="run dir, checkpoint root (latest step) or step dir")

@@ -7,12 +7,16 @@ execution fields (dtypes, kernels, layout), and makes the directory's own tokeni
 template the run's unless `--set data.tokenizer` / `data.template` name others. A `--set
 model.<field>` that contradicts the directory is refused naming the field. "auto" is
 "init_from_hf" when `train.init_from_hf` is set, else "config".
+
+`train.init_from_gguf=FILE` is resolved first: converted once into the GGUF cache
+(hf/gguf_cache.py) and then an ordinary `train.init_from_hf=<that directory>`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import pathlib
 
 from agentrefine_jax.config import Config
@@ -32,9 +36,28 @@ def hf_chat_template(hf_dir: str | pathlib.Path) -> bool:
         return False
 
 
+def resolve_init_from_gguf(cfg: Config) -> Config:
+    """`train.init_from_gguf=FILE` -> `train.init_from_hf=<FILE's cached conversion>` (converted on
+    first use); everything after this sees an ordinary HF-initialised run. The cache directory is
+    keyed by the file's content, so a resume resolves to the same directory."""
+    tc = cfg.train
+    if not tc.init_from_gguf:
+        return cfg
+    from agentrefine_jax.hf.gguf_cache import cached_hf_dir
+
+    try:
+        hf_dir = cached_hf_dir(tc.init_from_gguf, log=logging.getLogger("agentrefine_jax.hf").info)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"train.init_from_gguf={tc.init_from_gguf}: {e}") from None
+    train_cfg = dataclasses.replace(tc, init_from_gguf=None, init_from_hf=str(hf_dir))
+    return dataclasses.replace(cfg, train=train_cfg)
+
+
 def resolve(cfg: Config) -> Config:
-    """The config with its model taken from `train.init_from_hf` where `model_source` says so.
-    Idempotent; a directory that cannot be read is left to the trainer's full check (one line)."""
+    """The config with its model taken from `train.init_from_hf` (or `init_from_gguf`, converted)
+    where `model_source` says so. Idempotent; a directory that cannot be read is left to the
+    trainer's full check (one line)."""
+    cfg = resolve_init_from_gguf(cfg)
     source, hf_dir = cfg.train.model_source, cfg.train.init_from_hf
     if source == "auto":
         source = "init_from_hf" if hf_dir else "config"
