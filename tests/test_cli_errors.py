@@ -55,33 +55,33 @@ def _assert_one_line_error(res: subprocess.CompletedProcess[str], tool: str, *ne
 )
 def test_train_refuses_a_bad_config_value_before_any_work(tmp_path, override, needle):
     run_dir = tmp_path / "run"
-    res, seconds = _run("train", "--config", "demo", "--set", f"train.run_dir={run_dir}", "--set", override)
+    res, seconds = _run("train", "--config", "tiny", "--set", f"train.run_dir={run_dir}", "--set", override)
     _assert_one_line_error(res, "train", needle)
     assert not run_dir.exists()  # nothing was written: the run never started
     assert seconds < 120  # start-up only (imports); the demo's data would take far longer
 
 
 def test_print_config_validates():
-    res, _ = _run("train", "--config", "demo", "--set", "optim.schedule=cosin", "--print-config")
+    res, _ = _run("train", "--config", "tiny", "--set", "optim.schedule=cosin", "--print-config")
     _assert_one_line_error(res, "train", "optim.schedule")
     assert res.stdout == ""
-    ok, _ = _run("train", "--config", "demo", "--set", "train.max_steps=5", "--print-config")
+    ok, _ = _run("train", "--config", "tiny", "--set", "train.max_steps=5", "--print-config")
     assert ok.returncode == 0 and '"max_steps": 5' in ok.stdout
 
 
 @pytest.mark.parametrize(
     "tool,args,needle",
     [
-        ("train", ["--config", "demo", "--set", "train.max_step=3"], "unknown key 'max_step'"),
-        ("train", ["--config", "demo", "--set", "train.max_steps=three"], "expected an integer"),
+        ("train", ["--config", "tiny", "--set", "train.max_step=3"], "unknown key 'max_step'"),
+        ("train", ["--config", "tiny", "--set", "train.max_steps=three"], "expected an integer"),
         ("train", ["--config", "no_such_config"], "no config 'no_such_config'"),
-        ("train", ["--config", "demo", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-        ("train", ["--config", "demo", "--num-processes", "2"], "go together"),
-        ("plan", ["--config", "demo", "--set", "optim.schedule=cosin"], "optim.schedule"),
+        ("train", ["--config", "tiny", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        ("train", ["--config", "tiny", "--num-processes", "2"], "go together"),
+        ("plan", ["--config", "tiny", "--set", "optim.schedule=cosin"], "optim.schedule"),
         ("plan", ["--config", "no_such_config"], "no config 'no_such_config'"),
-        ("plan", ["--config", "demo", "--mesh", "bogus=2"], "unknown axis 'bogus'"),
-        ("plan", ["--config", "demo", "--devices", "0"], "--devices must be >= 1"),
-        ("plan", ["--config", "demo", "--mesh", "fsdp=1", "--mfu", "-1"], "--mfu must be in (0, 1]"),
+        ("plan", ["--config", "tiny", "--mesh", "bogus=2"], "unknown axis 'bogus'"),
+        ("plan", ["--config", "tiny", "--devices", "0"], "--devices must be >= 1"),
+        ("plan", ["--config", "tiny", "--mesh", "fsdp=1", "--mfu", "-1"], "--mfu must be in (0, 1]"),
         ("data", ["bogus"], "invalid choice: 'bogus'"),
         ("data", ["stats", "--input", "x.jsonl", "--overlength", "cut"], "invalid choice: 'cut'"),
         ("data", ["stats", "--input", MISSING, "--max-length", "0"], "data.max_length=0: must be >= 2"),

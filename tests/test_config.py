@@ -34,12 +34,12 @@ def test_paper_configs(name, max_length, loss_on, drop):
 
 
 def test_path_and_bare_name_resolve_to_the_same_config():
-    assert to_dict(load_config(str(CONFIGS_DIR / "demo.py"))) == to_dict(load_config("demo"))
+    assert to_dict(load_config(str(CONFIGS_DIR / "tiny.py"))) == to_dict(load_config("tiny"))
 
 
 def test_overrides_are_typed():
     cfg = load_config(
-        "demo",
+        "tiny",
         [
             "train.max_steps=7",
             "train.run_dir=/tmp/x",
@@ -69,7 +69,7 @@ def test_overrides_are_typed():
 )
 def test_bad_overrides_fail_at_start_up(override, error):
     with pytest.raises(error):
-        apply_overrides(load_config("demo"), [override])
+        apply_overrides(load_config("tiny"), [override])
 
 
 def test_unknown_config_name_lists_the_choices():
@@ -127,26 +127,26 @@ def test_resolved_config_round_trips_through_json_dict():
 )
 def test_bad_values_are_refused_at_load_time_naming_the_key(override, named):
     with pytest.raises(ConfigError) as e:
-        load_config("demo", [override])
+        load_config("tiny", [override])
     msg = str(e.value)
     assert named in msg and "\n" not in msg
 
 
 def test_optim_warmup_must_fit_in_max_steps():
     with pytest.raises(ConfigError, match=r"optim.warmup_steps=30: must be < train.max_steps=30"):
-        load_config("demo", ["optim.warmup_steps=30"])
-    assert load_config("demo", ["optim.warmup_steps=30", "optim.schedule=constant"]).optim.warmup_steps == 30
+        load_config("tiny", ["optim.warmup_steps=30"])
+    assert load_config("tiny", ["optim.warmup_steps=30", "optim.schedule=constant"]).optim.warmup_steps == 30
 
 
 def test_every_bad_key_is_named_in_one_line():
     with pytest.raises(ConfigError) as e:
-        load_config("demo", ["optim.learning_rate=0", "train.log_every=0"])
+        load_config("tiny", ["optim.learning_rate=0", "train.log_every=0"])
     assert "optim.learning_rate=0.0" in str(e.value) and "train.log_every=0" in str(e.value)
 
 
 def test_edge_values_that_mean_off_are_accepted():
     cfg = load_config(
-        "demo",
+        "tiny",
         [
             "train.eval_every=0",
             "train.checkpoint_every=0",
@@ -215,7 +215,7 @@ def test_a_broken_config_file_is_one_config_error(tmp_path):
 )
 def test_unparseable_overrides_name_the_key(override, named):
     with pytest.raises(ConfigError) as e:
-        load_config("demo", [override])
+        load_config("tiny", [override])
     assert str(e.value).startswith(named) and "\n" not in str(e.value)
 
 
@@ -250,8 +250,8 @@ def test_overrides_are_applied_together_then_checked_once(order):
     """heads 4->9 with kv-heads 2->3 is valid only as a pair: either order works, and a set that
     stays invalid is refused naming its key."""
     sets = ["model.num_heads=9", "model.num_kv_heads=3"][:: 1 if order else -1]
-    cfg = load_config("demo", sets)
+    cfg = load_config("tiny", sets)
     assert (cfg.model.num_heads, cfg.model.num_kv_heads) == (9, 3)
     with pytest.raises(ConfigError) as e:
-        load_config("demo", ["model.num_heads=9", "train.max_steps=3"])
+        load_config("tiny", ["model.num_heads=9", "train.max_steps=3"])
     assert str(e.value).startswith("--set model.num_heads=9: num_heads=9 must be a multiple")

@@ -187,7 +187,7 @@ def test_training_on_unusable_data_stops_with_one_line(tmp_path):
     import sys
 
     path = _write_jsonl(tmp_path / "bad.jsonl", ["{not json", DEEP])
-    cmd = [sys.executable, "-m", "agentrefine_jax.train", "--config", "demo"]
+    cmd = [sys.executable, "-m", "agentrefine_jax.train", "--config", "tiny"]
     cmd += ["--set", f"data.train_files={path}", "--set", f"train.run_dir={tmp_path / 'run'}"]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)

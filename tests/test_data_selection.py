@@ -70,7 +70,7 @@ def test_train_size_larger_than_the_data_is_a_clear_error(files):
         build_data(_cfg(files, train_size=1000), "train")
     # Bad values are refused when the config is loaded, before any data is read.
     with pytest.raises(ValueError, match="data.train_size"):
-        load_config("demo", ["data.train_size=0"])
+        load_config("tiny", ["data.train_size=0"])
 
 
 def test_general_chat_is_mixed_at_the_ratio(files):
@@ -98,15 +98,15 @@ def test_general_mix_errors(files):
     with pytest.raises(DataError, match="needs 60 general examples; data.general_files has only 30"):
         build_data(_cfg(files, general_files=(general,), general_ratio=1.0), "train")
     with pytest.raises(ValueError, match="general_ratio > 0 needs data.general_files"):
-        load_config("demo", ["data.general_ratio=0.5"])
+        load_config("tiny", ["data.general_ratio=0.5"])
     with pytest.raises(ValueError, match="data.general_ratio"):
-        load_config("demo", ["data.general_ratio=-1.0"])
+        load_config("tiny", ["data.general_ratio=-1.0"])
 
 
 def test_knobs_are_config_settings(files):
     agent, general = files
     cfg = load_config(
-        "demo",
+        "tiny",
         [
             f"data.train_files={agent}",
             "data.train_size=8",

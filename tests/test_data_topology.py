@@ -82,7 +82,7 @@ def _argv(
         "train.run_dir": str(run_dir),
         **(extra or {}),
     }
-    cmd = ["--config", "demo"]
+    cmd = ["--config", "tiny"]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
     if distributed is not None:

@@ -217,7 +217,7 @@ TRAIN_CASES = (
 def test_train_init_from_hf_gives_the_same_one_line(case, hf_dir, elsewhere, tmp_path, capsys):
     d = hostile_dir(hf_dir, elsewhere, tmp_path, case)
     run = tmp_path / "run"
-    argv = ["--config", "demo", "--set", f"train.run_dir={run}", "--set", f"train.init_from_hf={d}", "-q"]
+    argv = ["--config", "tiny", "--set", f"train.run_dir={run}", "--set", f"train.init_from_hf={d}", "-q"]
     argv += ["--set", f"data.train_files={tmp_path / 'absent.jsonl'}"]  # the check comes before any data
     argv += ["--set", "mesh.fsdp=2", "--set", "mesh.tensor=4"]  # the demo's batch of 4 on 8 test devices
     res = run_main("train", argv, capsys)
@@ -232,7 +232,7 @@ def test_train_process_refuses_weights_outside_the_directory_before_any_data_wor
     d = hostile_dir(hf_dir, elsewhere, tmp_path, "index-parent-traversal")
     run = tmp_path / "run"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, "-m", "agentrefine_jax.train", "--config", "demo", "-q"]
+    cmd = [sys.executable, "-m", "agentrefine_jax.train", "--config", "tiny", "-q"]
     cmd += ["--set", f"train.run_dir={run}", "--set", f"train.init_from_hf={d}"]
     cmd += ["--set", f"data.train_files={tmp_path / 'absent.jsonl'}"]  # reached only if the check came late
     cmd += ["--set", "mesh.fsdp=2", "--set", "mesh.tensor=4"]  # the 8 CPU devices of conftest's XLA_FLAGS
@@ -254,7 +254,7 @@ def test_train_names_a_nan_weight_found_while_loading_the_base(tmp_path, capsys)
     save_hf(numpy_model(cfg, seed=0, std=0.02), cfg, d, dtype="float32")
     _edit_tensor("model.norm.weight", _with_nan)(d, d)
     run = tmp_path / "run"
-    argv = ["--config", "demo", "-q", "--set", f"train.run_dir={run}", "--set", f"train.init_from_hf={d}"]
+    argv = ["--config", "tiny", "-q", "--set", f"train.run_dir={run}", "--set", f"train.init_from_hf={d}"]
     argv += ["--set", "mesh.fsdp=2", "--set", "mesh.tensor=4", "--set", "train.export_hf_at_end=none"]
     rows = tmp_path / "rows.jsonl"  # four unpacked rows: one global batch, little tokenizing
     rows.write_text((json.dumps(GOOD) + "\n") * 4)
@@ -265,7 +265,7 @@ def test_train_names_a_nan_weight_found_while_loading_the_base(tmp_path, capsys)
 
 
 def test_train_mesh_the_devices_cannot_fill_is_one_line(tmp_path, capsys):
-    argv = ["--config", "demo", "-q", "--set", f"train.run_dir={tmp_path / 'run'}", "--set", "mesh.fsdp=3"]
+    argv = ["--config", "tiny", "-q", "--set", f"train.run_dir={tmp_path / 'run'}", "--set", "mesh.fsdp=3"]
     res = run_main("train", argv, capsys)
     assert_one_line(res, "train", "mesh.data/fsdp/tensor: mesh {'data': 1, 'fsdp': 3, 'tensor': 1} needs 3")
 

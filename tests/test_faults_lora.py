@@ -22,7 +22,7 @@ def _cfg(tmp: pathlib.Path, hf_dir: pathlib.Path | None, *extra: str):
     from agentrefine_jax.hf.io import read_hf_config
 
     cfg = load_config(
-        "demo",
+        "tiny",
         [
             *FAST[1::2],
             "train.max_steps=2",

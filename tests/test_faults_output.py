@@ -208,7 +208,7 @@ def _read_only_cases(checkpoint: pathlib.Path, ro: pathlib.Path) -> dict[str, tu
         "eval": ("eval", [*ORACLE, "--out", str(ro / "r.json")]),
         "data": ("data", ["dump", "--input", str(data), "--out", str(ro / "rows.jsonl")]),
         "synth": ("synth", ["convert", "--input", str(data), "--out", str(ro / "sub" / "chat.jsonl")]),
-        "train": ("train", ["--config", "demo", "--set", f"train.run_dir={ro / 'run'}"]),
+        "train": ("train", ["--config", "tiny", "--set", f"train.run_dir={ro / 'run'}"]),
     }  # fmt: skip
 
 
@@ -263,7 +263,7 @@ def test_train_export_target_refused_at_config_load(tmp_path, target):
     res = _run(
         "train",
         "--config",
-        "demo",
+        "tiny",
         "--set",
         f"train.run_dir={run}",
         "--set",
@@ -353,7 +353,7 @@ def test_ctrl_c_during_training_exits_130_with_one_line(tmp_path):
     cmd = _cmd(
         "train",
         "--config",
-        "demo",
+        "tiny",
         "--set",
         f"train.run_dir={tmp_path / 'run'}",
         "--set",

@@ -30,7 +30,7 @@ from test_faults_input import GOOD
     ],
 )
 def test_config_refuses_values_that_used_to_be_ignored(overrides, needle, capsys):
-    argv = ["--config", "demo", "--print-config"]
+    argv = ["--config", "tiny", "--print-config"]
     for o in overrides:
         argv += ["--set", o]
     res = run_main("train", argv, capsys)
@@ -41,14 +41,14 @@ def test_config_refuses_values_that_used_to_be_ignored(overrides, needle, capsys
 def test_config_bounds_admit_the_largest_useful_values(capsys):
     from agentrefine_jax.config import load_config
 
-    cfg = load_config("demo", ["train.lora.rank=32", "data.max_length=2048"])
+    cfg = load_config("tiny", ["train.lora.rank=32", "data.max_length=2048"])
     assert (cfg.train.lora.rank, cfg.data.max_length) == (32, 2048)
-    load_config("demo", ["train.lora.rank=64", "train.lora.targets=gate,up"])  # min(64, 192)
+    load_config("tiny", ["train.lora.rank=64", "train.lora.targets=gate,up"])  # min(64, 192)
 
 
 def test_train_refuses_a_huge_lora_rank_at_start_up_not_after_minutes(tmp_path):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "agentrefine_jax.train", "--config", "demo"]
+    cmd = [sys.executable, "-m", "agentrefine_jax.train", "--config", "tiny"]
     cmd += ["--set", f"train.run_dir={run}", "--set", "train.lora.rank=100000"]
     t0 = time.monotonic()
     res = subprocess.run(
@@ -69,7 +69,7 @@ def test_train_refuses_a_huge_lora_rank_at_start_up_not_after_minutes(tmp_path):
     ],
 )
 def test_plan_refuses_sizes_below_one_instead_of_using_defaults(flags, needle, capsys):
-    res = run_main("plan", ["--config", "demo", "--mesh", "fsdp=1", *flags], capsys)
+    res = run_main("plan", ["--config", "tiny", "--mesh", "fsdp=1", *flags], capsys)
     assert_one_line(res, "plan", needle)
     assert res.stdout == ""
 
@@ -78,7 +78,7 @@ def test_planner_library_refuses_zero_sizes():
     from agentrefine_jax.config import load_config
     from agentrefine_jax.train import planner
 
-    cfg = load_config("demo")
+    cfg = load_config("tiny")
     mesh = planner.parse_mesh("fsdp=1", {"data": 1, "fsdp": 1, "tensor": 1}, None)
     with pytest.raises(planner.PlanError, match="seq len must be >= 1, got 0"):
         planner.plan(cfg, mesh, "v5p", seq_len=0)

@@ -46,7 +46,7 @@ TIMEOUT_S = 420
 def _train(
     emulator, run: str, data: pathlib.Path, *extra: str, out: Any = subprocess.PIPE
 ) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "agentrefine_jax.train", "--config", "demo", *TRAIN_ARGS]
+    cmd = [sys.executable, "-m", "agentrefine_jax.train", "--config", "tiny", *TRAIN_ARGS]
     cmd += [
         "--set",
         f"data.train_files={json.dumps([str(data)])}",
@@ -113,7 +113,7 @@ def _one_error_line(out: str) -> str:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> pathlib.Path:
     """The demo's first 40 conversations: 20 steps an epoch, a tenth of the tokenizing."""
-    from configs.demo import DEMO_DATA
+    from configs.tiny import DEMO_DATA
 
     path = tmp_path_factory.mktemp("gcs-data") / "train.jsonl"
     path.write_text("".join((DEMO_DATA / "train.jsonl").read_text().splitlines(keepends=True)[:40]))
@@ -286,7 +286,7 @@ def test_a_gs_run_dir_without_gcsfs_is_refused_at_load(monkeypatch):
     from agentrefine_jax.config import ConfigError, load_config
     from agentrefine_jax.config_checks import check_outputs
 
-    cfg = load_config("demo", [f"train.run_dir=gs://{BUCKET}/run"])
+    cfg = load_config("tiny", [f"train.run_dir=gs://{BUCKET}/run"])
     monkeypatch.setitem(sys.modules, "gcsfs", None)  # as if the `gcs` extra were not installed
     with pytest.raises(
         ConfigError, match=r'run_dir=gs://\S+: gs:// URLs need gcsfs: pip install -e "\.\[gcs\]"'

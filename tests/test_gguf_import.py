@@ -181,7 +181,7 @@ def test_init_from_gguf_resolves_through_the_cache(small) -> None:
     from agentrefine_jax.hf.model_source import resolve_init_from_gguf
 
     path, weights = small
-    cfg = load_config("demo", [f"train.init_from_gguf={path}"])
+    cfg = load_config("tiny", [f"train.init_from_gguf={path}"])
     resolved = resolve_init_from_gguf(cfg)
     hf_dir = pathlib.Path(resolved.train.init_from_hf)
     assert resolved.train.init_from_gguf is None and hf_dir.parent == cache_root()
@@ -190,4 +190,4 @@ def test_init_from_gguf_resolves_through_the_cache(small) -> None:
     assert resolve_init_from_gguf(cfg).train.init_from_hf == str(hf_dir)
     assert (hf_dir / "model.safetensors").stat().st_mtime_ns == mtime  # reused, not rewritten
     with pytest.raises(ConfigError, match="set one"):
-        load_config("demo", [f"train.init_from_gguf={path}", f"train.init_from_hf={hf_dir}"])
+        load_config("tiny", [f"train.init_from_gguf={path}", f"train.init_from_hf={hf_dir}"])

@@ -80,7 +80,7 @@ def test_by_default_on_an_accelerator_or_with_a_set_tunable_the_process_stays_as
 def test_a_bad_value_is_one_line_and_exit_2_before_anything_runs(tmp_path):
     base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "agentrefine_jax.train", "--config", "demo"]
+    cmd = [sys.executable, "-m", "agentrefine_jax.train", "--config", "tiny"]
     cmd += ["--set", f"train.run_dir={run_dir}"]
     out = subprocess.run(
         cmd,

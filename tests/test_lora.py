@@ -55,7 +55,7 @@ def test_bad_lora_settings_are_refused_at_load_time(bad, says):
     from agentrefine_jax.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=re.escape(says)):
-        load_config("demo", ["train.lora.rank=8", bad])
+        load_config("tiny", ["train.lora.rank=8", bad])
 
 
 def test_fresh_adapters_leave_the_forward_unchanged():
@@ -281,7 +281,7 @@ def test_lora_step_compiles_for_tpu_with_base_outside_the_optimizer_state():
     ]
     args = {}
     for name, extra in (("full", []), ("lora", ["--set", "train.lora.rank=8"])):
-        cmd = [sys.executable, "-m", "agentrefine_jax.plan", "--config", "demo", "--topology", "v5p-8"]
+        cmd = [sys.executable, "-m", "agentrefine_jax.plan", "--config", "tiny", "--topology", "v5p-8"]
         proc = subprocess.run(
             [*cmd, "--compile", "--json", *tiny, *extra], capture_output=True, text=True, timeout=900
         )

@@ -52,7 +52,7 @@ def _steps(cfg, base_dtype: str, mesh=None):
 def test_int8_base_is_accepted_when_the_config_loads():
     from agentrefine_jax.config import load_config
 
-    cfg = load_config("demo", ["train.lora.rank=8", "train.lora.base_dtype=int8"])
+    cfg = load_config("tiny", ["train.lora.rank=8", "train.lora.base_dtype=int8"])
     assert cfg.train.lora.base_dtype == "int8"
 
 

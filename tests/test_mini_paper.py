@@ -134,7 +134,7 @@ def test_model_settings_give_the_directory_architecture(tmp_path):
               "rope_theta": 100000.0, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
               "hidden_act": "silu"}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
-    cfg = apply_overrides(load_config("demo"), mini_paper.model_settings(tmp_path))
+    cfg = apply_overrides(load_config("tiny"), mini_paper.model_settings(tmp_path))
     want = read_hf_config(tmp_path)
     for f in dataclasses.fields(want):
         if f.name not in mini_paper.RUNTIME_FIELDS:

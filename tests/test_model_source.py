@@ -38,7 +38,7 @@ def test_the_model_tokenizer_and_template_come_from_the_directory(hf_dir) -> Non
     from agentrefine_jax.hf.io import read_hf_config
     from agentrefine_jax.models.config import HF_FIELDS
 
-    cfg = load_config("demo", [f"train.init_from_hf={hf_dir}"])
+    cfg = load_config("tiny", [f"train.init_from_hf={hf_dir}"])
     want = read_hf_config(hf_dir)
     assert {f: getattr(cfg.model, f) for f in HF_FIELDS} == {f: getattr(want, f) for f in HF_FIELDS}
     assert (cfg.model.bos_token_id, cfg.model.eos_token_ids, cfg.model.pad_token_id) == (1, (2,), 0)
@@ -47,18 +47,18 @@ def test_the_model_tokenizer_and_template_come_from_the_directory(hf_dir) -> Non
     assert (cfg.data.tokenizer, cfg.data.template) == (str(hf_dir), "hf")
     # Agreeing --set keys (floats at float32: 1e-05 vs its float32 round trip) are fine...
     eps = "model.rms_norm_eps=9.999999747378752e-06"
-    same = load_config("demo", [f"train.init_from_hf={hf_dir}", eps, "model.num_heads=4"])
+    same = load_config("tiny", [f"train.init_from_hf={hf_dir}", eps, "model.num_heads=4"])
     assert same.model == cfg.model
     # ... a contradicting one is refused, naming the field.
     with pytest.raises(ConfigError) as e:
-        load_config("demo", [f"train.init_from_hf={hf_dir}", "model.num_heads=8", "model.num_kv_heads=4"])
+        load_config("tiny", [f"train.init_from_hf={hf_dir}", "model.num_heads=8", "model.num_kv_heads=4"])
     assert "--set model.num_heads=8 contradicts train.init_from_hf=" in str(e.value)
     assert "\n" not in str(e.value)
 
 
 def test_a_config_model_must_match_the_directory_tokens_and_context(hf_dir, tmp_path) -> None:
     """model_source=config: the preset's llama3 token ids and 2048 context are refused in one line."""
-    argv = ["--config", "demo", "-q", "--set", f"train.run_dir={tmp_path / 'run'}"]
+    argv = ["--config", "tiny", "-q", "--set", f"train.run_dir={tmp_path / 'run'}"]
     argv += ["--set", f"train.init_from_hf={hf_dir}", "--set", "train.model_source=config"]
     argv += ["--set", "mesh.fsdp=2", "--set", "mesh.tensor=4", "--set", "train.global_batch_size=2"]
     for key in ("vocab_size", "hidden_size", "intermediate_size", "head_dim", "rope_theta"):
@@ -81,7 +81,7 @@ def test_trains_from_a_relative_dir_exports_its_tokens_and_loads_from_elsewhere(
     sets = ["train.init_from_hf=hf", "train.run_dir=run", "train.max_steps=2", "train.eval_every=0",
             "train.checkpoint_every=2", "data.max_length=256", "train.global_batch_size=2",
             "train.export_hf_at_end=exported", "mesh.fsdp=2", "mesh.tensor=4"]  # fmt: skip
-    cmd = [sys.executable, "-m", "agentrefine_jax.train", "--config", "demo", "-q"]
+    cmd = [sys.executable, "-m", "agentrefine_jax.train", "--config", "tiny", "-q"]
     r = subprocess.run(cmd + [a for s in sets for a in ("--set", s)], cwd=work, capture_output=True,
                        text=True, timeout=900)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]

@@ -58,7 +58,7 @@ def _args(train_file: pathlib.Path, run_dir: pathlib.Path, max_steps: int, expor
         "train.run_dir": str(run_dir),
         "train.export_hf_at_end": export,
     }
-    out = [sys.executable, "-m", "agentrefine_jax.train", "--config", "demo"]
+    out = [sys.executable, "-m", "agentrefine_jax.train", "--config", "tiny"]
     for k, v in sets.items():
         out += ["--set", f"{k}={v}"]
     return out

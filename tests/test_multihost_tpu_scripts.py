@@ -186,7 +186,7 @@ def test_launch_payload_runs_the_trainer_with_exact_arguments(tmp_path: pathlib.
     home = _fake_worker_home(tmp_path)
     files = '["a b.jsonl", "it\'s $HOME.jsonl"]'
     (launch,) = dry(
-        "launch.sh", *COMMON, "--config", "demo", "--set", "train.run_dir=/mnt/gcs/b/x",
+        "launch.sh", *COMMON, "--config", "tiny", "--set", "train.run_dir=/mnt/gcs/b/x",
         "--set", f"data.train_files={files}", "--", "--print-config",
     )  # fmt: skip
     res = _run_payload(remote_command(launch), home)
@@ -223,7 +223,7 @@ def test_stop_payload_signals_the_recorded_process_group(tmp_path: pathlib.Path)
         while os.getpgid(group.pid) != group.pid and time.time() < deadline:
             time.sleep(0.05)
         (logs / "train.pid").write_text(f"{group.pid}\n")
-        (launch,) = dry("launch.sh", *COMMON, "--config", "demo", "--allow-local-run-dir")
+        (launch,) = dry("launch.sh", *COMMON, "--config", "tiny", "--allow-local-run-dir")
         refused = _run_payload(remote_command(launch), home)
         assert (
             refused.returncode == 1

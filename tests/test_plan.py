@@ -104,7 +104,7 @@ def test_shards_match_jax_named_sharding() -> None:
     """Shard shapes computed on an AbstractMesh equal what JAX gives on a real device mesh."""
     sizes = mesh_of(data=2, fsdp=2, tensor=2)
     # kv_heads=1 does not divide over tensor=2: the rules replicate it; the planner must too.
-    cfg = load_config("demo", [*SMALL, "model.num_kv_heads=1"])
+    cfg = load_config("tiny", [*SMALL, "model.num_kv_heads=1"])
     layout = P.param_layout(cfg.model, P.abstract_mesh(sizes), cfg.mesh.rules)
     mesh = shd.make_mesh(**sizes)
     from agentrefine_jax.models import abstract
@@ -135,7 +135,7 @@ def test_memory_matches_xla_buffer_assignment() -> None:
     sizes = mesh_of(data=2, fsdp=2, tensor=2)
     # The planner models the TPU layout; compile that layout here (not the CPU layout "auto" picks).
     sets = ["model.remat_policy=full", "model.attention_block_size=128", "model.cpu_layout=false"]
-    cfg = load_config("demo", [*SMALL, *sets])
+    cfg = load_config("tiny", [*SMALL, *sets])
     gb, seq = 16, 512
     mesh = shd.make_mesh(**sizes)
     optimizer, _ = make_optimizer(cfg.optim, 10)
@@ -168,7 +168,7 @@ def test_memory_matches_xla_buffer_assignment() -> None:
 
 def test_remat_policies_order_activations() -> None:
     """What autodiff saves, per policy, on the per-device problem (2 sequences of 512)."""
-    cfg = load_config("demo", SMALL).model
+    cfg = load_config("tiny", SMALL).model
     saved = {
         policy: sum(
             r.nbytes for r in P.saved_residuals(dataclasses.replace(cfg, remat_policy=policy), 2, 512, 128)

@@ -54,7 +54,7 @@ def test_slice_table_matches_libtpu() -> None:
 
 
 def test_plan_compile_json_tiny_on_v5p8() -> None:
-    r = run("agentrefine_jax.plan", "--config", "demo", "--topology", "v5p-8", "--compile", "--json", *TINY)
+    r = run("agentrefine_jax.plan", "--config", "tiny", "--topology", "v5p-8", "--compile", "--json", *TINY)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     b = out["compiled"]["bytes_per_device"]
@@ -78,7 +78,7 @@ def test_plan_compile_json_tiny_on_v5p8() -> None:
 
 def test_train_compile_only_two_slices() -> None:
     r = run(
-        "agentrefine_jax.train", "--config", "demo", "--compile-only", "--topology", "v5p-8",
+        "agentrefine_jax.train", "--config", "tiny", "--compile-only", "--topology", "v5p-8",
         "--num-slices", "2", *TINY, "--set", "train.global_batch_size=8",
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
@@ -97,7 +97,7 @@ def test_train_compile_only_two_slices() -> None:
     ],
 )
 def test_compile_errors_are_one_line(args: list[str], message: str) -> None:
-    r = run("agentrefine_jax.plan", "--config", "demo", "--compile", *args)
+    r = run("agentrefine_jax.plan", "--config", "tiny", "--compile", *args)
     assert r.returncode == 2
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 

@@ -52,7 +52,7 @@ def test_steps_after_saves_write_into_spare_buffers_and_train_the_same(tmp_path,
         monkeypatch.setattr(save_strategy, "SPARE_MIN_BYTES", min_bytes)
         offered.clear()
         run_dir = tmp_path / name
-        cfg = load_config("demo", [*SETTINGS, *(LORA if lora else []), f"train.run_dir={run_dir}"])
+        cfg = load_config("tiny", [*SETTINGS, *(LORA if lora else []), f"train.run_dir={run_dir}"])
         summary = train(cfg)
         runs[name] = {
             "losses": summary["losses"],

@@ -60,7 +60,7 @@ def _train(
         "-m",
         "agentrefine_jax.train",
         "--config",
-        "demo",
+        "tiny",
         *FAST,
         "--set",
         f"train.run_dir={run_dir}",
@@ -232,7 +232,7 @@ def test_init_from_hf_starts_from_the_transformers_weights(tmp_path):
     )
     hf_cfg = read_hf_config(hf_dir)
     cfg = load_config(
-        "demo",
+        "tiny",
         [
             *FAST[1::2],
             "optim.learning_rate=1e-30",

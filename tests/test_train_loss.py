@@ -136,5 +136,5 @@ def test_loss_impl_is_validated_and_auto_resolves_per_platform():
     with pytest.raises(ValueError, match="loss_impl"):
         resolve_loss_impl("fast")
     with pytest.raises(ValueError, match="must be one of"):
-        load_config("demo", ["train.loss_impl=fast"])
-    assert load_config("demo", ["train.loss_impl=remat"]).train.loss_impl == "remat"
+        load_config("tiny", ["train.loss_impl=fast"])
+    assert load_config("tiny", ["train.loss_impl=remat"]).train.loss_impl == "remat"

