@@ -51,7 +51,7 @@ def test_trajectory_pairs_every_error_of_a_run_pairs_with_its_refinement():
     assert dict(report.skipped) == {NO_REFINEMENT: 1}
     # An error that is the trajectory's last turn has no feedback after it.
     report = PairReport()
-    assert trajectory_pairs(msgs[:11], "r1", report) == pairs
+    assert trajectory_pairs(msgs[:11], "r0", report) == pairs
     assert dict(report.skipped) == {NO_FEEDBACK: 1}
 
 
@@ -78,7 +78,7 @@ def test_trajectory_pairs_every_error_of_a_run_pairs_with_its_refinement():
     ],
 )
 def test_plain_preference_layouts(row):
-    pair = plain_pair(row, None, "x")
+    pair = plain_pair(row, "x")
     assert (pair.prompt, pair.chosen, pair.rejected) == ([{"role": "user", "content": "task"}], "good", "bad")
 
 

@@ -141,20 +141,27 @@ def _reply(value: Any, what: str) -> str:
     raise RowError("bad preference row", f"{what!r} must be a string or assistant message(s)")
 
 
-def _messages(turns: Any, fm: FieldMap | None) -> list[Message]:
+_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+
+
+def _messages(turns: Any) -> list[Message]:
+    """Prompt turns (text, or {role, content} / ShareGPT {from, value} messages) as messages;
+    checked with the reply appended by the caller."""
     if isinstance(turns, str):
         return [{"role": "user", "content": turns}]
-    row = {"messages": turns} if fm is None else {fm.turns: turns}
-    if isinstance(turns, Sequence) and turns and isinstance(turns[0], Mapping) and "from" in turns[0]:
-        row = {"conversations": turns}
-        fm = None
-    msgs = normalize_row(row, fm, "")["messages"] if isinstance(turns, Sequence) else None
-    if not msgs:
-        raise RowError("bad preference row", "the prompt must be a string or a message list")
-    return msgs
+    if not isinstance(turns, Sequence) or not turns or not all(isinstance(t, Mapping) for t in turns):
+        raise RowError("bad preference row", "the prompt must be a string or a non-empty message list")
+    out = []
+    for t in turns:
+        role = _ROLES.get(t.get("role", t.get("from")))
+        content = t.get("content", t.get("value"))
+        if role is None or not isinstance(content, str):
+            raise RowError("bad preference row", f"prompt turn {dict(t)!r:.80} has no known role / text")
+        out.append({"role": role, "content": content})
+    return out
 
 
-def plain_pair(row: Mapping[str, Any], fm: FieldMap | None, where: str) -> Pair:
+def plain_pair(row: Mapping[str, Any], where: str) -> Pair:
     """One pair from a TRL / LLaMA-Factory preference row (raises RowError).
 
     Layouts: {"prompt": str | messages, "chosen", "rejected"} (TRL standard / conversational),
@@ -172,7 +179,6 @@ def plain_pair(row: Mapping[str, Any], fm: FieldMap | None, where: str) -> Pair:
         key = next((k for k in ("messages", "conversations", "conversation") if k in row), None)
         if key is not None:
             prompt_turns = row[key]
-            fm = None
         elif isinstance(chosen_raw, list) and isinstance(rejected_raw, list):  # implicit prompt
             n = 0
             while n < min(len(chosen_raw), len(rejected_raw)) - 1 and chosen_raw[n] == rejected_raw[n]:
@@ -180,11 +186,8 @@ def plain_pair(row: Mapping[str, Any], fm: FieldMap | None, where: str) -> Pair:
             prompt_turns, chosen_raw, rejected_raw = chosen_raw[:n], chosen_raw[n:], rejected_raw[n:]
         else:
             raise RowError("bad preference row", "no prompt: expected 'prompt', 'messages' or 'instruction'")
-    prompt = _messages(prompt_turns, fm)
+    prompt = _messages(prompt_turns)
     chosen, rejected = _reply(chosen_raw, "chosen"), _reply(rejected_raw, "rejected")
-    for m in prompt:
-        if m["role"] == "assistant":
-            m.pop("loss", None)
     if prompt[-1]["role"] != "user":
         raise RowError("bad preference row", "the prompt must end with a user turn")
     validate_messages([*prompt, {"role": "assistant", "content": chosen}])
@@ -232,7 +235,7 @@ def pairs_of_rows(
         try:
             if is_preference_row(row):
                 report.preference_rows += 1
-                yield plain_pair(row, field_map, where)
+                yield plain_pair(row, where)
                 continue
             messages, _ = trim_trailing_users(normalize_row(row, field_map, where)["messages"])
         except RowError as e:
