@@ -170,6 +170,8 @@ def build_steps(
     """The jitted steps for `mode` (default: from model_cfg, lora_spec and lora_base_dtype) and
     `objective` (sft, or a preference objective: train/objectives.py)."""
     mode = mode or ParamMode.of_settings(model_cfg, lora_spec, lora_base_dtype)
+    if objective in objectives.NEEDS_REFERENCE and mode.lora_spec is None and not mode.reference:
+        mode = dataclasses.replace(mode, reference=True)  # full fine-tuning: a frozen copy
     micro = micro_batch or global_batch
     if global_batch % micro:
         raise ValueError(f"train.global_batch_size={global_batch} not divisible by micro_batch_size={micro}")
