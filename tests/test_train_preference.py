@@ -184,7 +184,7 @@ def test_two_devices_two_micro_batches_equal_one_device(models):
         mesh = shd.make_mesh(1, n_dev, 1, devices=jax.devices()[:n_dev])
         fns = build_steps(
             cfg, optax.sgd(0.1), mesh, shd.DEFAULT_RULES, global_batch=4, micro_batch=micro,
-            loss_chunk=8, objective="dpo", beta=BETA,
+            loss_chunk=8, objective="dpo", knobs={"beta": BETA},
         )  # fmt: skip
         params = fns.init_params(0)
         params = {"model": params["model"], "ref": fns.built.init_model(1)}  # a reference unlike the start
@@ -203,6 +203,7 @@ SMALL_DATA = pathlib.Path(agentrefine_jax.__file__).parent / "data" / "demo" / "
 RUN = [
     *("--set", f"data.train_files={SMALL_DATA}"),
     *("--set", "train.objective=sft+dpo"),
+    *("--set", "data.max_length=512"),  # a pair (two renders of the prompt) needs more than FAST's 256
     *("--set", "train.max_steps=4"),
     *("--set", "train.keep_checkpoints=1"),
 ]

@@ -77,9 +77,11 @@ def build_train_step(cfg: Config, mesh: jax.sharding.Mesh, total_steps: int) -> 
         loss_impl=cfg.train.loss_impl,
         mode=ParamMode.of(cfg),
         objective=cfg.train.objective,
-        beta=cfg.train.beta,
-        sft_weight=cfg.train.sft_weight,
-        dpo_weight=cfg.train.dpo_weight,
+        knobs={
+            "beta": cfg.train.beta,
+            "sft_weight": cfg.train.sft_weight,
+            "dpo_weight": cfg.train.dpo_weight,
+        },
     )
     return fns, schedule
 

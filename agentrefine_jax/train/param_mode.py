@@ -66,9 +66,14 @@ class ParamMode:
     def of(cls, cfg: Config) -> ParamMode:
         """The run's mode, from its config (`train.lora`, `train.objective`)."""
         mode = cls.of_settings(cfg.model, lora.LoraSpec.of(cfg.train.lora), cfg.train.lora.base_dtype)
-        if mode.lora_spec is None and cfg.train.objective in ("dpo", "sft+dpo"):
-            mode = dataclasses.replace(mode, reference=True)
-        return mode
+        return mode.for_objective(cfg.train.objective)
+
+    def for_objective(self, objective: str) -> ParamMode:
+        """This mode, holding a frozen reference copy when a full fine-tuning objective needs one
+        (DPO; a LoRA run's reference is its base, adapters off)."""
+        if self.lora_spec is None and objective in ("dpo", "sft+dpo") and not self.reference:
+            return dataclasses.replace(self, reference=True)
+        return self
 
     @classmethod
     def of_settings(
@@ -270,6 +275,21 @@ def forward_inputs(
     if lora_spec is None:
         return params, None
     return params["base"], (lora_spec, params["lora"], dropout_key)
+
+
+def policy_and_reference(
+    params: Params, lora_spec: lora.LoraSpec | None, dropout_key: jax.Array | None, with_reference: bool
+) -> tuple[tuple[Params, Any], tuple[Params, Any] | None]:
+    """(model params, adapters) of the policy and of the DPO reference (None: not needed): LoRA's
+    reference is its base with the adapters off; full fine-tuning's the frozen copy "ref"."""
+    if lora_spec is not None:
+        return forward_inputs(params, lora_spec, dropout_key), (
+            params["base"],
+            None,
+        ) if with_reference else None
+    if isinstance(params, dict) and set(params) == {"model", "ref"}:
+        return (params["model"], None), (params["ref"], None) if with_reference else None
+    return (params, None), None
 
 
 def _lora_shardings(spec: lora.LoraSpec, cfg: ModelConfig, mesh: Mesh, rules: shd.Rules) -> Params:

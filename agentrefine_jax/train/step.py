@@ -24,7 +24,7 @@ from agentrefine_jax.models import Transformer, lora
 from agentrefine_jax.models.config import ModelConfig
 from agentrefine_jax.train import objectives
 from agentrefine_jax.train.loss import chunked_cross_entropy, resolve_loss_impl, target_weights
-from agentrefine_jax.train.param_mode import Built, ParamMode, forward_inputs
+from agentrefine_jax.train.param_mode import Built, ParamMode, forward_inputs, policy_and_reference
 
 Params = dict[str, Any]
 Batch = dict[str, jax.Array]
@@ -126,20 +126,13 @@ def preference_loss(
         )
         return objectives.token_logps(hidden[:, :-1], model.lm_head_weight(), targets, chunk)
 
-    ref = None
-    if lora_spec is not None:
-        policy = logps(*forward_inputs(params, lora_spec, dropout_key))
-        if objective in objectives.NEEDS_REFERENCE:
-            ref = logps(params["base"], None)
-    elif isinstance(params, dict) and set(params) == {"model", "ref"}:
-        policy = logps(params["model"], None)
-        ref = logps(params["ref"], None)
-    else:
-        policy = logps(params, None)
+    policy, ref = policy_and_reference(
+        params, lora_spec, dropout_key, objective in objectives.NEEDS_REFERENCE
+    )
     return objectives.preference_sums(
         objective,
-        policy,
-        ref,
+        logps(*policy),
+        None if ref is None else logps(*ref),
         batch,
         beta=beta,
         sft_weight=sft_weight,
@@ -163,15 +156,11 @@ def build_steps(
     lora_base_dtype: str | None = None,
     mode: ParamMode | None = None,
     objective: str = "sft",
-    beta: float = 0.1,
-    sft_weight: float = 1.0,
-    dpo_weight: float = 1.0,
+    knobs: dict[str, float] | None = None,
 ) -> StepFns:
     """The jitted steps for `mode` (default: from model_cfg, lora_spec and lora_base_dtype) and
-    `objective` (sft, or a preference objective: train/objectives.py)."""
-    mode = mode or ParamMode.of_settings(model_cfg, lora_spec, lora_base_dtype)
-    if objective in objectives.NEEDS_REFERENCE and mode.lora_spec is None and not mode.reference:
-        mode = dataclasses.replace(mode, reference=True)  # full fine-tuning: a frozen copy
+    `objective` (sft, or a preference objective with `knobs` beta/sft_weight/dpo_weight)."""
+    mode = (mode or ParamMode.of_settings(model_cfg, lora_spec, lora_base_dtype)).for_objective(objective)
     micro = micro_batch or global_batch
     if global_batch % micro:
         raise ValueError(f"train.global_batch_size={global_batch} not divisible by micro_batch_size={micro}")
@@ -218,9 +207,34 @@ def build_steps(
             mode.trainable(params), batch, None
         )
 
-    pref = dict(
-        objective=objective, beta=beta, sft_weight=sft_weight, dpo_weight=dpo_weight, chunk=loss_chunk
-    )
+    if objective != "sft":  # a preference objective: train/objectives.py
+        train_step, eval_step = _preference_steps(mode, graphdef, optimizer, n_micro, micro, loss_chunk, objective, knobs)  # noqa: F811,E501  # fmt: skip
+    batch_tree = {k: b_shard for k in BATCH_KEYS}
+    train_jit = jax.jit(train_step, in_shardings=(p_shard, opt_shard, batch_tree),
+                        out_shardings=(p_shard, opt_shard, replicated), donate_argnums=(0, 1))  # fmt: skip
+    into_jit = _train_into_jit(train_step, mode, p_shard, opt_shard, batch_tree, replicated)
+    eval_jit = jax.jit(eval_step, in_shardings=(p_shard, batch_tree), out_shardings=replicated)
+    ruled = functools.partial(_with_rules, mesh, rules)
+    return StepFns(
+        graphdef=graphdef, param_shardings=p_shard, opt_shardings=opt_shard, abstract_params=built.abstract,
+        abstract_opt=abstract_opt, batch_sharding=b_shard, init_opt=ruled(init_opt), train=ruled(train_jit),
+        train_trained_into=ruled(into_jit), evaluate=ruled(eval_jit), mode=mode, built=built.wrapped(ruled),
+    )  # fmt: skip
+
+
+def _preference_steps(
+    mode: ParamMode,
+    graphdef: Any,
+    optimizer: optax.GradientTransformation,
+    n_micro: int,
+    micro: int,
+    loss_chunk: int,
+    objective: str,
+    knobs: dict[str, float] | None,
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The train and eval steps of a preference objective (train/objectives.py)."""
+    pref = {"beta": 0.1, "sft_weight": 1.0, "dpo_weight": 1.0, **(knobs or {})}
+    pref.update(objective=objective, chunk=loss_chunk)
 
     def pref_train_step(
         params: Params, opt_state: Any, batch: Batch
@@ -266,24 +280,7 @@ def build_steps(
         )
         return loss * counts[1], counts[1]
 
-    if objective != "sft":
-        train_step, eval_step = pref_train_step, pref_eval_step  # noqa: F811
-
-    batch_tree = {k: b_shard for k in BATCH_KEYS}
-    train_jit = jax.jit(
-        train_step,
-        in_shardings=(p_shard, opt_shard, batch_tree),
-        out_shardings=(p_shard, opt_shard, replicated),
-        donate_argnums=(0, 1),
-    )
-    into_jit = _train_into_jit(train_step, mode, p_shard, opt_shard, batch_tree, replicated)
-    eval_jit = jax.jit(eval_step, in_shardings=(p_shard, batch_tree), out_shardings=replicated)
-    ruled = functools.partial(_with_rules, mesh, rules)
-    return StepFns(
-        graphdef=graphdef, param_shardings=p_shard, opt_shardings=opt_shard, abstract_params=built.abstract,
-        abstract_opt=abstract_opt, batch_sharding=b_shard, init_opt=ruled(init_opt), train=ruled(train_jit),
-        train_trained_into=ruled(into_jit), evaluate=ruled(eval_jit), mode=mode, built=built.wrapped(ruled),
-    )  # fmt: skip
+    return pref_train_step, pref_eval_step
 
 
 def _train_into_jit(
