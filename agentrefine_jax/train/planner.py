@@ -473,7 +473,7 @@ def plan(
             "params": param_bytes,
             "grads": grad_bytes,
             "optimizer": opt_bytes,
-            "reference": ref_bytes,
+            **({"reference": ref_bytes} if ref_bytes else {}),  # only a run that holds one
             "activations": act_bytes,
             "total": total,
         },
