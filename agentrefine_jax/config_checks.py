@@ -327,9 +327,7 @@ def _objective(cfg: Any) -> str | None:
     if tc.objective == "sft+dpo" and tc.sft_weight == 0 and tc.dpo_weight == 0:
         return "train.objective=sft+dpo: train.sft_weight and train.dpo_weight are both 0 (nothing to train)"
     if tc.objective != "sft" and cfg.data.drop_refinement_data:
-        return (
-            f"train.objective={tc.objective}: data.drop_refinement_data drops the errors pairs come from"
-        )
+        return f"train.objective={tc.objective}: data.drop_refinement_data drops the errors pairs come from"
     return None
 
 
