@@ -225,6 +225,8 @@ def _build_preference(
     units = [(i,) for i in range(n_sft)] + [(n_sft + 2 * k, n_sft + 2 * k + 1) for k in range(preport.pairs)]
     unit_lengths = np.asarray([sum(int(store.lengths[e]) for e in u) for u in units], np.int64)
     report.lengths = np.concatenate([report.lengths, store.lengths[n_sft:]])
+    report.max_length = cfg.max_length
+    report.tokens += int(store.lengths[n_sft:].sum())  # rows hold the pairs too (their fill)
     if cfg.pack:
         rows = [tuple(e for u in r for e in units[u]) for r in pack_best_fit(unit_lengths, cfg.max_length)]
     else:
