@@ -138,3 +138,16 @@ def test_no_pairs_is_one_error(tmp_path):
     with pytest.raises(NoPairsError, match="objective=dpo needs preference pairs"):
         build_data(cfg, "train", objective="dpo")
     assert np.all(build_data(cfg, "train").store.mask <= 1)  # the SFT path is untouched
+
+
+def test_cli_stats_counts_pairs_and_show_pair_renders_one(demo_slice, capsys):
+    from agentrefine_jax.data import cli
+
+    common = ["-i", str(demo_slice), "--template", "llama3", "--max-length", "512"]
+    assert cli.main(["stats", *common]) == 0
+    out = capsys.readouterr().out
+    assert "preference pairs:" in out and "erroneous turns" in out
+    assert cli.main(["show", *common, "--pair", "0", "--color", "never"]) == 0
+    out = capsys.readouterr().out
+    assert "── chosen (the refinement)" in out and "── rejected (the erroneous turn)" in out
+    assert cli.main(["show", *common, "--pair", "100000"]) == 2
