@@ -146,6 +146,14 @@ class TrainConfig:
     # Peak FLOP/s per device used for MFU; 0 = look it up from the device kind.
     peak_flops_per_device: float = 0.0
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    # sft | dpo | orpo | sft+dpo (docs/preference.md): dpo/orpo train on preference pairs (from the
+    # trajectories' refinements, or plain preference rows); sft+dpo mixes the refinement loss
+    # (x sft_weight) with DPO on the same trajectories' pairs (x dpo_weight). beta: DPO's beta,
+    # ORPO's lambda.
+    objective: typing.Literal["sft", "dpo", "orpo", "sft+dpo"] = "sft"
+    beta: float = 0.1
+    sft_weight: float = 1.0
+    dpo_weight: float = 1.0
 
 
 @dataclasses.dataclass

@@ -159,6 +159,10 @@ RULES: dict[str, Check | Callable[[], Check]] = {
     # "auto": the dtype the checkpoint was imported from, else the parameter dtype.
     "train.export_dtype": lambda: one_of("auto", *_dtypes()),
     "train.peak_flops_per_device": at_least(0),
+    "train.objective": one_of("sft", "dpo", "orpo", "sft+dpo"),
+    "train.beta": greater_than(0),
+    "train.sft_weight": at_least(0),
+    "train.dpo_weight": at_least(0),
     "train.lora.rank": at_least(0),
     "train.lora.alpha": greater_than(0),
     "train.lora.dropout": fraction(upper_open=True),
@@ -329,6 +333,15 @@ def _url_support(path: Any) -> str | None:
     return None
 
 
+def _objective(cfg: Any) -> str | None:
+    tc = cfg.train
+    if tc.objective == "sft+dpo" and tc.sft_weight == 0 and tc.dpo_weight == 0:
+        return "train.objective=sft+dpo: train.sft_weight and train.dpo_weight are both 0 (nothing to train)"
+    if tc.objective != "sft" and cfg.data.drop_refinement_data:
+        return f"train.objective={tc.objective}: data.drop_refinement_data drops the errors pairs come from"
+    return None
+
+
 def _general_mix(cfg: Any) -> str | None:
     if cfg.data.general_ratio > 0 and not cfg.data.general_files:
         return "data.general_ratio > 0 needs data.general_files (the general chat data to mix in)"
@@ -343,6 +356,7 @@ def _init_source(cfg: Any) -> str | None:
 
 CROSS_CHECKS: list[Callable[[Any], str | None]] = [
     _general_mix,
+    _objective,
     _mesh_one_fill,
     _mesh_rules,
     _micro_batch,

@@ -28,7 +28,7 @@ from agentrefine_jax.cli_errors import OneLineParser, fail
 from agentrefine_jax.config import Config, DataConfig, validate
 from agentrefine_jax.data.examples import prepare_messages
 from agentrefine_jax.data.packing import materialize, padding_efficiency
-from agentrefine_jax.data.pipeline import build_data, build_template
+from agentrefine_jax.data.pipeline import build_data, build_template, pair_counts
 from agentrefine_jax.data.report import DataReport
 from agentrefine_jax.data.schema import (
     FORMATS,
@@ -148,10 +148,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
     stats["per_batch_padding_efficiency"] = padding_efficiency(lengths, args.batch_size)
     stats["batch_size_for_padding"] = args.batch_size
     stats.pop("skipped_at", None)
+    # Preference pairs (docs/preference.md), counted chunk by chunk: only the counts are kept.
+    pairs = pair_counts(cfg, build_template(cfg), RecordSet(cfg.train_files))
+    stats["preference"] = pairs.to_dict()
     if args.json:
         print(json_dumps(stats, indent=2, default=str))
         return 0
     print(rep.summary())
+    print(pairs.summary())
     if len(lengths):
         edges = [0, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 1 << 62]
         hist, _ = np.histogram(lengths, bins=edges)
@@ -208,6 +212,8 @@ def render_conversation(
 
 def cmd_show(args: argparse.Namespace) -> int:
     cfg = _config(args, pack=False)
+    if args.pair is not None:
+        return show_pair(cfg, args.pair, args.color)
     records = RecordSet(cfg.train_files)
     if not 0 <= args.row < len(records):
         raise ValueError(f"--row {args.row} out of range: {len(records)} records in {records.describe()}")
@@ -235,6 +241,54 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(legend)
     if n > cfg.max_length:
         print(f"note: {n} > max_length {cfg.max_length}: training would {cfg.overlength} this trajectory")
+    return 0
+
+
+def show_pair(cfg: DataConfig, k: int, color_opt: str) -> int:
+    """Pair `k` (0-based, in file order) as the trainer renders it: prompt, then each reply's
+    trained tokens (the reply and its end token)."""
+    from agentrefine_jax.data.preference import PairReport, pairs_of_rows
+
+    if k < 0:
+        raise ValueError(f"--pair {k} must be >= 0")
+    records, report = RecordSet(cfg.train_files), PairReport()
+    field_map = resolve_field_map(cfg.format, cfg.field_map)
+    seen = 0
+    for start in range(0, len(records), 256):
+        chunk = records.read(list(range(start, min(start + 256, len(records)))))
+        for pair in pairs_of_rows(chunk, field_map, report):
+            if seen == k:
+                return _print_pair(cfg, pair, color_opt)
+            seen += 1
+    raise ValueError(f"--pair {k} out of range: {seen} pairs in {records.describe()}")
+
+
+def _print_pair(cfg: DataConfig, pair: Any, color_opt: str) -> int:
+    from agentrefine_jax.data.preference import PairReport, build_pairs
+
+    template = build_template(cfg)
+    color = sys.stdout.isatty() if color_opt == "auto" else color_opt == "always"
+    store = build_pairs([pair], template, cfg.max_length, report := PairReport())
+    if not report.pairs:
+        print(
+            f"{pair.where}: skipped by the pipeline: longer than max_length {cfg.max_length}", file=sys.stderr
+        )
+        return 1
+    prompt_ids = store.example(0)[0][: int(np.argmax(store.example(0)[1] > 0))]
+    print(f"── prompt ({len(prompt_ids)} tokens) ──")
+    print(template.decode(prompt_ids, skip_special_tokens=False))
+    for i, label in ((0, "chosen (the refinement)"), (1, "rejected (the erroneous turn)")):
+        ids, mask = store.example(i)
+        reply = template.decode(ids[mask > 0], skip_special_tokens=False)
+        head = f"── {label}: {int((mask > 0).sum())} scored tokens ──"
+        print(
+            f"{_BOLD}{head}{_RESET}\n{_GREEN if i == 0 else _RED}{reply}{_RESET}"
+            if color
+            else f"{head}\n⟦{reply}⟧"
+        )
+    shortened = " (oldest turns dropped to fit max_length)" if report.prompts_shortened else ""
+    what = "an erroneous turn and its refinement" if "#turn" in pair.where else "a preference row"
+    print(f"\n{pair.where}: the pair of {what}{shortened}")
     return 0
 
 
@@ -269,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("show", help="render one conversation with trained spans coloured")
     _common(p)
     p.add_argument("--row", type=int, default=0, help="record index (0-based, over all inputs)")
+    p.add_argument(
+        "--pair", type=int, default=None, help="show preference pair K instead (docs/preference.md)"
+    )
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     p.set_defaults(fn=cmd_show)
     p = sub.add_parser("demo-world", help="regenerate the shipped demo trajectories (deterministic)")

@@ -32,6 +32,7 @@ import numpy as np
 from agentrefine_jax.config import DataConfig
 from agentrefine_jax.data.examples import StoreBuilder, TokenStore, build_examples, concat_stores
 from agentrefine_jax.data.packing import materialize, pack_best_fit
+from agentrefine_jax.data.preference import PairReport, build_pairs, pairs_of_rows
 from agentrefine_jax.data.report import DataReport
 from agentrefine_jax.data.schema import FieldMap, check_loss_on, resolve_field_map
 from agentrefine_jax.data.sources import RecordSet
@@ -39,6 +40,7 @@ from agentrefine_jax.data.templates import ChatTemplate, get_template
 from agentrefine_jax.data.tokenizers import load_tokenizer
 
 SPLITS = ("train", "eval")
+OBJECTIVES = ("sft", "dpo", "orpo", "sft+dpo")  # train.objective (config_checks.py names them too)
 # Seeds of the independent random streams derived from data.seed.
 _HOLDOUT, _SELECT, _GENERAL, _EPOCH = 0xE7A1, 0x5E1EC7, 0x6E7E, 0xE90C
 _READ_CHUNK = 512  # records parsed at once: bounds the memory of parsed rows, whatever the file size
@@ -46,6 +48,10 @@ _READ_CHUNK = 512  # records parsed at once: bounds the memory of parsed rows, w
 
 class DataError(ValueError):
     """No usable training data (one line; the report has the details)."""
+
+
+class NoPairsError(DataError):
+    """A preference objective on data without a single pair: the input's fault (exit 2)."""
 
 
 def split_indices(n_total: int, cfg: DataConfig, split: str, has_eval_files: bool) -> np.ndarray:
@@ -125,9 +131,21 @@ def _check_skips(cfg: DataConfig, report: DataReport, what: str) -> None:
 
 
 def build_data(
-    cfg: DataConfig, split: str, template: ChatTemplate | None = None, records: RecordSet | None = None
+    cfg: DataConfig,
+    split: str,
+    template: ChatTemplate | None = None,
+    records: RecordSet | None = None,
+    objective: str = "sft",
 ) -> BuiltData:
-    """Examples, packed rows and report of `split`: identical on every process."""
+    """Examples, packed rows and report of `split`: identical on every process.
+
+    A preference `objective` adds the split's preference pairs (data/preference.py); `dpo` and
+    `orpo` train on the pairs alone. A pair's chosen and rejected are one packing unit: they
+    sit in the same row, as consecutive segments."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if objective != "sft":
+        return _build_preference(cfg, split, template, records, objective)
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     files = cfg.eval_files if (split == "eval" and cfg.eval_files) else cfg.train_files
@@ -165,6 +183,68 @@ def build_data(
         rows = [(i,) for i in range(len(store))]
     report.rows = len(rows)
     return BuiltData(store=store, rows=rows, report=report)
+
+
+def _build_preference(
+    cfg: DataConfig,
+    split: str,
+    template: ChatTemplate | None,
+    records: RecordSet | None,
+    objective: str,
+) -> BuiltData:
+    """Pairs (and, for sft+dpo, the SFT examples) of `split`, packed with each pair in one row."""
+    files = cfg.eval_files if (split == "eval" and cfg.eval_files) else cfg.train_files
+    records = records or RecordSet(files)
+    template = template or build_template(cfg)
+    if objective == "sft+dpo":
+        sft = build_data(cfg, split, template, records)
+        store, report = sft.store, sft.report
+    else:
+        store = concat_stores([])
+        report = DataReport(
+            split=split, sources=records.describe(), records_total=len(records), packed=cfg.pack
+        )
+    idx = split_indices(len(records), cfg, split, has_eval_files=bool(cfg.eval_files))
+    if objective != "sft+dpo":
+        report.records_in_shard = len(idx)
+    preport = PairReport()
+    report.preference = preport
+    field_map = resolve_field_map(cfg.format, cfg.field_map)
+    chunks = (records.read(idx[i : i + 1024].tolist()) for i in range(0, len(idx), 1024))
+    pairs = build_pairs(
+        (p for chunk in chunks for p in pairs_of_rows(chunk, field_map, preport)),
+        template,
+        cfg.max_length,
+        preport,
+    )
+    if not preport.pairs:
+        raise NoPairsError(
+            f"objective={objective} needs preference pairs, but {report.sources or 'the inputs'} ({split}) "
+            f"has none:{preport.summary().split(':', 1)[1]}; see docs/preference.md"
+        )
+    n_sft = len(store)
+    store = concat_stores([store, pairs])
+    units = [(i,) for i in range(n_sft)] + [(n_sft + 2 * k, n_sft + 2 * k + 1) for k in range(preport.pairs)]
+    unit_lengths = np.asarray([sum(int(store.lengths[e]) for e in u) for u in units], np.int64)
+    report.lengths = np.concatenate([report.lengths, store.lengths[n_sft:]])
+    report.max_length = cfg.max_length
+    report.tokens += int(store.lengths[n_sft:].sum())  # rows hold the pairs too (their fill)
+    if cfg.pack:
+        rows = [tuple(e for u in r for e in units[u]) for r in pack_best_fit(unit_lengths, cfg.max_length)]
+    else:
+        rows = list(units)
+    report.rows = len(rows)
+    return BuiltData(store=store, rows=rows, report=report)
+
+
+def pair_counts(cfg: DataConfig, template: ChatTemplate, records: RecordSet) -> PairReport:
+    """Pair counts of the training files, read chunk by chunk (nothing but counts is kept)."""
+    report = PairReport()
+    field_map = resolve_field_map(cfg.format, cfg.field_map)
+    for start in range(0, len(records), 1024):
+        chunk = records.read(list(range(start, min(start + 1024, len(records)))))
+        build_pairs(pairs_of_rows(chunk, field_map, report), template, cfg.max_length, report)
+    return report
 
 
 def _general(cfg: DataConfig, n_agent: int, template: ChatTemplate, report: DataReport) -> TokenStore:
@@ -313,6 +393,7 @@ def make_pipeline(
     process_index: int = 0,
     process_count: int = 1,
     batch_rows: Sequence[int] | None = None,
+    objective: str = "sft",
 ) -> Pipeline:
     """The pipeline of `split` for one process.
 
@@ -334,7 +415,7 @@ def make_pipeline(
     if not len(batch_rows) or batch_rows.min() < 0 or batch_rows.max() >= global_batch_size:
         raise ValueError(f"batch_rows must be non-empty rows of [0, {global_batch_size})")
     template = build_template(cfg)
-    data = build_data(cfg, split, template)
+    data = build_data(cfg, split, template, objective=objective)
     n_rows = len(data.rows)
     report = data.report
     if split == "train":

@@ -28,6 +28,7 @@ class DataReport:
     duplicate_ids_at: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (where, id)
     selection: str = ""  # data.train_size: how the examples were chosen
     general: DataReport | None = None  # the mixed-in general chat data (data.general_*)
+    preference: Any = None  # data.preference.PairReport: pair counts (a preference objective, `data stats`)
     trailing_user_turns_trimmed: int = 0
     refinement_turns_removed: int = 0  # drop_refinement_data: erroneous turns + their feedback
     truncated: int = 0
@@ -75,8 +76,9 @@ class DataReport:
         d = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.name not in ("lengths", "general")
+            if f.name not in ("lengths", "general", "preference")
         }
+        d["preference"] = self.preference.to_dict() if self.preference is not None else None
         d["general"] = self.general.to_dict() if self.general is not None else None
         d["skipped"] = dict(self.skipped)
         d["turns"] = dict(self.turns)
@@ -131,6 +133,8 @@ class DataReport:
                 f"{c}={self.turns[c]} (trained {self.trained_turns[c]})" for c in sorted(self.turns)
             )
             lines.append(f"  assistant turns: {turns}")
+        if self.preference is not None:
+            lines.append(self.preference.summary())
         mode = "packed" if self.packed else "padded"
         if self.rows:  # a mixed-in source's own report has no rows: they are packed with the main data
             lines.append(

@@ -121,6 +121,8 @@ class MetricsLog(Hook):
             "tokens_per_sec": tps,
             "mfu": mfu,
         }
+        for k, v in m.items():  # a preference objective's rewards, margin, accuracy, pairs
+            row.setdefault(k, v)
         self.losses.append(m["loss"])
         self.writer.write(row)
         eta = (now - self.t_start) / max(step - self.start_step, 1) * (self.total_steps - step)

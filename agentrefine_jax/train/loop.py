@@ -85,6 +85,12 @@ def build_train_step(cfg: Config, mesh: jax.sharding.Mesh, total_steps: int) -> 
         loss_chunk=cfg.train.loss_chunk_size,
         loss_impl=cfg.train.loss_impl,
         mode=ParamMode.of(cfg),
+        objective=cfg.train.objective,
+        knobs={
+            "beta": cfg.train.beta,
+            "sft_weight": cfg.train.sft_weight,
+            "dpo_weight": cfg.train.dpo_weight,
+        },
     )
     return fns, schedule
 
@@ -209,7 +215,7 @@ def _mesh(cfg: Config) -> jax.sharding.Mesh:
 
 def _train_pipeline(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[Any, Any, int]:
     """(the training data pipeline, the rows of each global batch this process holds, total steps)."""
-    from agentrefine_jax.data.pipeline import DataError, make_pipeline, process_batch_rows
+    from agentrefine_jax.data.pipeline import DataError, NoPairsError, make_pipeline, process_batch_rows
 
     tc = cfg.train
     # Each process materialises exactly the rows of the global batch its devices hold.
@@ -221,7 +227,10 @@ def _train_pipeline(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[Any, Any, int
             global_batch_size=tc.global_batch_size,
             num_epochs=tc.num_epochs,
             batch_rows=batch_rows,
+            objective=tc.objective,
         )
+    except NoPairsError as e:  # a preference objective on data without pairs: the input's fault
+        raise TrainingInputError(str(e)) from None
     except DataError as e:  # unusable data: the one-line reason, not a traceback
         raise TrainingError(str(e)) from None
     log.info(pipeline.report.summary())
@@ -338,15 +347,19 @@ def _hooks(
     )
     hooks: list[Hook] = [metrics_log]
     if tc.eval_every and (cfg.data.eval_files or cfg.data.eval_fraction > 0):
-        from agentrefine_jax.data.pipeline import make_pipeline
+        from agentrefine_jax.data.pipeline import NoPairsError, make_pipeline
 
-        eval_pipeline = make_pipeline(
-            cfg.data,
-            split="eval",
-            global_batch_size=tc.global_batch_size,
-            num_epochs=1,
-            batch_rows=batch_rows,
-        )
+        try:
+            eval_pipeline = make_pipeline(
+                cfg.data,
+                split="eval",
+                global_batch_size=tc.global_batch_size,
+                num_epochs=1,
+                batch_rows=batch_rows,
+                objective=tc.objective,
+            )
+        except NoPairsError as e:
+            raise TrainingInputError(f"evaluation: {e}") from None
         hooks.append(
             Evaluate(tc.eval_every, lambda p: evaluate(fns, p, eval_pipeline, tc.global_batch_size), writer)
         )

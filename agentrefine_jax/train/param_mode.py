@@ -57,11 +57,23 @@ class ParamMode:
     merged_dtype: str  # model.param_dtype: what a merged LoRA model is cast to
     lora_spec: lora.LoraSpec | None = None
     int8: bool = False
+    # Full fine-tuning with a DPO reference: params are {"model": trained, "ref": a frozen copy of
+    # the starting weights}; only "model" is trained, saved and exported. (LoRA's reference is its
+    # base with the adapters off: no copy.)
+    reference: bool = False
 
     @classmethod
     def of(cls, cfg: Config) -> ParamMode:
-        """The run's mode, from its config (`train.lora`)."""
-        return cls.of_settings(cfg.model, lora.LoraSpec.of(cfg.train.lora), cfg.train.lora.base_dtype)
+        """The run's mode, from its config (`train.lora`, `train.objective`)."""
+        mode = cls.of_settings(cfg.model, lora.LoraSpec.of(cfg.train.lora), cfg.train.lora.base_dtype)
+        return mode.for_objective(cfg.train.objective)
+
+    def for_objective(self, objective: str) -> ParamMode:
+        """This mode, holding a frozen reference copy when a full fine-tuning objective needs one
+        (DPO; a LoRA run's reference is its base, adapters off)."""
+        if self.lora_spec is None and objective in ("dpo", "sft+dpo") and not self.reference:
+            return dataclasses.replace(self, reference=True)
+        return self
 
     @classmethod
     def of_settings(
@@ -103,6 +115,13 @@ class ParamMode:
             init = lambda seed: prepare_base(float_init(seed))  # noqa: E731
             abstract = jax.eval_shape(quant.quantize_base, abstract)
         shardings = base_shard
+        init_model = copy = None
+        if self.reference:
+            init_model = init
+            copy = jax.jit(lambda t: jax.tree.map(jax.numpy.copy, t), out_shardings=base_shard)
+            init = lambda seed: self._with_reference(init_model(seed), copy)  # noqa: E731
+            shardings = {"model": base_shard, "ref": base_shard}
+            abstract = {"model": abstract, "ref": abstract}
         if self.lora_spec is not None:
             a_shard = _lora_shardings(self.lora_spec, self.model_cfg, mesh, rules)
             init_adapters = jax.jit(self.init_adapters, static_argnums=0, out_shardings=a_shard)
@@ -111,19 +130,30 @@ class ParamMode:
             shardings = {"base": base_shard, "lora": a_shard}
             with shd.use_sharding(mesh, rules):
                 abstract = {"base": abstract, "lora": jax.eval_shape(lambda: self.init_adapters(0))}
-        return Built(graphdef, shardings, abstract, init, init_adapters, prepare_base)
+        return Built(graphdef, shardings, abstract, init, init_adapters, prepare_base, init_model, copy)
+
+    @staticmethod
+    def _with_reference(model: Params, copy: Callable[[Params], Params]) -> Params:
+        # A copy, not the same buffers: the step donates "model" and keeps "ref".
+        return {"model": model, "ref": copy(model)}
 
     # ------------------------------------------------------------------ training
 
     def trainable(self, tree: Any) -> Any:
         """What the optimizer updates and a checkpoint stores: all params, or the adapters."""
+        if self.reference:
+            return tree["model"]
         return tree["lora"] if self.lora_spec is not None else tree
 
     def with_trained(self, params: Params, trained: Params) -> Params:
+        if self.reference:
+            return {"model": trained, "ref": params["ref"]}
         return {"base": params["base"], "lora": trained} if self.lora_spec is not None else trained
 
     def loss(self, loss_sums: Callable[..., Any], graphdef: Any, params: Params, **kw: Any) -> LossFn:
         """The loss over the trained subset (the base, if any, enters as a constant)."""
+        if self.reference:
+            return lambda p, mb, key: loss_sums(graphdef, {"model": p, "ref": params["ref"]}, mb, **kw)
         if self.lora_spec is None:
             return lambda p, mb, key: loss_sums(graphdef, p, mb, **kw)
         return lambda a, mb, key: loss_sums(
@@ -139,6 +169,8 @@ class ParamMode:
 
     def merged(self, params: Params) -> Params:
         """The model's own params: adapters merged into the base's weights."""
+        if self.reference:
+            return params["model"]
         if self.lora_spec is None:
             return params
         return lora.merge(params["base"], params["lora"], self.lora_spec, self.merged_dtype)
@@ -166,8 +198,13 @@ class ParamMode:
         base (the one rebuild loaders use too) with fresh adapters."""
         if self.lora_spec is not None:
             return {"base": self._base(cfg, built, mesh, meta), "lora": built.init_adapters(cfg.train.seed)}
+        if self.reference:
+            return self._with_reference(self._fresh_model(cfg, built, mesh), built.reference_copy)
+        return self._fresh_model(cfg, built, mesh)
+
+    def _fresh_model(self, cfg: Config, built: Built, mesh: Mesh) -> Params:
         if not cfg.train.init_from_hf:
-            return built.init(cfg.train.seed)
+            return (built.init_model or built.init)(cfg.train.seed)
         from agentrefine_jax.hf.io import load_hf_model
 
         try:  # the weights' contents (NaN/Inf) are checked only here, as they are read
@@ -177,13 +214,17 @@ class ParamMode:
         except (ValueError, FileNotFoundError) as e:
             raise TrainingInputError(f"train.init_from_hf={cfg.train.init_from_hf}: {e}") from None
         log.info(f"initialised from {cfg.train.init_from_hf}")
-        return jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)), built.shardings)
+        shardings = built.shardings["model"] if self.reference else built.shardings
+        return jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)), shardings)
 
     def restored(
         self, trained: Params, cfg: Config, built: Built, mesh: Mesh, meta: CheckpointMeta
     ) -> Params:
         """The params of a resumed run from its checkpoint's trained subset: a LoRA checkpoint
-        holds the adapters, the base is rebuilt from its reference."""
+        holds the adapters, the base is rebuilt from its reference; a DPO reference is the run's
+        starting weights again (seeded or train.init_from_hf), rebuilt the same way."""
+        if self.reference:
+            return {"model": trained, "ref": self._fresh_model(cfg, built, mesh)}
         if self.lora_spec is None:
             return trained
         return {"base": self._base(cfg, built, mesh, meta), "lora": trained}
@@ -212,6 +253,8 @@ class Built:
     init: Callable[[int], Params]
     init_adapters: Callable[[int], Params] | None
     prepare_base: Callable[[Params], Params] | None
+    init_model: Callable[[int], Params] | None = None  # a DPO reference mode's model alone
+    reference_copy: Callable[[Params], Params] | None = None  # a copy of the model (the reference)
 
     def wrapped(self, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Built:
         """The same, each initialiser wrapped (step.py: run under the mesh's sharding rules)."""
@@ -220,6 +263,8 @@ class Built:
             init=wrap(self.init),
             init_adapters=self.init_adapters and wrap(self.init_adapters),
             prepare_base=self.prepare_base and wrap(self.prepare_base),
+            init_model=self.init_model and wrap(self.init_model),
+            reference_copy=self.reference_copy and wrap(self.reference_copy),
         )
 
 
@@ -230,6 +275,21 @@ def forward_inputs(
     if lora_spec is None:
         return params, None
     return params["base"], (lora_spec, params["lora"], dropout_key)
+
+
+def policy_and_reference(
+    params: Params, lora_spec: lora.LoraSpec | None, dropout_key: jax.Array | None, with_reference: bool
+) -> tuple[tuple[Params, Any], tuple[Params, Any] | None]:
+    """(model params, adapters) of the policy and of the DPO reference (None: not needed): LoRA's
+    reference is its base with the adapters off; full fine-tuning's the frozen copy "ref"."""
+    if lora_spec is not None:
+        return forward_inputs(params, lora_spec, dropout_key), (
+            params["base"],
+            None,
+        ) if with_reference else None
+    if isinstance(params, dict) and set(params) == {"model", "ref"}:
+        return (params["model"], None), (params["ref"], None) if with_reference else None
+    return (params, None), None
 
 
 def _lora_shardings(spec: lora.LoraSpec, cfg: ModelConfig, mesh: Mesh, rules: shd.Rules) -> Params:

@@ -409,6 +409,9 @@ def plan(
     grad_bytes = param_bytes * (2 if n_micro > 1 else 1)
     # optax.adamw keeps mu and nu in the parameter dtype, sharded like the parameters.
     opt_bytes = 2 * param_bytes
+    # DPO on full fine-tuning holds a frozen copy of the starting weights (LoRA: its base, adapters
+    # off, is the reference: nothing more); docs/preference.md.
+    ref_bytes = param_bytes if _holds_reference_copy(cfg) else 0
 
     batch_shards, max_batch_shards = _batch_shards(micro, rules, mesh)
     # The trainer refuses a (micro) batch that does not split over the batch shards; memory
@@ -426,7 +429,7 @@ def plan(
     notes += act_notes
     act = act_model.breakdown(per_device_batch)
     act_bytes = act_model.total(per_device_batch)
-    static = param_bytes + grad_bytes + opt_bytes
+    static = param_bytes + grad_bytes + opt_bytes + ref_bytes
     total = static + act_bytes
     hbm = HBM_BYTES[chip]
     usable = int(hbm * (1 - headroom))
@@ -470,6 +473,7 @@ def plan(
             "params": param_bytes,
             "grads": grad_bytes,
             "optimizer": opt_bytes,
+            **({"reference": ref_bytes} if ref_bytes else {}),  # only a run that holds one
             "activations": act_bytes,
             "total": total,
         },
@@ -492,6 +496,12 @@ def plan(
         "param_leaves": [_leaf_row(leaf) for leaf in layout],
         "notes": notes,
     }
+
+
+def _holds_reference_copy(cfg: Any) -> bool:
+    from agentrefine_jax.train.param_mode import ParamMode
+
+    return ParamMode.of(cfg).reference
 
 
 def _batch_shards(micro: int, rules: Any, mesh: Any) -> tuple[int, int]:
@@ -590,6 +600,7 @@ def format_plan(p: dict[str, Any], name: str = "") -> str:
         "  bytes per device",
         f"    params            {_gib(b['params'])}",
         f"    grads             {_gib(b['grads'])}",
+        *([f"    DPO reference     {_gib(b['reference'])} (frozen copy)"] if b.get("reference") else []),
         f"    optimizer (AdamW) {_gib(b['optimizer'])}",
         f"    activations       {_gib(b['activations'])}",
     ]

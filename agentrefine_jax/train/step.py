@@ -22,8 +22,9 @@ from agentrefine_jax import sharding as shd
 from agentrefine_jax.data.packing import BATCH_KEYS
 from agentrefine_jax.models import Transformer, lora
 from agentrefine_jax.models.config import ModelConfig
+from agentrefine_jax.train import objectives
 from agentrefine_jax.train.loss import chunked_cross_entropy, resolve_loss_impl, target_weights
-from agentrefine_jax.train.param_mode import Built, ParamMode, forward_inputs
+from agentrefine_jax.train.param_mode import Built, ParamMode, forward_inputs, policy_and_reference
 
 Params = dict[str, Any]
 Batch = dict[str, jax.Array]
@@ -99,6 +100,48 @@ def loss_sums(
     return chunked_cross_entropy(hidden[:, :-1], model.lm_head_weight(), targets, weights, chunk, impl)
 
 
+def preference_loss(
+    graphdef: Any,
+    params: Params,
+    batch: Batch,
+    chunk: int,
+    objective: str,
+    counts: tuple[jax.Array, jax.Array],
+    beta: float,
+    sft_weight: float,
+    dpo_weight: float,
+    lora_spec: lora.LoraSpec | None = None,
+    dropout_key: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """A (micro) batch's share of a preference objective (train/objectives.py); `counts` are the
+    global batch's (SFT tokens, pairs). The reference: a LoRA run's base with the adapters off, a
+    full run's frozen copy (params {"model", "ref"}); ORPO has none."""
+    n_tokens, n_pairs = counts
+    targets = batch["input_ids"][:, 1:]
+
+    def logps(model_params: Params, adapters: Any) -> jax.Array:
+        model: Transformer = nnx.merge(graphdef, model_params)
+        hidden, _ = model.forward(
+            batch["input_ids"], batch["positions"], batch["segment_ids"], adapters=adapters
+        )
+        return objectives.token_logps(hidden[:, :-1], model.lm_head_weight(), targets, chunk)
+
+    policy, ref = policy_and_reference(
+        params, lora_spec, dropout_key, objective in objectives.NEEDS_REFERENCE
+    )
+    return objectives.preference_sums(
+        objective,
+        logps(*policy),
+        None if ref is None else logps(*ref),
+        batch,
+        beta=beta,
+        sft_weight=sft_weight,
+        dpo_weight=dpo_weight,
+        n_tokens=n_tokens,
+        n_pairs=n_pairs,
+    )
+
+
 def build_steps(
     model_cfg: ModelConfig,
     optimizer: optax.GradientTransformation,
@@ -112,10 +155,14 @@ def build_steps(
     lora_spec: lora.LoraSpec | None = None,
     lora_base_dtype: str | None = None,
     mode: ParamMode | None = None,
+    objective: str = "sft",
+    knobs: dict[str, float] | None = None,
 ) -> StepFns:
-    """The jitted steps for `mode` (default: from model_cfg, lora_spec and lora_base_dtype)."""
+    """The jitted steps for `mode` (default: from model_cfg, lora_spec and lora_base_dtype) and
+    `objective` (sft, or a preference objective with `knobs` beta/sft_weight/dpo_weight)."""
     if mode is None:  # the parameter mode decides from the settings (train/param_mode.py)
         mode = ParamMode.of_settings(model_cfg, lora_spec, lora_base_dtype)
+    mode = mode.for_objective(objective)
     micro = micro_batch or global_batch
     if global_batch % micro:
         raise ValueError(f"train.global_batch_size={global_batch} not divisible by micro_batch_size={micro}")
@@ -162,13 +209,11 @@ def build_steps(
             mode.trainable(params), batch, None
         )
 
+    if objective != "sft":  # a preference objective: train/objectives.py
+        train_step, eval_step = _preference_steps(mode, graphdef, optimizer, n_micro, micro, loss_chunk, objective, knobs)  # noqa: F811,E501  # fmt: skip
     batch_tree = {k: b_shard for k in BATCH_KEYS}
-    train_jit = jax.jit(
-        train_step,
-        in_shardings=(p_shard, opt_shard, batch_tree),
-        out_shardings=(p_shard, opt_shard, replicated),
-        donate_argnums=(0, 1),
-    )
+    train_jit = jax.jit(train_step, in_shardings=(p_shard, opt_shard, batch_tree),
+                        out_shardings=(p_shard, opt_shard, replicated), donate_argnums=(0, 1))  # fmt: skip
     into_jit = _train_into_jit(train_step, mode, p_shard, opt_shard, batch_tree, replicated)
     eval_jit = jax.jit(eval_step, in_shardings=(p_shard, batch_tree), out_shardings=replicated)
     ruled = functools.partial(_with_rules, mesh, rules)
@@ -177,6 +222,67 @@ def build_steps(
         abstract_opt=abstract_opt, batch_sharding=b_shard, init_opt=ruled(init_opt), train=ruled(train_jit),
         train_trained_into=ruled(into_jit), evaluate=ruled(eval_jit), mode=mode, built=built.wrapped(ruled),
     )  # fmt: skip
+
+
+def _preference_steps(
+    mode: ParamMode,
+    graphdef: Any,
+    optimizer: optax.GradientTransformation,
+    n_micro: int,
+    micro: int,
+    loss_chunk: int,
+    objective: str,
+    knobs: dict[str, float] | None,
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The train and eval steps of a preference objective (train/objectives.py)."""
+    pref = {"beta": 0.1, "sft_weight": 1.0, "dpo_weight": 1.0, **(knobs or {})}
+    pref.update(objective=objective, chunk=loss_chunk)
+
+    def pref_train_step(
+        params: Params, opt_state: Any, batch: Batch
+    ) -> tuple[Params, Any, dict[str, jax.Array]]:
+        # The global counts first: each micro batch's loss is its share of the global-batch mean,
+        # so the gradients add up as they are (no division after, no mean of means).
+        counts = (objectives.count_sft_tokens(batch), objectives.count_pairs(batch))
+        micro_batches = {k: v.reshape(n_micro, micro, *v.shape[1:]) for k, v in batch.items()}
+        trained = mode.trainable(params)
+        loss_fn = mode.loss(preference_loss, graphdef, params, counts=counts, **pref)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        keys = mode.dropout_keys(opt_state, n_micro)
+
+        def body(carry: Any, xs: tuple[Batch, Any]) -> tuple[Any, None]:
+            grads, loss, aux = carry
+            mb, key = xs
+            mb = {k: shd.constrain(v, ("batch", None)) for k, v in mb.items()}
+            (part, a), g = grad_fn(trained, mb, key)
+            return (jax.tree.map(jnp.add, grads, g), loss + part, jax.tree.map(jnp.add, aux, a)), None
+
+        zero = jnp.zeros((), jnp.float32)
+        aux0 = {k: zero for k in (*objectives.METRICS, "pair_loss", "sft_loss")}
+        init = (jax.tree.map(jnp.zeros_like, trained), zero, aux0)
+        grads, loss, aux = jax.lax.scan(body, init, (micro_batches, keys))[0]
+        grad_norm = optax.global_norm(grads)
+        updates, new_opt = optimizer.update(grads, opt_state, trained)
+        new_params = optax.apply_updates(trained, updates)
+        n_tok, n_pairs = counts
+        scored = n_pairs + (n_tok if objective == "sft+dpo" else 0.0)
+        ok = (n_pairs > 0) & jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        new_params = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_params, trained)
+        new_opt = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_opt, opt_state)
+        tokens = jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32)
+        metrics = {"loss": loss, "loss_tokens": scored, "tokens": tokens, "grad_norm": grad_norm}
+        metrics.update(objectives.finish_metrics(aux, n_pairs, n_tok))
+        return mode.with_trained(params, new_params), new_opt, metrics
+
+    def pref_eval_step(params: Params, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        """(the batch's loss x its pairs, pairs): the evaluation's mean is over pairs."""
+        counts = (objectives.count_sft_tokens(batch), objectives.count_pairs(batch))
+        loss, _ = mode.loss(preference_loss, graphdef, params, counts=counts, **pref)(
+            mode.trainable(params), batch, None
+        )
+        return loss * counts[1], counts[1]
+
+    return pref_train_step, pref_eval_step
 
 
 def _train_into_jit(

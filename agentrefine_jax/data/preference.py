@@ -1,0 +1,285 @@
+"""Preference pairs: from refinement trajectories, or from plain preference files.
+
+A pair is (prompt, chosen, rejected): the conversation before an assistant reply and two
+replies to it. From a trajectory: one pair per erroneous assistant turn that a refinement
+follows — prompt = the messages before the erroneous turn, rejected = the erroneous turn's
+content, chosen = the refinement's content. A run of consecutive errors ends in one
+refinement: each error of the run is paired with it (every error left the state unchanged, so
+the refinement answers the same state each time).
+
+Only state-preserving errors make pairs: the refinement is a good reply to the prompt before
+the error only if the error changed nothing. In the AgentRefine layouts (canonical, sharegpt,
+agentflan; `loss: false` / `error: true`) an erroneous turn is by definition one the
+environment answered with error feedback (Algorithm 1: the DM rejects the action, the state
+does not change), so the flag decides it; the erroneous turn must be followed by a user turn
+(that feedback) and, after it, by the refinement. AgentInstruct / AgentTraj-L rows have no
+erroneous turns (their flag means "not trained"): they yield no pairs.
+
+Plain preference rows (TRL, LLaMA-Factory) hold the pair themselves (`is_preference_row`).
+
+Each reply is rendered with the SFT template as prompt + reply, every earlier assistant turn
+untrained: the mask covers exactly the reply's tokens and its end token (what rendering the
+prompt with its generation header leaves out). A pair is stored as two consecutive examples
+of a TokenStore, chosen then rejected, their mask bits CHOSEN / REJECTED, so packing can keep
+both in one row (pipeline.py) and the loss can find them (train/objectives.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from agentrefine_jax.data.examples import TokenStore
+from agentrefine_jax.data.schema import (
+    FieldMap,
+    RowError,
+    assistant_categories,
+    normalize_row,
+    trim_trailing_users,
+    validate_messages,
+)
+from agentrefine_jax.data.templates import ChatTemplate
+
+CHOSEN, REJECTED = 2, 3  # loss_mask values of a pair's reply tokens (1 = an SFT loss token)
+# Why an erroneous turn gave no pair (counted per turn).
+NO_REFINEMENT = "no refinement after the error"
+NO_FEEDBACK = "no error feedback after the erroneous turn"
+OVERLENGTH = "overlength"
+SAME_REPLY = "chosen equals rejected"
+
+Message = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    prompt: list[Message]
+    chosen: str
+    rejected: str
+    where: str
+
+
+@dataclasses.dataclass
+class PairReport:
+    """How many pairs, and why the others are not."""
+
+    rows: int = 0  # records read
+    preference_rows: int = 0  # plain preference rows among them
+    erroneous_turns: int = 0
+    pairs: int = 0  # pairs kept (rendered, fitting max_length)
+    prompts_shortened: int = 0  # pairs whose oldest turns were dropped to fit max_length
+    skipped: Counter = dataclasses.field(default_factory=Counter)
+    skipped_at: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+    def skip(self, where: str, reason: str) -> None:
+        self.skipped[reason] += 1
+        if len(self.skipped_at) < 1000:
+            self.skipped_at.append((where, reason))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["skipped"] = dict(self.skipped)
+        d.pop("skipped_at")
+        return d
+
+    def summary(self) -> str:
+        why = ", ".join(f"{r} {n}" for r, n in sorted(self.skipped.items(), key=lambda kv: -kv[1]))
+        return (
+            f"  preference pairs: {self.pairs} (from {self.erroneous_turns} erroneous turns and "
+            f"{self.preference_rows} preference rows; skipped {sum(self.skipped.values())}"
+            + (f": {why}" if why else "")
+            + (f"; {self.prompts_shortened} prompts shortened to fit" if self.prompts_shortened else "")
+            + ")"
+        )
+
+
+def trajectory_pairs(messages: Sequence[Message], where: str, report: PairReport) -> list[Pair]:
+    """The pairs of one validated trajectory (see the module docstring)."""
+    cats = assistant_categories(messages)
+    pairs = []
+    for i, cat in enumerate(cats):
+        if cat != "erroneous":
+            continue
+        report.erroneous_turns += 1
+        at = f"{where}#turn{i}"
+        if i + 1 >= len(messages) or messages[i + 1]["role"] != "user":
+            report.skip(at, NO_FEEDBACK)
+            continue
+        # The refinement: the first trained turn after the run of errors (untrained turns between
+        # would be context the prompt lacks: no pair then).
+        j = i + 1
+        while j < len(messages) and cats[j] in (None, "erroneous"):
+            j += 1
+        if j >= len(messages) or cats[j] != "refinement":
+            report.skip(at, NO_REFINEMENT)
+            continue
+        chosen, rejected = messages[j]["content"], messages[i]["content"]
+        if chosen == rejected:
+            report.skip(at, SAME_REPLY)
+            continue
+        pairs.append(Pair(list(messages[:i]), chosen, rejected, at))
+    return pairs
+
+
+def is_preference_row(row: Any) -> bool:
+    return isinstance(row, Mapping) and "chosen" in row and "rejected" in row
+
+
+def _reply(value: Any, what: str) -> str:
+    """A reply as text: a string, one message, or a message list ending with the assistant's."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping):
+        value = [value]
+    if isinstance(value, Sequence) and value and isinstance(value[-1], Mapping):
+        text = value[-1].get("content", value[-1].get("value"))
+        if isinstance(text, str):
+            return text
+    raise RowError("bad preference row", f"{what!r} must be a string or assistant message(s)")
+
+
+_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+
+
+def _messages(turns: Any) -> list[Message]:
+    """Prompt turns (text, or {role, content} / ShareGPT {from, value} messages) as messages;
+    checked with the reply appended by the caller."""
+    if isinstance(turns, str):
+        return [{"role": "user", "content": turns}]
+    if not isinstance(turns, Sequence) or not turns or not all(isinstance(t, Mapping) for t in turns):
+        raise RowError("bad preference row", "the prompt must be a string or a non-empty message list")
+    out = []
+    for t in turns:
+        role = _ROLES.get(t.get("role", t.get("from")))
+        content = t.get("content", t.get("value"))
+        if role is None or not isinstance(content, str):
+            raise RowError("bad preference row", f"prompt turn {dict(t)!r:.80} has no known role / text")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def plain_pair(row: Mapping[str, Any], where: str) -> Pair:
+    """One pair from a TRL / LLaMA-Factory preference row (raises RowError).
+
+    Layouts: {"prompt": str | messages, "chosen", "rejected"} (TRL standard / conversational),
+    {"chosen": messages, "rejected": messages} (TRL implicit prompt: the common prefix),
+    {"messages" | "conversations" | "conversation": prompt turns, "chosen", "rejected"}
+    (LLaMA-Factory's sharegpt preference layout), {"instruction", "input"?, "chosen", "rejected"}
+    (LLaMA-Factory alpaca).
+    """
+    chosen_raw, rejected_raw = row["chosen"], row["rejected"]
+    if "prompt" in row:
+        prompt_turns: Any = row["prompt"]
+    elif "instruction" in row:
+        prompt_turns = "\n".join(s for s in (row["instruction"], row.get("input") or "") if s)
+    else:
+        key = next((k for k in ("messages", "conversations", "conversation") if k in row), None)
+        if key is not None:
+            prompt_turns = row[key]
+        elif isinstance(chosen_raw, list) and isinstance(rejected_raw, list):  # implicit prompt
+            n = 0
+            while n < min(len(chosen_raw), len(rejected_raw)) - 1 and chosen_raw[n] == rejected_raw[n]:
+                n += 1
+            prompt_turns, chosen_raw, rejected_raw = chosen_raw[:n], chosen_raw[n:], rejected_raw[n:]
+        else:
+            raise RowError("bad preference row", "no prompt: expected 'prompt', 'messages' or 'instruction'")
+    prompt = _messages(prompt_turns)
+    chosen, rejected = _reply(chosen_raw, "chosen"), _reply(rejected_raw, "rejected")
+    if prompt[-1]["role"] != "user":
+        raise RowError("bad preference row", "the prompt must end with a user turn")
+    validate_messages([*prompt, {"role": "assistant", "content": chosen}])
+    validate_messages([*prompt, {"role": "assistant", "content": rejected}])
+    return Pair(prompt, chosen, rejected, where)
+
+
+def render_reply(
+    template: ChatTemplate, prompt: Sequence[Message], reply: str
+) -> tuple[list[int], list[int]]:
+    """(ids, mask) of prompt + reply: mask 1 on the reply's tokens and end token only."""
+    return _render(template, [(prompt, reply)])[0]
+
+
+def _render(
+    template: ChatTemplate, items: Sequence[tuple[Sequence[Message], str]]
+) -> list[tuple[list[int], list[int]]]:
+    convs = [
+        [*(_untrained(m) for m in prompt), {"role": "assistant", "content": reply}] for prompt, reply in items
+    ]
+    return [(ids, mask) for ids, mask, _ in template.encode_batch(convs, ("correct",))]
+
+
+def _untrained(m: Mapping[str, Any]) -> Message:
+    if m["role"] != "assistant":
+        return {"role": m["role"], "content": m["content"]}
+    return {"role": "assistant", "content": m["content"], "train": False}
+
+
+def _shorten(prompt: list[Message], drop: int) -> list[Message]:
+    """The prompt without its `drop` oldest (assistant, user) exchanges after the first user
+    turn (which holds the task): roles still alternate and the task stays."""
+    head = 2 if prompt[0]["role"] == "system" else 1
+    return prompt[:head] + prompt[head + 2 * drop :]
+
+
+def pairs_of_rows(
+    records: Iterable[tuple[str, Any]], field_map: FieldMap | None, report: PairReport
+) -> Iterable[Pair]:
+    """Pairs of raw records, in order (bad rows are the SFT report's to count; here skipped)."""
+    for where, row in records:
+        report.rows += 1
+        if isinstance(row, RowError):
+            continue
+        try:
+            if is_preference_row(row):
+                report.preference_rows += 1
+                yield plain_pair(row, where)
+                continue
+            messages, _ = trim_trailing_users(normalize_row(row, field_map, where)["messages"])
+        except RowError as e:
+            report.skip(where, e.reason)
+            continue
+        yield from trajectory_pairs(messages, where, report)
+
+
+def build_pairs(
+    pairs: Iterable[Pair], template: ChatTemplate, max_length: int, report: PairReport
+) -> TokenStore:
+    """A store holding each pair as two consecutive examples, chosen (mask CHOSEN) then
+    rejected (mask REJECTED). A pair longer than `max_length` (both renders together) loses its
+    prompt's oldest exchanges until it fits; one that never fits is skipped."""
+    ids_parts: list[np.ndarray] = []
+    mask_parts: list[np.ndarray] = []
+    lengths: list[int] = []
+    where: list[str] = []
+    for pair in pairs:
+        prompt = pair.prompt
+        n_exchanges = (len(prompt) - (2 if prompt[0]["role"] == "system" else 1)) // 2
+        fitted = None
+        for drop in range(n_exchanges + 1):
+            p = _shorten(prompt, drop) if drop else prompt
+            (c_ids, c_mask), (r_ids, r_mask) = _render(template, [(p, pair.chosen), (p, pair.rejected)])
+            if len(c_ids) + len(r_ids) <= max_length:
+                fitted = (c_ids, c_mask, r_ids, r_mask)
+                report.prompts_shortened += int(drop > 0)
+                break
+        if fitted is None:
+            report.skip(pair.where, OVERLENGTH)
+            continue
+        c_ids, c_mask, r_ids, r_mask = fitted
+        for ids, mask, bit in ((c_ids, c_mask, CHOSEN), (r_ids, r_mask, REJECTED)):
+            ids_parts.append(np.asarray(ids, np.int32))
+            mask_parts.append(np.asarray(mask, np.uint8) * bit)
+            lengths.append(len(ids))
+            where.append(pair.where)
+        report.pairs += 1
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return TokenStore(
+        ids=np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.int32),
+        mask=np.concatenate(mask_parts) if mask_parts else np.zeros(0, np.uint8),
+        offsets=offsets,
+        where=where,
+    )
