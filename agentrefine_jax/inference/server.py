@@ -240,6 +240,7 @@ class ChatService:
         """Generate (on the caller's thread) and build the response body; `cancelled()` is asked
         before and during generation (raises chat.GenerationCancelled)."""
         if cancelled is not None and cancelled():
+            self.log("chat.completions: generation cancelled before it started")
             raise GenerationCancelled("cancelled before it started")
         t0 = time.perf_counter()
         try:
@@ -252,6 +253,9 @@ class ChatService:
                 seed=req.seed,
                 cancelled=cancelled,
             )
+        except GenerationCancelled as e:
+            self.log(f"chat.completions: generation {e}")
+            raise
         except ContextOverflowError as e:
             raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
         except ValueError as e:  # malformed conversation (role order, empty content, ...)
