@@ -7,6 +7,7 @@ tunable glibc asks for transparent huge pages and the kernel faults it in 2 MiB 
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -91,3 +92,57 @@ def test_a_bad_value_is_one_line_and_exit_2_before_anything_runs(tmp_path):
         f"[train] error: {host_memory.ENV} must be 0 or 1, got 'yes'"
     ], out
     assert not run_dir.exists()  # refused before anything ran
+
+
+HEAP_PROBE = textwrap.dedent(
+    """
+    import ctypes, sys, threading
+    from agentrefine_jax import host_memory
+    if sys.argv[1] == "bound":
+        assert host_memory.bound_heap()
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+
+    def rss():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) // 1024
+
+    pins = []
+
+    def work():  # a request's worth of 512 KiB buffers, then a small object that outlives them
+        for _ in range(3):
+            big = [libc.malloc(512 * 1024) for _ in range(64)]
+            for p in big:
+                ctypes.memset(p, 1, 512 * 1024)
+            pins.append(libc.malloc(64))
+            for p in big:
+                libc.free(p)
+
+    before = rss()
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(rss() - before)
+    """
+)
+
+
+def test_bound_heap_gives_freed_buffers_back_whatever_thread_freed_them():
+    """The server's heap policy (host_memory.bound_heap): 8 threads each free 3 x 32 MiB of buffers
+    under a live small object. With glibc's defaults the first free raises the mmap threshold, the
+    later buffers come from each thread's own arena and stay there (~256 MB kept); bounded, every
+    such buffer is mmapped and goes back to the kernel when freed."""
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc's allocator only")
+
+    def kept_mb(mode: str) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", HEAP_PROBE, mode], capture_output=True, text=True, timeout=120, check=True
+        )
+        return int(out.stdout)
+
+    assert kept_mb("default") >= 100
+    assert kept_mb("bound") <= 16

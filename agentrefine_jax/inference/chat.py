@@ -10,15 +10,22 @@ Keyed completion (`complete(..., keys=...)`) names each conversation (an agent e
 KV cache is kept between calls (`sessions.SessionCache`): a turn prefills only the tokens after
 what that conversation's cache already holds. `stats` counts prefilled and reused prompt tokens
 for both paths, so the two can be compared exactly.
+
+A conversation whose text cannot fit the context is refused before it is tokenized
+(`check_fits`): no token of the vocabulary spells more than `longest_token_bytes` bytes, so a text
+of more than context x that many bytes needs more tokens than the context holds (tokenizing a
+10 MB request took a server 7-10 s before its 400). The bound assumes the template keeps each
+message's text (the built-in ones do, up to surrounding whitespace).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-from agentrefine_jax.inference.engine import generate
+from agentrefine_jax.inference.engine import CANCELLED, CancelFn, generate
 from agentrefine_jax.inference.loading import LoadedModel, check_chat_names, load_for_inference
 from agentrefine_jax.inference.sessions import SessionCache
 from agentrefine_jax.models.llama import Transformer
@@ -28,6 +35,10 @@ from agentrefine_jax.unicode_text import lone_surrogate
 
 class ContextOverflowError(ValueError):
     """A prompt leaves no room for even one new token in the model's context."""
+
+
+class GenerationCancelled(Exception):
+    """`complete(..., cancelled=...)` was cancelled before every reply was finished."""
 
 
 @dataclasses.dataclass
@@ -106,6 +117,30 @@ class ChatGenerator:
 
     # ------------------------------------------------------------------ API
 
+    @functools.cached_property
+    def longest_token_bytes(self) -> int:
+        """An upper bound on the bytes of text one token stands for: the longest vocabulary entry
+        in UTF-8 (a byte-level BPE entry spells each byte as one character of 1-2 bytes, a
+        SentencePiece one a space as the 3-byte '▁' and a fallback byte as '<0xNN>': never less)."""
+        vocab = self.template.tokenizer.get_vocab()
+        return max(len(t.encode("utf-8", "surrogatepass")) for t in vocab)
+
+    def check_fits(self, messages: Sequence[Mapping[str, Any]], index: int = 0) -> None:
+        """Raise ContextOverflowError when the messages' text is too long for the context whatever
+        its tokens; cheap (no tokenizing), so a server can refuse a huge body at once."""
+        context = self.model.cfg.max_position_embeddings
+        limit = context * self.longest_token_bytes
+        size = 0
+        for m in messages:
+            content = m.get("content") if isinstance(m, Mapping) else None
+            if isinstance(content, str):
+                size += len(content.strip().encode("utf-8", "surrogatepass"))
+        if size > limit:
+            raise ContextOverflowError(
+                f"conversation {index}: {size} bytes of text cannot fit the model's context of {context} "
+                f"tokens (at most {limit} bytes: no token spells more than {self.longest_token_bytes})"
+            )
+
     def encode(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         bad_text = lone_surrogate(list(messages), "messages")
         if bad_text:  # the tokenizer would fail deep inside; a ValueError is the caller's 400 / exit 2
@@ -122,12 +157,16 @@ class ChatGenerator:
         stop: Sequence[str] | None = None,
         seed: int = 0,
         keys: Sequence[Hashable] | None = None,
+        cancelled: CancelFn | None = None,
     ) -> list[Completion]:
         """One reply per conversation (batched). max_new_tokens is reduced to fit the context.
 
         `keys` (one distinct key per conversation) keeps each conversation's KV cache for its next call;
         `forget(key)` frees it once the conversation is over. Greedy replies are the same either way.
+        `cancelled()` is asked between decode chunks; once True the call raises GenerationCancelled.
         """
+        for i, c in enumerate(conversations):
+            self.check_fits(c, i)
         prompts = [self.encode(c) for c in conversations]
         if not prompts:
             return []
@@ -157,6 +196,7 @@ class ChatGenerator:
             stop_token_ids=self.stop_token_ids,
             seed=seed,
             should_stop=should_stop if stops else None,
+            cancelled=cancelled,
         )
         if keys is None:
             gens = generate(self.model, prompts, **run)  # type: ignore[arg-type]
@@ -167,6 +207,8 @@ class ChatGenerator:
             gens = sessions.generate(keys, prompts, **run)  # type: ignore[arg-type]
             for k in self.stats:
                 self.stats[k] += sessions.stats[k] - before[k]
+        if any(g.finish_reason == CANCELLED for g in gens):
+            raise GenerationCancelled(f"cancelled after {max(len(g.tokens) for g in gens)} tokens")
         out = []
         for prompt, g in zip(prompts, gens, strict=True):
             text = reply_text(g.tokens)

@@ -19,7 +19,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from typing import Any
 
@@ -27,14 +26,14 @@ from agentrefine_jax import logs
 from agentrefine_jax.cli_errors import OneLineParser, fail, float_in, int_in
 from agentrefine_jax.inference.chat import ChatGenerator
 from agentrefine_jax.inference.engine import generate
-from agentrefine_jax.inference.http_server import ServerLimits
 from agentrefine_jax.inference.loading import check_chat_names, load_for_inference
-from agentrefine_jax.inference.server import ChatService, make_server
+from agentrefine_jax.inference.server import ChatService, ServerLimits, make_server
 from agentrefine_jax.models.config import DTYPES
 from agentrefine_jax.models.llama import param_count
 from agentrefine_jax.outputs import json_dumps
 
 PROG = "python -m agentrefine_jax.inference"
+EXIT_STOPPED = 75  # EX_TEMPFAIL: SIGTERM's grace period ended with requests unfinished
 log = logging.getLogger(__name__)
 
 
@@ -204,19 +203,43 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", action="store_true", help="compile for a short request before serving")
     d = ServerLimits()
     p.add_argument(
-        "--workers", type=int_in(1, 1024), default=d.workers, help="connections served at once (thread pool)"
+        "--max-connections",
+        type=int_in(1, 65536),
+        default=None,
+        help=f"open connections at most (default {d.max_connections}); one more is answered 503 at once",
+    )
+    # The thread-pool server's flags: its capacity was workers + queue connections.
+    p.add_argument(
+        "--workers", type=int_in(1, 1024), help="older flag: --max-connections is --workers + --queue"
     )
     p.add_argument(
-        "--queue",
-        type=int_in(1, 65536),
-        default=d.queue,
-        help="connections waiting for a worker; beyond them: 503 with Retry-After",
+        "--queue", type=int_in(1, 65536), help="older flag: --max-connections is --workers + --queue"
     )
     p.add_argument(
         "--read-timeout",
         type=float_in(0, 3600, lo_open=True),
         default=d.read_timeout,
         help="seconds for a whole request (line, headers, body) to arrive; idle connections close after it",
+    )
+    p.add_argument(
+        "--grace-period",
+        type=float_in(0, 86400),
+        default=d.grace_period,
+        help="on SIGTERM: seconds to finish the requests in flight before exiting 75 (after them: exit 0)",
+    )
+
+
+def _limits(args: argparse.Namespace) -> ServerLimits:
+    connections = args.max_connections
+    if args.workers is not None or args.queue is not None:
+        if connections is not None:
+            raise ValueError("--max-connections replaces --workers/--queue; give one or the other")
+        connections = (args.workers or 8) + (args.queue or 64)
+    d = ServerLimits()
+    return ServerLimits(
+        max_connections=connections or d.max_connections,
+        read_timeout=args.read_timeout,
+        grace_period=args.grace_period,
     )
 
 
@@ -238,8 +261,7 @@ def run_serve(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             gen.complete([[{"role": "user", "content": "hi"}]], max_new_tokens=2)
             log.info(f"warm-up compile done in {time.perf_counter() - t0:.1f}s")
-        limits = ServerLimits(workers=args.workers, queue=args.queue, read_timeout=args.read_timeout)
-        server = make_server(service, args.host, args.port, limits)
+        server = make_server(service, args.host, args.port, _limits(args))
     except (ValueError, FileNotFoundError, OSError) as e:
         return fail("inference", e)
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -247,12 +269,26 @@ def run_serve(args: argparse.Namespace) -> int:
     host, port = server.server_address[:2]
     # The exact line tests and scripts wait for; stdout carries nothing else.
     print(f"serving {service.model_name!r} on http://{host}:{port}/v1", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    # SIGTERM drains (stop accepting, finish what is in flight); Ctrl-C stops at once.
+    signal.signal(signal.SIGTERM, lambda *_: server.drain())
+    signal.signal(signal.SIGINT, lambda *_: server.interrupt())
     try:
-        server.serve_forever()  # Ctrl-C propagates: cli_errors.run_main reports it, exit 130
+        outcome = server.serve_forever()
     finally:
         server.server_close()
-    log.info("stopped")
+    if outcome.interrupted:
+        raise KeyboardInterrupt  # cli_errors.run_main: one line, exit 130
+    if outcome.unfinished:
+        log.warning(
+            f"stopped: the grace period of {args.grace_period:g} s ended with {outcome.unfinished} "
+            "request(s) unfinished (answered 503 server_shutting_down)"
+        )
+        # A generation may still be inside XLA on the model thread: leave without finalizing the
+        # interpreter under it (that aborted with "terminate called ...", exit 134).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_STOPPED)
+    log.info("stopped: every request in flight was answered")
     return 0
 
 

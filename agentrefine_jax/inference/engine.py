@@ -39,6 +39,9 @@ _STOP_SLOTS = 8  # stop-id arrays are padded to a multiple of this: no recompile
 
 # should_stop(row, generated_ids) -> True to end that row now (e.g. a stop string appeared).
 StopFn = Callable[[int, list[int]], bool]
+# cancelled() -> True to end every row now (the server's client went away, or it is stopping).
+CancelFn = Callable[[], bool]
+CANCELLED = "cancelled"  # the finish_reason of rows ended by `cancelled`
 
 
 @dataclasses.dataclass
@@ -46,7 +49,7 @@ class Generation:
     """One row's output. `tokens` includes the stop token that ended the row, if any."""
 
     tokens: list[int]
-    finish_reason: str  # "stop" (stop token or should_stop) | "length"
+    finish_reason: str  # "stop" (stop token or should_stop) | "length" | CANCELLED
 
 
 def bucket(n: int, minimum: int = 16, step: int = 512) -> int:
@@ -206,10 +209,12 @@ def _compiled() -> tuple[Callable, Callable]:
 
 @dataclasses.dataclass
 class Stops:
-    """When a row ends: a stop token id (kept as the row's last token) or `should_stop`."""
+    """When a row ends: a stop token id (kept as the row's last token) or `should_stop`; every
+    row ends at once when `cancelled()` says so (checked before each decode chunk)."""
 
     ids: tuple[int, ...]
     should_stop: StopFn | None = None
+    cancelled: CancelFn | None = None
 
     @functools.cached_property
     def array(self) -> jax.Array:
@@ -246,11 +251,12 @@ def decode_rows(
     stop_set = set(stops.ids)
     out: dict[int, list[int]] = {r: [] for r in live}
     reason = dict.fromkeys(live, "length")
-    # Stop tokens end rows inside the loop; only a text-level check needs the host between chunks,
-    # so without one a call is a single chunk (one host round trip and cache re-layout, not ~7).
+    # Stop tokens end rows inside the loop; only a text-level check or a cancellation needs the host
+    # between chunks, so without one a call is a single chunk (one host round trip and cache
+    # re-layout, not ~7).
     chunk = (
         bucket(max_new_tokens)
-        if stops.should_stop is None
+        if stops.should_stop is None and stops.cancelled is None
         else max(1, min(chunk_size, bucket(max_new_tokens)))
     )
     _, decode = _compiled()
@@ -258,6 +264,11 @@ def decode_rows(
     cur_pos = jnp.asarray(positions, jnp.int32)
     steps = 0
     while steps < max_new_tokens and not host_done.all():
+        if stops.cancelled is not None and stops.cancelled():
+            for r in live:
+                if not host_done[r]:
+                    host_done[r], reason[r] = True, CANCELLED
+            break
         n, cache, logits, cur_pos, _, new = decode(
             graphdef, chunk, temperature == 0.0, state, cache, logits, cur_pos, jnp.asarray(host_done),
             jnp.int32(steps), jnp.int32(max_new_tokens - steps), base_key, temp, tp, stops.array,
@@ -287,6 +298,7 @@ def generate(
     stop_token_ids: Sequence[int] | None = None,
     seed: int = 0,
     should_stop: StopFn | None = None,
+    cancelled: CancelFn | None = None,
     chunk_size: int = DEFAULT_CHUNK,
     timings: dict[str, float] | None = None,
 ) -> list[Generation]:
@@ -295,6 +307,8 @@ def generate(
     stop_token_ids: ids that end a row (kept as its last token); None = the model config's
       eos ids, () = never stop early.
     should_stop: checked on each live row between decode chunks (text-level stops).
+    cancelled: checked before each decode chunk; once True, every unfinished row ends with
+      finish_reason CANCELLED (what it generated so far is kept).
     timings: if given, filled with prefill_s / decode_s wall time, decode_steps (tokens
       sampled per row, the first one included) and prefill_tokens (real prompt tokens).
     """
@@ -303,7 +317,9 @@ def generate(
     if max_new_tokens == 0:
         return [Generation([], "length") for _ in range(n_rows)]
     cfg = model.cfg
-    stops = Stops(tuple(cfg.eos_token_ids if stop_token_ids is None else stop_token_ids), should_stop)
+    stops = Stops(
+        tuple(cfg.eos_token_ids if stop_token_ids is None else stop_token_ids), should_stop, cancelled
+    )
     batch = batch_bucket(n_rows)
     plen = bucket(max(len(p) for p in prompts))
     new_len = bucket(max_new_tokens)

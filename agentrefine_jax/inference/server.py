@@ -5,12 +5,14 @@
     openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x").chat.completions.create(
         model=NAME, messages=[...], max_tokens=256, temperature=0.7)
 
-Endpoints: POST /v1/chat/completions, GET /v1/models, GET /health. Connections are served by
-a fixed pool of threads with read deadlines, a bounded queue and 503s beyond it (see
-inference/http_server.py); requests are serialised onto the one model (a lock), so a request
-never waits on a half-finished batch of another. Bound to 127.0.0.1 unless --host says
-otherwise; when the environment variable named by --api-key-env is set, every /v1 request must
-carry it as a Bearer token (the key itself is never logged).
+Endpoints: POST /v1/chat/completions, GET /v1/models, GET /health. Three layers, one concern each:
+this module is the API (request validation, generation, response bodies: `ChatService`);
+inference/http_app.py the ASGI app (Starlette: routes, bodies, the key check, the model's thread,
+cancellation); inference/http_transport.py the HTTP server (uvicorn: connection limit, read
+deadline, graceful closes, the SIGTERM drain). Requests are served one at a time on the one model
+(its own thread), so a request never waits on a half-finished batch of another. Bound to
+127.0.0.1 unless --host says otherwise; when the environment variable named by --api-key-env is
+set, every /v1 request must carry it as a Bearer token (the key itself is never logged).
 """
 
 from __future__ import annotations
@@ -20,40 +22,23 @@ import hmac
 import json
 import logging
 import secrets
-import sys
-import threading
 import time
-import traceback
 import uuid
+from collections.abc import Callable
 from typing import Any
 
-from agentrefine_jax.inference.chat import ChatGenerator, ContextOverflowError
-from agentrefine_jax.inference.http_server import (
-    BoundedRequestHandler,
-    HTTPBodyError,
-    PooledHTTPServer,
-    ServerLimits,
-)
+from agentrefine_jax.inference.api_errors import APIError
+from agentrefine_jax.inference.chat import ChatGenerator, ContextOverflowError, GenerationCancelled
+from agentrefine_jax.inference.http_app import ChatApp
+from agentrefine_jax.inference.http_transport import Drained, HTTPServer, ServerLimits
 from agentrefine_jax.unicode_text import lone_surrogate
+
+__all__ = ["APIError", "ChatService", "Drained", "ServerLimits", "make_server", "parse_chat_request"]
 
 MAX_BODY_BYTES = 16 * 2**20
 MAX_STOP_STRINGS = 4  # as the OpenAI API
 # Accepted but without effect here (bookkeeping fields of the OpenAI API).
 _IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
-
-
-class APIError(Exception):
-    """An error reported to the client in OpenAI's error format."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict[str, Any]:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        if self.status == 401:
-            kind = "authentication_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
 @dataclasses.dataclass
@@ -190,7 +175,8 @@ def parse_chat_request(
 
 
 class ChatService:
-    """The model behind the HTTP layer: validation, generation under a lock, response bodies."""
+    """The model behind the HTTP layers: validation, generation, response bodies (thread-safe: the
+    app parses on one thread and generates on another)."""
 
     def __init__(
         self,
@@ -207,7 +193,6 @@ class ChatService:
         self.default_max_tokens = default_max_tokens
         self.max_n = max_n
         self._api_key = api_key or None
-        self._lock = threading.Lock()
         self._rng = secrets.SystemRandom()
         self.created = int(time.time())
         self.log = log or logging.getLogger(__name__).info
@@ -227,7 +212,17 @@ class ChatService:
         }
         return {"object": "list", "data": [card]}
 
-    def chat_completion(self, body: Any) -> dict[str, Any]:
+    def parse(self, raw: bytes | bytearray) -> ChatRequest:
+        """A request body -> a validated ChatRequest, or APIError; no tokenizing: a prompt whose text
+        cannot fit the context is refused on its size (`ChatGenerator.check_fits`)."""
+        try:
+            body = json.loads(raw or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise APIError(400, "request body is JSON nested deeper than the parser allows") from None
+        if bad_text := lone_surrogate(body):  # anywhere (a key, a stop string): unencodable text
+            raise APIError(400, f"request body: {bad_text}")
         req = parse_chat_request(
             body,
             model_name=self.model_name,
@@ -235,17 +230,32 @@ class ChatService:
             max_n=self.max_n,
             rng=self._rng,
         )
+        try:
+            self.generator.check_fits(req.messages)
+        except ContextOverflowError as e:
+            raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
+        return req
+
+    def complete(self, req: ChatRequest, cancelled: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """Generate (on the caller's thread) and build the response body; `cancelled()` is asked
+        before and during generation (raises chat.GenerationCancelled)."""
+        if cancelled is not None and cancelled():
+            self.log("chat.completions: generation cancelled before it started")
+            raise GenerationCancelled("cancelled before it started")
         t0 = time.perf_counter()
         try:
-            with self._lock:
-                done = self.generator.complete(
-                    [req.messages] * req.n,
-                    max_new_tokens=req.max_tokens,
-                    temperature=req.temperature,
-                    top_p=req.top_p,
-                    stop=req.stop,
-                    seed=req.seed,
-                )
+            done = self.generator.complete(
+                [req.messages] * req.n,
+                max_new_tokens=req.max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                stop=req.stop,
+                seed=req.seed,
+                cancelled=cancelled,
+            )
+        except GenerationCancelled as e:
+            self.log(f"chat.completions: generation {e}")
+            raise
         except ContextOverflowError as e:
             raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
         except ValueError as e:  # malformed conversation (role order, empty content, ...)
@@ -279,78 +289,32 @@ class ChatService:
         }
 
 
-def _handler(service: ChatService) -> type[BoundedRequestHandler]:
-    class Handler(BoundedRequestHandler):
-        server_version = "agentrefine-serve/0.1"
+class ChatServer(HTTPServer):
+    """The served app on its socket (see http_transport.HTTPServer); `server_close()` also lets the
+    app's threads go."""
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
-            service.log(f"{self.address_string()} {format % args}")
+    def __init__(self, service: ChatService, host: str, port: int, limits: ServerLimits):
+        self.app = ChatApp(service, max_body_bytes=MAX_BODY_BYTES)
+        super().__init__(
+            self.app,
+            host,
+            port,
+            limits,
+            service.log,
+            in_flight=self.app.in_flight,
+            on_expiry=self.app.stop_all,
+        )
 
-        def _send(self, status: int, payload: dict[str, Any]) -> None:
-            data = json.dumps(payload, ensure_ascii=False).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _path(self) -> str:
-            return self.path.split("?", 1)[0].rstrip("/")
-
-        def _guard(self) -> bool:
-            if service.authorized(self.headers.get("Authorization")):
-                return True
-            self._send(401, APIError(401, "invalid or missing API key", code="invalid_api_key").body())
-            return False
-
-        def do_GET(self) -> None:  # noqa: N802 - stdlib naming
-            path = self._path()
-            if path == "/health":
-                self._send(200, {"status": "ok", "model": service.model_name})
-            elif path == "/v1/models":
-                if self._guard():
-                    self._send(200, service.models())
-            else:
-                self._send(404, APIError(404, f"no route GET {path}").body())
-
-        def do_POST(self) -> None:  # noqa: N802 - stdlib naming
-            path = self._path()
-            try:  # read exactly once, before anything else: the connection stays in step
-                raw = self.read_body(MAX_BODY_BYTES)
-            except HTTPBodyError as e:
-                self._send(e.status, APIError(e.status, str(e)).body())
-                return
-            except TimeoutError as e:  # a body shorter than its Content-Length, or trickled
-                self._send(408, APIError(408, str(e)).body())
-                return
-            if path != "/v1/chat/completions":
-                self._send(404, APIError(404, f"no route POST {path}").body())
-                return
-            if not self._guard():
-                return
-            try:
-                try:
-                    body = json.loads(raw or b"null")
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise APIError(400, f"request body is not valid JSON: {e}") from None
-                except RecursionError:
-                    raise APIError(400, "request body is JSON nested deeper than the parser allows") from None
-                if bad_text := lone_surrogate(body):  # anywhere (a key, a stop string): unencodable text
-                    raise APIError(400, f"request body: {bad_text}")
-                self._send(200, service.chat_completion(body))
-            except APIError as e:
-                self._send(e.status, e.body())
-            except Exception as e:  # noqa: BLE001 - report, keep serving
-                traceback.print_exc(file=sys.stderr)
-                self._send(500, APIError(500, f"internal error: {type(e).__name__}: {e}").body())
-
-    return Handler
+    def server_close(self) -> None:
+        super().server_close()
+        self.app.close()
 
 
 def make_server(
     service: ChatService, host: str = "127.0.0.1", port: int = 8000, limits: ServerLimits | None = None
-) -> PooledHTTPServer:
-    """A bound (not yet serving) HTTP server; port 0 picks a free port (see server.server_address).
+) -> ChatServer:
+    """A bound (not yet serving) server; port 0 picks a free port (see server.server_address).
 
-    Its worker threads start here; `serve_forever()` accepts, `server_close()` stops them."""
-    return PooledHTTPServer((host, port), _handler(service), limits or ServerLimits(), service.log)
+    `serve_forever()` serves until `drain()` (SIGTERM), `interrupt()` (Ctrl-C) or `shutdown()`
+    (another thread) and returns how it ended (`Drained`); `server_close()` releases it."""
+    return ChatServer(service, host, port, limits or ServerLimits())

@@ -47,6 +47,7 @@ from flax import nnx
 
 from agentrefine_jax.inference.engine import (
     PREFILL_BLOCK,
+    CancelFn,
     Generation,
     StopFn,
     Stops,
@@ -215,6 +216,7 @@ class SessionCache:
         stop_token_ids: Sequence[int] | None = None,
         seed: int = 0,
         should_stop: StopFn | None = None,
+        cancelled: CancelFn | None = None,
     ) -> list[Generation]:
         """Like `engine.generate`, for the conversations named by `keys` (distinct)."""
         if len(keys) != len(prompts) or len(set(keys)) != len(keys):
@@ -233,7 +235,7 @@ class SessionCache:
             def stop_fn(row: int, ids: list[int], m: dict[int, int] = row_to_req) -> bool:
                 return should_stop(m[row], ids)  # type: ignore[misc]
 
-            stops = Stops(stops_ids, stop_fn if should_stop is not None else None)
+            stops = Stops(stops_ids, stop_fn if should_stop is not None else None, cancelled)
             out += self._call(
                 [keys[i] for i in part], [list(prompts[i]) for i in part], part, row_to_req,
                 max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stops=stops, seed=seed,
