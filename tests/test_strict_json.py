@@ -19,7 +19,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "agentrefine_jax"
 # Network payloads, not files: request bodies and server replies (their bytes are the peers' protocol).
 NOT_FILES = {
     "http_client.py",
-    "inference/http_server.py",
+    "inference/api_errors.py",
     "inference/server.py",
     "synth/replay_server.py",
 }
