@@ -60,7 +60,31 @@ def build_parser() -> argparse.ArgumentParser:
             "serve", help="OpenAI-compatible /v1/chat/completions server for a checkpoint or HF model dir."
         )
     )
+    _add_before_after(
+        sub.add_parser(
+            "before-after",
+            help="one held-out chat turn answered greedily by a run's starting model and its trained export",
+        )
+    )
     return parser
+
+
+def _add_before_after(p: argparse.ArgumentParser) -> None:
+    logs.add_flags(p)
+    p.add_argument("--run", required=True, help="a training run dir that started from train.init_from_hf")
+    p.add_argument("--row", type=int_in(0), default=0, help="row of the run's first eval file (default 0)")
+    p.add_argument("--max-new-tokens", type=int_in(1), default=64)
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="compute dtype (default: the model's)")
+
+
+def run_before_after(args: argparse.Namespace) -> int:
+    from agentrefine_jax.inference.before_after import compare, format_turn
+
+    t0 = time.perf_counter()
+    turn = compare(args.run, row=args.row, max_new_tokens=args.max_new_tokens, dtype=args.dtype)
+    print(format_turn(turn))
+    log.info(f"before/after in {time.perf_counter() - t0:.1f}s")
+    return 0
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
@@ -298,6 +322,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return run_serve(args)
     try:
-        return run_generate(args)
+        return run_before_after(args) if args.command == "before-after" else run_generate(args)
     except (ValueError, FileNotFoundError, OSError) as e:
         return fail("inference", e)
