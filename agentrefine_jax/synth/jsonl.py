@@ -50,26 +50,40 @@ def write_json_atomic(path: str | pathlib.Path, obj: Any) -> None:
     outputs.write_json(path, obj)
 
 
-def read_records(path: str | pathlib.Path) -> tuple[list[dict[str, Any]], int, int]:
+def read_records(path: str | pathlib.Path, *, complete: bool = False) -> Any:
     """Records of an append-only JSONL file, repairing a torn tail left by a kill.
 
-    Returns (records, torn, corrupt): `torn` is 1 if an unterminated last line was cut off
-    (the file is truncated back to its last newline so later appends stay line-aligned);
-    `corrupt` counts complete lines that are not JSON objects (kept in the file, reported).
+    Returns (records, torn, corrupt): `torn` is 1 if an unterminated last line that is not valid
+    JSON was cut off (the file is truncated back to its last newline so later appends stay
+    line-aligned); an unterminated last line that *is* valid JSON is a whole row and is kept,
+    its newline added. `corrupt` counts complete lines that are not JSON objects (kept in the
+    file, reported). With `complete=True` a fourth item says whether a newline was added.
+    Only a file this project appended to may be passed (synth's own output directory).
     """
     p = pathlib.Path(path)
     if not p.exists():
-        return [], 0, 0
+        return ([], 0, 0, 0) if complete else ([], 0, 0)
     data = p.read_bytes()
-    torn = 0
+    torn = completed = 0
     if data and not data.endswith(b"\n"):
         cut = data.rfind(b"\n") + 1
+        try:
+            json.loads(data[cut:].decode("utf-8"))
+            whole = True
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            whole = False
         with open(p, "r+b") as f:
-            f.truncate(cut)
+            if whole:  # a complete row whose newline is missing: keep it, add the newline
+                f.seek(0, os.SEEK_END)
+                f.write(b"\n")
+                data += b"\n"
+                completed = 1
+            else:
+                f.truncate(cut)
+                data = data[:cut]
+                torn = 1
             f.flush()
             os.fsync(f.fileno())
-        data = data[:cut]
-        torn = 1
     records, corrupt = [], 0
     for line in data.decode("utf-8", errors="replace").splitlines():
         if not line.strip():
@@ -83,4 +97,4 @@ def read_records(path: str | pathlib.Path) -> tuple[list[dict[str, Any]], int, i
             records.append(obj)
         else:
             corrupt += 1
-    return records, torn, corrupt
+    return (records, torn, corrupt, completed) if complete else (records, torn, corrupt)
