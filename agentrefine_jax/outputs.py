@@ -22,6 +22,7 @@ Standard library only: config checks and light CLIs import it before jax.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -354,7 +355,42 @@ def project_written(path: PathLike) -> str | None:
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         return f"holds files this project did not write ({shown}); it is not replaced"
+    files = sorted(rel for rel in _listing(p) if (p / rel).is_file() or (p / rel).is_symlink())
+    return changed_since_marked(p, files, marker)
+
+
+def changed_since_marked(root: typing.Any, files: Iterable[str], marker: dict[str, typing.Any]) -> str | None:
+    """None when every one of `files` (relative names under `root`, a local or epath/gs:// Path)
+    still has the size and sha256 the marker recorded; else why the directory is not replaced.
+
+    A marker of an earlier version (names only, no `files` record) proves nothing about contents:
+    such a directory is refused too (the user removes it, or names a new directory)."""
+    record = marker.get("files")
+    if not isinstance(record, dict):
+        return (
+            f"has an older {MARKER} that lists names, not contents, so edits to its files cannot be "
+            "ruled out; it is not replaced (remove it yourself, or choose a new directory)"
+        )
+    for rel in files:
+        expected = record.get(rel)
+        if not isinstance(expected, dict):
+            return f"holds {rel}, which this project did not write (not in {MARKER}); it is not replaced"
+        if _digest(root / rel, size=expected.get("size")) != expected:
+            return f"has {rel} changed since this project wrote it; it is not replaced"
     return None
+
+
+def _digest(path: typing.Any, *, size: object = None) -> dict[str, typing.Any]:
+    """{"size", "sha256"} of a file (local or epath); a size that differs from `size` skips hashing."""
+    h = hashlib.sha256()
+    n = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            n += len(chunk)
+            if isinstance(size, int) and n > size:
+                return {"size": -1}  # longer than recorded: changed, no need to read on
+    return {"size": n, "sha256": h.hexdigest()}
 
 
 def check_dir(
@@ -387,9 +423,12 @@ def check_dir(
 
 
 def mark(directory: PathLike, tool: str) -> None:
-    """Record what this project wrote in `directory` (what `--overwrite` may later replace)."""
+    """Record what this project wrote in `directory` (what `--overwrite` may later replace): every
+    entry's name and every file's size and sha256, so a file edited since is never replaced."""
     d = pathlib.Path(directory)
-    record = {"written_by": f"agentrefine_jax {tool}".strip(), "entries": sorted(_listing(d))}
+    entries = sorted(_listing(d))
+    files = {rel: _digest(d / rel) for rel in entries if (d / rel).is_file()}
+    record = {"written_by": f"agentrefine_jax {tool}".strip(), "entries": entries, "files": files}
     (d / MARKER).write_text(json.dumps(record, indent=1) + "\n")
 
 
@@ -421,12 +460,27 @@ def publish_dir(
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would make the published dir private
         yield tmp
+        follow_umask(tmp)
         mark(tmp, tool)
         check_dir(final, overwrite=overwrite, protect=protect, flag=flag)  # it may have changed meanwhile
         _swap_in(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def follow_umask(root: PathLike) -> None:
+    """Give every file and directory under `root` the mode a plain `open`/`mkdir` would (0666 /
+    0777 less the umask): writers such as safetensors create their files 0600, which would make
+    one file of an export private while its siblings are readable."""
+    mask = _umask()
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            os.chmod(os.path.join(dirpath, name), 0o777 & ~mask)
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)
 
 
 def _umask() -> int:

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from agentrefine_jax import logs, outputs
-from agentrefine_jax.cli_errors import OneLineParser, fail, float_in
+from agentrefine_jax.cli_errors import DISK_FULL, OneLineParser, fail, float_in, write_failed
 from agentrefine_jax.models.llama import param_count
 
 log = logging.getLogger("agentrefine_jax.export")
@@ -314,5 +314,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.setup("export", args)
     try:
         return args.func(args)
-    except (OSError, ValueError, KeyError) as e:  # OSError: also a disk that fills or goes read-only
+    except OSError as e:
+        if e.errno in DISK_FULL:  # the work was done and is recomputable; nothing half-written is left
+            return write_failed("export", f"{e.strerror}: {e.filename}" if e.filename else e)
+        return fail("export", e)  # e.g. a directory gone read-only, a missing file
+    except (ValueError, KeyError) as e:
         return fail("export", e)
