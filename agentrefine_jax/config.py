@@ -164,14 +164,12 @@ def resolve_config_path(name_or_path: str) -> pathlib.Path:
     available = sorted(q.stem for q in CONFIGS_DIR.glob("*.py") if not q.stem.startswith("_"))
     if "/" in name_or_path or name_or_path.endswith(".py"):
         p = pathlib.Path(name_or_path)
-        if p.is_file():
+        if p.is_file() and p.suffix == ".py":
             return p
-        stem = pathlib.Path(name_or_path).stem
-        hint = (
-            f"; the shipped config is --config {stem}"
-            if stem in available and "/" not in name_or_path
-            else ""
-        )
+        if p.is_file():
+            raise ConfigNotFoundError(f"config file {name_or_path!r} must be a Python file ending in .py")
+        shipped = p.stem in available and "/" not in name_or_path
+        hint = f"; the shipped config is --config {p.stem}" if shipped else ""
         raise ConfigNotFoundError(f"no config file {name_or_path!r} (a path to a .py file must exist){hint}")
     candidate = CONFIGS_DIR / f"{name_or_path}.py"
     if name_or_path and candidate.is_file():
