@@ -72,6 +72,11 @@ def test_a_fifo_as_data_input_is_refused_in_one_line(tmp_path):
     fifo = tmp_path / "rows.jsonl"
     os.mkfifo(fifo)
     one_line(_in(tmp_path, "data", "stats", "--input", str(fifo), timeout=120), "data", 2, "FIFO")
+    for command in ("verify", "convert"):  # never blocks reading it
+        res = _in(
+            tmp_path, "synth", command, "--input", str(fifo), "--out", str(tmp_path / "o.jsonl"), timeout=120
+        )
+        one_line(res, "synth", 2, "FIFO")
 
 
 def _term_after(cmd: list[str], ready: str, tmp_path) -> tuple[int, str]:

@@ -247,9 +247,20 @@ def check_outputs(a: argparse.Namespace) -> None:
             raise outputs.OutputError(f"--summary {a.summary} is also --out; name two files")
 
 
+def special_input(a: argparse.Namespace) -> str | None:
+    """An input that exists but is no regular file (a FIFO would block the read forever)."""
+    for flag in ("input", "personas", "replies"):
+        path = getattr(a, flag, None)
+        if path and os.path.exists(path) and not os.path.isfile(path):
+            return f"--{flag} {path} is not a regular file (a directory, FIFO, device or socket)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs.setup("synth", args)
+    if why := special_input(args):
+        return fail("synth", why)
     try:
         check_outputs(args)
     except outputs.OutputError as e:
