@@ -16,6 +16,8 @@ import shutil
 import stat
 import subprocess
 import sys
+import urllib.parse
+import urllib.request
 
 import pytest
 from faults_disk import env, one_line, run, snapshot
@@ -76,3 +78,35 @@ def test_overwrite_refuses_a_file_edited_since_and_an_old_marker(exported, tmp_p
     res = _overwrite(ckpt, out)
     assert res.returncode == 0, res.stderr  # unchanged since: replaced
     assert json.loads((out / MARKER).read_text())["files"]["model.safetensors"]["size"] > 0
+
+
+def _upload(emulator, bucket: str, name: str, data: bytes) -> None:
+    """Replace one object through the emulator's JSON API (a user's edit, not our client stack)."""
+    query = urllib.parse.urlencode({"uploadType": "media", "name": name})
+    req = urllib.request.Request(
+        f"{emulator.url}/upload/storage/v1/b/{bucket}/o?{query}", data=data, method="POST"
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 200, resp.status
+
+
+def test_overwrite_on_gcs_refuses_an_edited_object(exported, gcs_emulator):
+    ckpt, _ = exported
+    bucket = "faults-overwrite"
+    gcs_emulator.create_bucket(bucket)
+    out = f"gs://{bucket}/hf"
+
+    def export(*extra: str):
+        cmd = ["to-hf", "--checkpoint", str(ckpt), "--out", out, *extra]
+        return run("export", *cmd, env=gcs_emulator.env(env()))
+
+    first = export()
+    assert first.returncode == 0, first.stderr
+    config = gcs_emulator.read(bucket, "hf/config.json")
+    _upload(gcs_emulator, bucket, "hf/config.json", config.rstrip(b"}\n") + b', "my_field": 1}')
+    edited = gcs_emulator.objects(bucket, "hf/")
+    one_line(export("--overwrite"), "export", 2, "config.json", "changed since")
+    assert gcs_emulator.objects(bucket, "hf/") == edited
+    _upload(gcs_emulator, bucket, "hf/config.json", config)
+    again = export("--overwrite")
+    assert again.returncode == 0, again.stderr
