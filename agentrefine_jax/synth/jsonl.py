@@ -7,6 +7,7 @@ leaves either the whole line or (at worst) a torn tail without a newline, which
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -32,11 +33,18 @@ def append_record(path: str | pathlib.Path, obj: Any) -> None:
     data = (dumps(obj) + "\n").encode("utf-8")
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
+        size = os.fstat(fd).st_size
         view = memoryview(data)
-        while view:  # a regular-file write is whole in practice; loop for the pathological case
-            n = os.write(fd, view)
-            view = view[n:]
-        os.fsync(fd)
+        try:
+            while view:  # a regular-file write is whole in practice; loop for the pathological case
+                n = os.write(fd, view)
+                view = view[n:]
+            os.fsync(fd)
+        except OSError:
+            # A full disk can take part of the line: cut it off so the file stays whole rows.
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise
     finally:
         os.close(fd)
 
