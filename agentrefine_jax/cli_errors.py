@@ -3,12 +3,15 @@
 `OneLineParser` makes argparse's own usage errors (unknown flag, bad choice, missing argument)
 follow it too: argparse prints the usage block and the message on separate lines by default.
 `run_main` is what every `python -m agentrefine_jax.<tool>` runs: a quiet start-up
-(agentrefine_jax.startup) and Ctrl-C as one line with exit 130.
+(agentrefine_jax.startup), Ctrl-C as one line with exit 130, SIGTERM as one line with exit 75
+(EX_TEMPFAIL, as the trainer: "stopped; run the same command again"), and an output that could
+not be written after the work (disk full, file too large) as one line with exit 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import multiprocessing
 import os
@@ -17,7 +20,20 @@ import sys
 from typing import NoReturn
 
 USAGE_ERROR = 2
+WRITE_FAILED = 1
+TERMINATED = 75  # EX_TEMPFAIL: stopped by SIGTERM, run the same command again (the trainer's code too)
 INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+# A full disk (or quota, or file-size limit) met anywhere: one line, exit 1, never a traceback.
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (a BaseException, like KeyboardInterrupt: no `except Exception` hides it).
+    Long-running loops that keep finished work (synth) catch it to save, then report 75."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated
 
 
 def run_main(tool: str, module: str) -> int:
@@ -26,24 +42,52 @@ def run_main(tool: str, module: str) -> int:
     Importing inside the guard means a Ctrl-C during the (seconds-long) imports of jax and
     transformers is handled too. On Ctrl-C: one line, worker processes stopped, exit 130 at once
     (an interrupted Orbax save leaves non-daemon threads that would otherwise hold the exit).
+    SIGTERM: the same with exit 75 (a tool with its own SIGTERM handling — the trainer's
+    checkpoint-then-75, the server's shutdown — installs it over this one).
     """
-    from agentrefine_jax import startup
+    from agentrefine_jax import outputs, startup
 
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         startup.quiet_start()
         return int(importlib.import_module(module).main() or 0)
     except KeyboardInterrupt:
         interrupted(tool)
+    except Terminated:
+        terminated(tool)
+    except outputs.OutputWriteError as e:
+        return write_failed(tool, e)
+    except OSError as e:
+        if e.errno not in DISK_FULL:
+            raise
+        return write_failed(tool, f"{e.strerror}{f': {e.filename}' if e.filename else ''}")
+
+
+def write_failed(tool: str, message: object) -> int:
+    """An output could not be written after the work: one line (what, why, where it was kept), exit 1."""
+    text = " ".join(str(message).split())
+    print(f"[{tool}] error: {text}", file=sys.stderr, flush=True)
+    return WRITE_FAILED
+
+
+def _stop(tool: str, line: str, code: int) -> NoReturn:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second signal must not interrupt the exit
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print(f"[{tool}] {line}", file=sys.stderr, flush=True)
+    for child in multiprocessing.active_children():  # data loader workers, not left orphaned
+        child.terminate()
+    sys.stdout.flush()
+    os._exit(code)
 
 
 def interrupted(tool: str) -> NoReturn:
     """Ctrl-C: `[tool] interrupted` on stderr and exit 130, with no traceback from anything."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the exit
-    print(f"[{tool}] interrupted (Ctrl-C)", file=sys.stderr, flush=True)
-    for child in multiprocessing.active_children():  # data loader workers, not left orphaned
-        child.terminate()
-    sys.stdout.flush()
-    os._exit(INTERRUPTED)
+    _stop(tool, "interrupted (Ctrl-C)", INTERRUPTED)
+
+
+def terminated(tool: str) -> NoReturn:
+    """SIGTERM: `[tool] terminated` on stderr and exit 75, with no traceback from anything."""
+    _stop(tool, "terminated (SIGTERM); run the same command again", TERMINATED)
 
 
 def tool_name(prog: str) -> str:

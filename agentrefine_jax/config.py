@@ -1,8 +1,10 @@
 """Typed run configuration: plain Python files in `configs/` return a `Config`.
 
 A config file defines `def config() -> Config`. The CLI resolves a bare name inside
-`configs/`, then applies `--set a.b=value` overrides; values are parsed against the
-field's declared type so a typo fails at start-up instead of mid-run.
+`configs/` only (a path has a `/` or ends in `.py`: `resolve_config_path`), then applies
+`--set a.b=value` overrides; values are parsed against the field's declared type so a typo
+fails at start-up instead of mid-run. A config file is Python run with the user's privileges;
+`--set` changes a shared config without running new code.
 """
 
 from __future__ import annotations
@@ -171,16 +173,30 @@ class Config:
 
 
 def resolve_config_path(name_or_path: str) -> pathlib.Path:
-    """A path that exists wins; otherwise a bare name (with or without `.py`) in configs/."""
-    p = pathlib.Path(name_or_path)
-    if p.is_file():
-        return p
-    stem = name_or_path[:-3] if name_or_path.endswith(".py") else name_or_path
-    candidate = CONFIGS_DIR / f"{stem}.py"
-    if candidate.is_file():
-        return candidate
+    """`--config`'s rule, the same for every tool: a bare name (`demo`) is `configs/demo.py` and
+    nothing else (a file called `demo` in the working directory never shadows it); a path is
+    anything with a `/` or ending in `.py` (`./my.py`, `demo.py`, `/abs/x.py`) and must exist.
+
+    A config file is Python that runs with your privileges: run only files you trust, and change a
+    shared config with `--set key=value` (data, parsed and validated) instead of a copy with edits.
+    """
     available = sorted(q.stem for q in CONFIGS_DIR.glob("*.py") if not q.stem.startswith("_"))
-    raise ConfigNotFoundError(f"no config {name_or_path!r}: not a file, and not one of configs/: {available}")
+    if "/" in name_or_path or name_or_path.endswith(".py"):
+        p = pathlib.Path(name_or_path)
+        if p.is_file() and p.suffix == ".py":
+            return p
+        if p.is_file():
+            raise ConfigNotFoundError(f"config file {name_or_path!r} must be a Python file ending in .py")
+        shipped = p.stem in available and "/" not in name_or_path
+        hint = f"; the shipped config is --config {p.stem}" if shipped else ""
+        raise ConfigNotFoundError(f"no config file {name_or_path!r} (a path to a .py file must exist){hint}")
+    candidate = CONFIGS_DIR / f"{name_or_path}.py"
+    if name_or_path and candidate.is_file():
+        return candidate
+    raise ConfigNotFoundError(
+        f"no config {name_or_path!r} in configs/ (one of {available}); a config file of your own is "
+        "given as a path (with a / or ending in .py)"
+    )
 
 
 def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Config:

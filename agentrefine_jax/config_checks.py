@@ -21,6 +21,12 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
+# `--config`'s help, the same for every tool (the rule: agentrefine_jax.config.resolve_config_path).
+CONFIG_HELP = (
+    "a name in configs/ (e.g. demo), or a path to your own config (with a / or ending in .py; "
+    "it is Python and runs with your privileges: change a shared config with --set instead)"
+)
+
 
 class ConfigError(ValueError):
     """A config that cannot be used: bad value, unknown key, unreadable config file."""
@@ -76,9 +82,10 @@ def _names(v: Any) -> Any:
 def subset_of(*choices: str) -> Check:
     def ok(v: Any) -> bool:
         items = _names(v)
-        return isinstance(items, (tuple, list)) and bool(items) and all(x in choices for x in items)
+        listed = isinstance(items, (tuple, list)) and bool(items) and all(x in choices for x in items)
+        return listed and len(set(items)) == len(items)  # q,q,v: a duplicate is a mistake, not a set
 
-    return Check(ok, f"must be a non-empty subset of {', '.join(choices)}")
+    return Check(ok, f"must be a non-empty subset of {', '.join(choices)}, each named once")
 
 
 def optional(check: Check) -> Check:

@@ -22,11 +22,14 @@ Standard library only: config checks and light CLIs import it before jax.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import json
 import os
 import pathlib
 import shutil
 import tempfile
+import typing
 from collections.abc import Iterable, Iterator
 from typing import Any, TextIO
 
@@ -39,6 +42,54 @@ PathLike = str | os.PathLike[str]
 
 class OutputError(ValueError):
     """An output path that cannot be used as asked (refused before anything is written)."""
+
+
+class OutputWriteError(Exception):
+    """Writing an output failed after the work was done (disk full, file too large, I/O error).
+
+    Its text is the one line a CLI prints (exit 1): the file, the reason, and where the finished
+    content was kept instead (`rescued`, under $TMPDIR) when that succeeded."""
+
+    def __init__(
+        self, path: PathLike, error: OSError, rescued: pathlib.Path | None = None, *, tried: bool = True
+    ) -> None:
+        self.path, self.error, self.rescued = path, error, rescued
+        reason = error.strerror or str(error)
+        if rescued is not None:
+            kept = f"; the finished results are kept in {rescued}"
+        else:
+            kept = f"; they could not be kept in {tempfile.gettempdir()} either" if tried else ""
+        super().__init__(f"could not write {path}: {reason}{kept}")
+
+
+# Temporary siblings are named from at most this much of the target's name (a 255-byte file
+# name is legal; its sibling with a prefix and random suffix would not be).
+_NAME_KEPT = 24
+_SUFFIX_KEPT = 16
+
+
+def _tmp_prefix(name: str) -> str:
+    return f".{name[:_NAME_KEPT]}."
+
+
+def _tmp_suffix(p: pathlib.Path) -> str:
+    """`.tmp` plus the target's extension when short (a figure library picks its format by it)."""
+    return ".tmp" + (p.suffix if len(p.suffix) <= _SUFFIX_KEPT else "")
+
+
+def rescue(name: str, data: bytes) -> pathlib.Path | None:
+    """Keep `data` in a new directory under $TMPDIR (`agentrefine-rescued-*/<name>`); None if
+    that fails too. For finished results whose output could not be written."""
+    try:
+        where = pathlib.Path(tempfile.mkdtemp(prefix="agentrefine-rescued-"))
+        kept = where / (name[:200] or "output")
+        with open(kept, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return kept
+    except OSError:
+        return None
 
 
 def _nearest_existing(path: pathlib.Path) -> pathlib.Path:
@@ -103,7 +154,7 @@ def atomic_path(path: PathLike) -> Iterator[str]:
     `path` only when the block ends without an error. The temporary file never survives."""
     p = pathlib.Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp" + p.suffix)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=_tmp_prefix(p.name), suffix=_tmp_suffix(p))
     os.close(fd)
     try:
         yield tmp
@@ -116,20 +167,125 @@ def atomic_path(path: PathLike) -> Iterator[str]:
     fsync_dir(p.parent)
 
 
+class _RescuingWriter(io.TextIOBase):
+    """A text stream into the temporary sibling that, when a write fails (disk full, file too
+    large), moves what was written so far and everything after it into a rescue file under
+    $TMPDIR, so a long computation's output is never lost to a failed write."""
+
+    _CHUNK = 1 << 20
+
+    def __init__(self, tmp: str, name: str, newline: str | None) -> None:
+        self._fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC)
+        self._tmp, self._name = tmp, name
+        self._newline = os.linesep if newline is None else newline
+        self._pending: list[bytes] = []
+        self._size = 0
+        self._written = 0  # bytes of the sibling confirmed written (a failed write may leave a part)
+        self.error: OSError | None = None
+        self.rescued: pathlib.Path | None = None
+        self._rescue_fd: int | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        text = s.replace("\n", self._newline) if self._newline != "\n" and self._newline else s
+        data = text.encode("utf-8")
+        self._pending.append(data)
+        self._size += len(data)
+        if self._size >= self._CHUNK:
+            self.flush()
+        return len(s)
+
+    def flush(self) -> None:
+        data, self._pending, self._size = b"".join(self._pending), [], 0
+        if not data:
+            return
+        if self.error is None:
+            try:
+                _write_all(self._fd, data)
+                self._written += len(data)
+                return
+            except OSError as e:
+                self._switch(e)
+        if self._rescue_fd is not None:
+            try:
+                _write_all(self._rescue_fd, data)
+            except OSError:
+                os.close(self._rescue_fd)
+                self._rescue_fd, self.rescued = None, None
+
+    def _switch(self, error: OSError) -> None:
+        """The first failed write: copy the sibling's bytes to a rescue file, carry on there."""
+        self.error = error
+        with open(self._tmp, "rb") as f:
+            done = f.read(self._written)
+        os.close(self._fd)
+        self._fd = -1
+        os.truncate(self._tmp, 0)  # give the space back: the sibling is abandoned
+        self.rescued = rescue(self._name, done)
+        if self.rescued is not None:
+            self._rescue_fd = os.open(self.rescued, os.O_WRONLY | os.O_APPEND)
+
+    def finish(self) -> None:
+        self.flush()
+        if self.error is None:
+            try:
+                os.fsync(self._fd)
+            except OSError as e:
+                self._switch(e)
+        fds = [fd for fd in (self._fd, self._rescue_fd) if fd is not None and fd >= 0]
+        if self._rescue_fd is not None:
+            with contextlib.suppress(OSError):
+                os.fsync(self._rescue_fd)
+        for fd in fds:
+            os.close(fd)
+        self._fd, self._rescue_fd = -1, None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 @contextlib.contextmanager
 def open_atomic(path: PathLike, *, newline: str | None = None) -> Iterator[TextIO]:
-    """A text file to stream into; it replaces `path` only when the block ends without an error
-    (temporary sibling, fsync, rename: see `atomic_path`)."""
-    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8", newline=newline) as f:
-        yield f
-        f.flush()
-        os.fsync(f.fileno())
+    """A text file (UTF-8) to stream into; it replaces `path` only when the block ends without an
+    error (temporary sibling, fsync, rename: see `atomic_path`). A write that fails (disk full,
+    file too large) raises OutputWriteError at the end of the block, naming the file and the
+    rescue file under $TMPDIR that holds the complete output instead."""
+    p = pathlib.Path(path)
+    in_body = False
+    try:
+        with atomic_path(p) as tmp:
+            writer = _RescuingWriter(tmp, p.name, newline)
+            try:
+                in_body = True
+                yield typing.cast(TextIO, writer)
+                in_body = False
+            finally:
+                writer.finish()
+            if writer.error is not None:
+                raise OutputWriteError(p, writer.error, writer.rescued)
+    except OSError as e:  # the temporary name, the rename (not the caller's own errors)
+        if in_body:
+            raise
+        raise OutputWriteError(p, e, None, tried=False) from e
 
 
 def write_text(path: PathLike, text: str) -> None:
-    """Write `text` to `path` atomically (see `open_atomic`)."""
-    with open_atomic(path) as f:
-        f.write(text)
+    """Write `text` to `path` atomically (see `open_atomic`); when that fails, the text is kept
+    under $TMPDIR and OutputWriteError names both."""
+    try:
+        with open_atomic(path) as f:
+            f.write(text)
+    except OutputWriteError as e:
+        if e.rescued is None:
+            raise OutputWriteError(
+                path, e.error, rescue(pathlib.Path(path).name, text.encode("utf-8"))
+            ) from e
+        raise
 
 
 def json_dumps(obj: object, **kwargs: Any) -> str:
@@ -206,7 +362,42 @@ def project_written(path: PathLike) -> str | None:
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         return f"holds files this project did not write ({shown}); it is not replaced"
+    files = sorted(rel for rel in _listing(p) if (p / rel).is_file() or (p / rel).is_symlink())
+    return changed_since_marked(p, files, marker)
+
+
+def changed_since_marked(root: typing.Any, files: Iterable[str], marker: dict[str, typing.Any]) -> str | None:
+    """None when every one of `files` (relative names under `root`, a local or epath/gs:// Path)
+    still has the size and sha256 the marker recorded; else why the directory is not replaced.
+
+    A marker of an earlier version (names only, no `files` record) proves nothing about contents:
+    such a directory is refused too (the user removes it, or names a new directory)."""
+    record = marker.get("files")
+    if not isinstance(record, dict):
+        return (
+            f"has an older {MARKER} that lists names, not contents, so edits to its files cannot be "
+            "ruled out; it is not replaced (remove it yourself, or choose a new directory)"
+        )
+    for rel in files:
+        expected = record.get(rel)
+        if not isinstance(expected, dict):
+            return f"holds {rel}, which this project did not write (not in {MARKER}); it is not replaced"
+        if _digest(root / rel, size=expected.get("size")) != expected:
+            return f"has {rel} changed since this project wrote it; it is not replaced"
     return None
+
+
+def _digest(path: typing.Any, *, size: object = None) -> dict[str, typing.Any]:
+    """{"size", "sha256"} of a file (local or epath); a size that differs from `size` skips hashing."""
+    h = hashlib.sha256()
+    n = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            n += len(chunk)
+            if isinstance(size, int) and n > size:
+                return {"size": -1}  # longer than recorded: changed, no need to read on
+    return {"size": n, "sha256": h.hexdigest()}
 
 
 def check_dir(
@@ -239,9 +430,12 @@ def check_dir(
 
 
 def mark(directory: PathLike, tool: str) -> None:
-    """Record what this project wrote in `directory` (what `--overwrite` may later replace)."""
+    """Record what this project wrote in `directory` (what `--overwrite` may later replace): every
+    entry's name and every file's size and sha256, so a file edited since is never replaced."""
     d = pathlib.Path(directory)
-    record = {"written_by": f"agentrefine_jax {tool}".strip(), "entries": sorted(_listing(d))}
+    entries = sorted(_listing(d))
+    files = {rel: _digest(d / rel) for rel in entries if (d / rel).is_file()}
+    record = {"written_by": f"agentrefine_jax {tool}".strip(), "entries": entries, "files": files}
     (d / MARKER).write_text(json.dumps(record, indent=1) + "\n")
 
 
@@ -269,16 +463,31 @@ def publish_dir(
             yield pathlib.Path(scratch)
         return
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(dir=final.parent, prefix=f"{final.name}.partial-"))
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=final.parent, prefix=f"{final.name[:_NAME_KEPT]}.partial-"))
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would make the published dir private
         yield tmp
+        follow_umask(tmp)
         mark(tmp, tool)
         check_dir(final, overwrite=overwrite, protect=protect, flag=flag)  # it may have changed meanwhile
         _swap_in(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def follow_umask(root: PathLike) -> None:
+    """Give every file and directory under `root` the mode a plain `open`/`mkdir` would (0666 /
+    0777 less the umask): writers such as safetensors create their files 0600, which would make
+    one file of an export private while its siblings are readable."""
+    mask = _umask()
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            os.chmod(os.path.join(dirpath, name), 0o777 & ~mask)
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)
 
 
 def _umask() -> int:
@@ -290,7 +499,7 @@ def _umask() -> int:
 def _swap_in(tmp: pathlib.Path, final: pathlib.Path) -> None:
     """Rename `tmp` to `final`; an existing `final` was checked (empty, or ours to replace)."""
     if final.is_dir() and any(final.iterdir()):
-        old = pathlib.Path(tempfile.mkdtemp(dir=final.parent, prefix=f"{final.name}.old-"))
+        old = pathlib.Path(tempfile.mkdtemp(dir=final.parent, prefix=f"{final.name[:_NAME_KEPT]}.old-"))
         os.rename(final, old)  # onto our own empty directory: atomic
         try:
             os.rename(tmp, final)

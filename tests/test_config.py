@@ -18,7 +18,7 @@ from agentrefine_jax.config import (
     "name,max_length,loss_on,drop",
     [
         ("llama3_8b", 8192, ("correct", "refinement"), False),
-        ("mistral_7b.py", 8192, ("correct", "refinement"), False),
+        ("mistral_7b", 8192, ("correct", "refinement"), False),
         ("llama3_70b", 4096, ("correct", "refinement"), False),
         ("ablation_no_refinement_loss", 8192, ("correct",), False),
         ("ablation_erroneous_loss", 8192, ("correct", "refinement", "erroneous"), False),

@@ -239,6 +239,10 @@ def _expand(spec: str) -> list[pathlib.Path] | None:
     p = pathlib.Path(spec).expanduser()
     if p.is_file():
         return [p]
+    if p.exists() and not p.is_dir():  # a FIFO, device or socket: never a Hub dataset name
+        raise ValueError(
+            f"{p} is not a regular file or directory (a FIFO, device or socket); name a data file"
+        )
     if p.is_dir():
         if (p / "dataset_info.json").is_file() or (p / "dataset_dict.json").is_file():
             return None  # a `datasets.save_to_disk` directory, loaded below

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import pathlib
 import time
@@ -17,10 +18,11 @@ from typing import Any
 import jax
 
 from agentrefine_jax import logs, outputs
-from agentrefine_jax.cli_errors import OneLineParser, fail, float_in
+from agentrefine_jax.cli_errors import DISK_FULL, OneLineParser, fail, float_in, write_failed
 from agentrefine_jax.models.config import DTYPES
 from agentrefine_jax.models.llama import param_count
 from agentrefine_jax.outputs import json_dumps
+from agentrefine_jax.paths import as_path
 
 log = logging.getLogger("agentrefine_jax.export")
 OVERWRITE_HELP = (
@@ -196,10 +198,28 @@ def _to_peft(args: argparse.Namespace, step_dir: Any, mesh: Any, max_shard: int)
     return 0
 
 
+def _seq_lens(text: str, hf_dir: str) -> list[int]:
+    """`--seq-lens`: positive integers, none above the model's context (its HF config.json's
+    max_position_embeddings, read before anything heavy: a length past it is refused, not run)."""
+    try:
+        lens = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--seq-lens {text!r}: expected comma-separated integers") from None
+    if not lens or min(lens) < 1:
+        raise ValueError(f"--seq-lens {text!r}: each length must be >= 1")
+    try:
+        context = json.loads((as_path(hf_dir) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return lens  # verify reports an unreadable HF directory itself
+    if isinstance(context, int) and max(lens) > context:
+        raise ValueError(f"--seq-lens {max(lens)} is above the model's context ({context} tokens, {hf_dir})")
+    return lens
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
+    seq_lens = _seq_lens(args.seq_lens, args.hf)  # refused before torch or any model is loaded
     from agentrefine_jax.export.parity import result_dict, summary, verify
 
-    seq_lens = [int(x) for x in args.seq_lens.split(",") if x.strip()]
     mesh = parse_mesh(args.mesh)
     log.info(f"verifying {args.checkpoint} against {args.hf} ({args.dtype} compute, lengths {seq_lens})")
     result = verify(
@@ -353,5 +373,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.setup("export", args)
     try:
         return args.func(args)
-    except (OSError, ValueError, KeyError) as e:  # OSError: also a disk that fills or goes read-only
+    except OSError as e:
+        if e.errno in DISK_FULL:  # the work was done and is recomputable; nothing half-written is left
+            return write_failed("export", f"{e.strerror}: {e.filename}" if e.filename else e)
+        return fail("export", e)  # e.g. a directory gone read-only, a missing file
+    except (ValueError, KeyError) as e:
         return fail("export", e)

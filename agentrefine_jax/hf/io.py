@@ -50,6 +50,20 @@ from agentrefine_jax.sharding import param_shardings
 
 Log = Callable[[str], None]
 
+
+def save_safetensors(tensors: dict[str, np.ndarray], path: str | pathlib.Path) -> None:
+    """safetensors' `save_file`, its I/O failures as the OSError they are (the Rust writer reports
+    a full disk as `SafetensorError: ... (os error 28)`; the CLIs answer an OSError in one line)."""
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        n = int(code.group(1))
+        raise OSError(n, os.strerror(n), str(path)) from e
+
+
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -647,7 +661,7 @@ def save_hf(
             weight_map[name] = fname
             done += 1
         if writer:
-            save_file(tensors, str(out / fname), metadata={"format": "pt"})
+            save_safetensors(tensors, out / fname)
         log(f"  wrote {fname}: {len(tensors)} tensors ({done}/{len(plan)})")
         del tensors
     if not writer:
@@ -726,11 +740,15 @@ def _check_url_dir(target: Any, overwrite: bool) -> None:
         return
     if not overwrite:
         raise outputs.OutputError(f"{target} exists and is not empty; choose a new directory")
-    marker = target / outputs.MARKER
-    recorded = set(json.loads(marker.read_text())["entries"]) if marker.exists() else None
+    marker_path = target / outputs.MARKER
+    marker = json.loads(marker_path.read_text()) if marker_path.exists() else None
+    marker = marker if isinstance(marker, dict) else None
     present = {f.name for f in target.iterdir()} - {outputs.MARKER}
-    if recorded is None or not present <= recorded:
+    if marker is None or not present <= set(marker.get("entries", ())):
         raise outputs.OutputError(f"{target} holds files this project did not write; it is not replaced")
+    why = outputs.changed_since_marked(target, sorted(present), marker)  # sizes and sha256s
+    if why:
+        raise outputs.OutputError(f"{target} {why}")
 
 
 def _copy_out(src: pathlib.Path, dst: Any) -> None:

@@ -15,8 +15,7 @@ import pathlib
 from collections.abc import Callable
 from typing import Any
 
-from safetensors.numpy import save_file
-
+from agentrefine_jax.hf.io import save_safetensors
 from agentrefine_jax.models import lora
 from agentrefine_jax.outputs import json_dumps
 
@@ -61,7 +60,7 @@ def write_peft_adapter(
     else:
         write_base(out / BASE_SUBDIR)
         base = BASE_SUBDIR
-    save_file(lora.to_peft(adapters, spec), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_safetensors(lora.to_peft(adapters, spec), out / ADAPTER_WEIGHTS)
     (out / ADAPTER_CONFIG).write_text(json_dumps(adapter_config(spec, base), indent=2) + "\n")
     return out
 

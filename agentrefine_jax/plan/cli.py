@@ -11,6 +11,7 @@ import argparse
 
 from agentrefine_jax import logs
 from agentrefine_jax.cli_errors import OneLineParser, fail, int_in
+from agentrefine_jax.config_checks import CONFIG_HELP
 from agentrefine_jax.outputs import json_dumps
 from agentrefine_jax.train import planner
 from agentrefine_jax.train.topology import HBM_BYTES
@@ -21,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m agentrefine_jax.plan",
         description="Per-device memory, FLOPs and step time of a training config on a TPU mesh.",
     )
-    ap.add_argument("--config", required=True, help="config file or name in configs/ (e.g. llama3_8b)")
+    ap.add_argument("--config", required=True, help=CONFIG_HELP)
     ap.add_argument(
         "--mesh",
         help="mesh axis sizes, e.g. fsdp=64 or fsdp=32,tensor=4,data=2 (unnamed axes keep the config's)",

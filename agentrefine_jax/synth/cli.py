@@ -10,10 +10,10 @@ import pathlib
 import sys
 
 from agentrefine_jax import logs, outputs
-from agentrefine_jax.cli_errors import OneLineParser, fail, float_in
-from agentrefine_jax.synth import jsonl
+from agentrefine_jax.cli_errors import OneLineParser, fail, float_in, write_failed
+from agentrefine_jax.synth import jsonl, out_dir
 from agentrefine_jax.synth.convert import convert_file
-from agentrefine_jax.synth.generate import GenerateConfig, run_generate
+from agentrefine_jax.synth.generate import OWN, GenerateConfig, run_generate
 from agentrefine_jax.synth.llm import LLMSettings
 from agentrefine_jax.synth.personas import PACKAGED
 from agentrefine_jax.synth.verify import INVALID_UNICODE, UNPARSED, turn_verdicts, verify_trajectory
@@ -55,7 +55,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     try:
         # -q: no progress line or per-persona messages (errors still reach stderr as one line)
         report = run_generate(cfg, progress_stream=open(os.devnull, "w") if a.quiet else None)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, out_dir.OutDirError, out_dir.OutDirInUse) as e:
         _err(str(e))
         return 2
     u = report.usage
@@ -66,8 +66,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    if report.fatal:
+    if report.terminated:
+        print(
+            "[synth] terminated (SIGTERM); run the same command again to resume", file=sys.stderr, flush=True
+        )
+    elif report.fatal:
         _err(report.fatal)
+    elif report.write_error:
+        write_failed("synth", report.write_error)
     elif report.unfinished and not report.interrupted:
         _err(f"{report.unfinished} persona(s) unfinished (API errors); rerun the same command to resume")
     return report.exit_code
@@ -228,8 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
 def check_outputs(a: argparse.Namespace) -> None:
     """Every output path, before any work: the right kind, writable, never one of the inputs."""
     if a.command == "generate":
-        outputs.check_writable_dir(a.out)  # resumable: it is added to, never replaced
+        out_dir.check(pathlib.Path(a.out), OWN)  # resumable: only a directory generate made
         return
+    if a.command == "replay-server":
+        return  # writes nothing
     if not os.path.isfile(a.input):
         return  # the command reports an input it cannot read, before any output matters
     outputs.check_file(a.out, inputs=[a.input])
@@ -239,9 +247,20 @@ def check_outputs(a: argparse.Namespace) -> None:
             raise outputs.OutputError(f"--summary {a.summary} is also --out; name two files")
 
 
+def special_input(a: argparse.Namespace) -> str | None:
+    """An input that exists but is no regular file (a FIFO would block the read forever)."""
+    for flag in ("input", "personas", "replies"):
+        path = getattr(a, flag, None)
+        if path and os.path.exists(path) and not os.path.isfile(path):
+            return f"--{flag} {path} is not a regular file (a directory, FIFO, device or socket)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs.setup("synth", args)
+    if why := special_input(args):
+        return fail("synth", why)
     try:
         check_outputs(args)
     except outputs.OutputError as e:

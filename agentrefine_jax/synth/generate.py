@@ -26,7 +26,9 @@ import threading
 import time
 from typing import Any
 
-from agentrefine_jax.synth import jsonl, prompts
+from agentrefine_jax import outputs
+from agentrefine_jax.cli_errors import INTERRUPTED, TERMINATED, Terminated
+from agentrefine_jax.synth import jsonl, out_dir, prompts
 from agentrefine_jax.synth.llm import (
     APIFatalError,
     APITransientError,
@@ -44,6 +46,8 @@ RESULTS = "trajectories.jsonl"
 FAILED = "failed.jsonl"
 STATE_DIR = "state"
 SUMMARY = "summary.json"
+# Everything generate writes in --out (out_dir adopts a pre-marker directory holding only these).
+OWN = frozenset({RESULTS, FAILED, STATE_DIR, SUMMARY, out_dir.MARKER})
 
 MALFORMED_REPLY = "malformed_reply"
 INVALID_SCRIPT = "invalid_script"
@@ -73,17 +77,21 @@ class GenerateReport:
     failed: int = 0
     unfinished: int = 0
     fatal: str | None = None
+    write_error: str | None = None  # an output file could not be written (disk full): exit 1
     interrupted: bool = False
+    terminated: bool = False  # SIGTERM rather than Ctrl-C: exit 75
     usage: Usage = dataclasses.field(default_factory=Usage)
     persona_skips: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def exit_code(self) -> int:
+        if self.terminated:
+            return TERMINATED
         if self.interrupted:
-            return 130
+            return INTERRUPTED
         if self.fatal:
             return 2
-        return 1 if self.unfinished else 0
+        return 1 if self.unfinished or self.write_error else 0
 
 
 class ScriptError(ValueError):
@@ -158,6 +166,16 @@ class _Stop(Exception):
     pass
 
 
+class _WriteFailed(Exception):
+    """An output file of the run could not be written (disk full...): the run stops, exit 1."""
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, outputs.OutputWriteError):
+        e = e.error
+    return (e.strerror if isinstance(e, OSError) and e.strerror else None) or str(e)
+
+
 class Generator:
     def __init__(self, cfg: GenerateConfig, *, progress_stream=None):
         self.cfg = cfg
@@ -184,11 +202,22 @@ class Generator:
         return self.state_dir / f"{pid}.json"
 
     def _save_state(self, state: dict[str, Any]) -> None:
-        jsonl.write_json_atomic(self._state_path(state["id"]), state)
+        path = self._state_path(state["id"])
+        try:
+            jsonl.write_json_atomic(path, state)
+        except (OSError, outputs.OutputWriteError) as e:
+            raise _WriteFailed(f"could not write {path}: {_reason(e)}") from e
 
     def _finish(self, state: dict[str, Any], record: dict[str, Any], ok: bool) -> None:
         with self._write_lock:
-            jsonl.append_record(self.results_path if ok else self.failed_path, record)
+            path = self.results_path if ok else self.failed_path
+            try:
+                jsonl.append_record(path, record)
+            except OSError as e:
+                # The persona is finished (and paid for): keep its row where it can be found.
+                kept = outputs.rescue(f"{state['id']}-{path.name}", (jsonl.dumps(record) + "\n").encode())
+                where = f"; its finished row is kept in {kept}" if kept else ""
+                raise _WriteFailed(f"could not write {path}: {_reason(e)}{where}") from e
             # After the append: a kill in between leaves a stale state file that the next
             # start removes because the id is already finished.
             self._state_path(state["id"]).unlink(missing_ok=True)
@@ -340,9 +369,11 @@ class Generator:
     def _finished_ids(self) -> set[str]:
         ids: set[str] = set()
         for path in (self.results_path, self.failed_path):
-            records, torn, corrupt = jsonl.read_records(path)
+            records, torn, corrupt, completed = jsonl.read_records(path, complete=True)
             if torn:
                 self.log(f"[synth] repaired {path.name}: removed a torn last line left by a crash")
+            elif completed:
+                self.log(f"[synth] {path.name}: its last row had no final newline; added one (row kept)")
             if corrupt:
                 self.log(f"[synth] warning: {path.name} has {corrupt} unparseable line(s); they are ignored")
             for r in records:
@@ -353,9 +384,13 @@ class Generator:
         return ids
 
     def run(self) -> GenerateReport:
+        loaded = load_personas(self.cfg.personas)  # a missing persona file: nothing created
+        with out_dir.hold(self.out, OWN):
+            return self._run(loaded)
+
+    def _run(self, loaded: Any) -> GenerateReport:
         cfg = self.cfg
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        loaded = load_personas(cfg.personas)
         personas = loaded.personas[: cfg.limit] if cfg.limit else loaded.personas
         self.report.total = len(personas)
         self.report.persona_skips = loaded.skipped
@@ -394,10 +429,39 @@ class Generator:
             stream=self._progress_stream,
             interval=cfg.progress_interval,
         )
+        self._pool(work)
+        self.progress.close()
+        self.report.unfinished = len(work) - self.report.succeeded - self.report.failed
+        usage = Usage()
+        usage.add(self.script_client.usage)
+        if self.trajectory_client is not self.script_client:
+            usage.add(self.trajectory_client.usage)
+        self.report.usage = usage
+        try:
+            self._write_summary()
+        except (OSError, outputs.OutputWriteError) as e:
+            if not self.report.write_error:
+                self.report.write_error = f"could not write {self.out / SUMMARY}: {_reason(e)}"
+        return self.report
+
+    def _pool(self, work: list[tuple[Persona, dict[str, Any]]]) -> None:
+        """Synthesize `work` on `concurrency` threads; returns when all settled, on a stop, or
+        on Ctrl-C / SIGTERM (recorded in the report; saved state covers requests in the air)."""
+        cfg = self.cfg
+        assert self.progress is not None
         todo: queue.Queue[tuple[Persona, dict[str, Any]]] = queue.Queue()
         for item in work:
             todo.put(item)
         remaining = threading.Semaphore(0)
+
+        def write_failed(e: _WriteFailed) -> None:
+            with self._write_lock:
+                first = not self.report.write_error
+                if first:
+                    self.report.write_error = str(e)
+            if first:
+                self.log(f"[synth] stopping: {e}")
+            self._stop.set()
 
         def worker() -> None:
             while True:
@@ -409,12 +473,17 @@ class Generator:
                     self.synthesize(persona, state)
                 except _Stop:
                     pass
+                except _WriteFailed as e:  # disk full: one line at the end, no thread traceback
+                    write_failed(e)
                 except APIFatalError as e:
                     self.report.fatal = str(e)
                     self._stop.set()
                     self.log(f"[synth] fatal API error, stopping: {e}")
                 except APITransientError as e:
-                    self._save_state(state)
+                    try:
+                        self._save_state(state)
+                    except _WriteFailed as failed:
+                        write_failed(failed)
                     self.report.unfinished += 1
                     self.progress.update(unfinished=1, settled=persona.id)
                     self.log(f"[synth] {persona.id}: left in-flight ({e}); rerun to resume it")
@@ -444,19 +513,12 @@ class Generator:
                     break
             for t in threads:
                 t.join()
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, Terminated) as e:
             self._stop.set()
             self.report.interrupted = True
-            self.log("[synth] interrupted: finished personas are saved, in-flight ones resume on restart")
-        self.progress.close()
-        self.report.unfinished = len(work) - self.report.succeeded - self.report.failed
-        usage = Usage()
-        usage.add(self.script_client.usage)
-        if self.trajectory_client is not self.script_client:
-            usage.add(self.trajectory_client.usage)
-        self.report.usage = usage
-        self._write_summary()
-        return self.report
+            self.report.terminated = isinstance(e, Terminated)
+            how = "terminated (SIGTERM)" if self.report.terminated else "interrupted"
+            self.log(f"[synth] {how}: finished personas are saved, in-flight ones resume on restart")
 
     def _write_summary(self) -> None:
         r = self.report

@@ -12,6 +12,7 @@ import os
 
 from agentrefine_jax import logs
 from agentrefine_jax.cli_errors import OneLineParser, fail
+from agentrefine_jax.config_checks import CONFIG_HELP
 from agentrefine_jax.outputs import json_dumps
 
 TOOL = "train"
@@ -22,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m agentrefine_jax.train",
         description="Refinement tuning (AgentRefine) of a LLaMA/Mistral model.",
     )
-    p.add_argument("--config", required=True, help="config file, or a bare name inside configs/ (e.g. demo)")
+    p.add_argument("--config", required=True, help=CONFIG_HELP)
     p.add_argument(
         "--set",
         dest="overrides",
