@@ -436,7 +436,7 @@ def mark(directory: PathLike, tool: str) -> None:
     entries = sorted(_listing(d))
     files = {rel: _digest(d / rel) for rel in entries if (d / rel).is_file()}
     record = {"written_by": f"agentrefine_jax {tool}".strip(), "entries": entries, "files": files}
-    (d / MARKER).write_text(json.dumps(record, indent=1) + "\n")
+    (d / MARKER).write_text(json_dumps(record, indent=1) + "\n")
 
 
 @contextlib.contextmanager

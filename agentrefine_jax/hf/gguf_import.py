@@ -31,7 +31,6 @@ dequantiser lacks, other tokenizer models or pre-tokenizers, llama3 rope scaling
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -360,6 +359,7 @@ def write_hf_dir(m: GGUFModel, out: pathlib.Path, *, dtype: str = "float32", log
     from safetensors.numpy import save_file
 
     from agentrefine_jax.hf.io import generation_config_dict, hf_config_dict
+    from agentrefine_jax.outputs import json_dumps
 
     log = log or (lambda s: None)
     if dtype not in NP_STORAGE:
@@ -370,10 +370,10 @@ def write_hf_dir(m: GGUFModel, out: pathlib.Path, *, dtype: str = "float32", log
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     del tensors
     log(f"wrote model.safetensors: {count:,} parameters as {dtype}")
-    (out / "config.json").write_text(json.dumps(hf_config_dict(m.cfg, dtype), indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(generation_config_dict(m.cfg), indent=2) + "\n")
-    (out / "tokenizer.json").write_text(json.dumps(tokenizer_json(m), ensure_ascii=False))
-    tok_cfg = json.dumps(tokenizer_config(m), indent=2, ensure_ascii=False)
+    (out / "config.json").write_text(json_dumps(hf_config_dict(m.cfg, dtype), indent=2) + "\n")
+    (out / "generation_config.json").write_text(json_dumps(generation_config_dict(m.cfg), indent=2) + "\n")
+    (out / "tokenizer.json").write_text(json_dumps(tokenizer_json(m), ensure_ascii=False))
+    tok_cfg = json_dumps(tokenizer_config(m), indent=2, ensure_ascii=False)
     (out / "tokenizer_config.json").write_text(tok_cfg + "\n")
     if m.chat_template:
         (out / "chat_template.jinja").write_text(m.chat_template)

@@ -374,6 +374,20 @@ def activation_model(
 # -------------------------------------------------------------------------------- plan
 
 
+def _state_bytes(cfg: Any, param_bytes: int, n_micro: int) -> tuple[int, int, int]:
+    """Per-device bytes of (gradients, optimizer state, DPO reference copy) beside the params."""
+    # jax.grad returns gradients in the parameter dtype and the step accumulates them in a
+    # zeros_like(params) buffer; with gradient accumulation a micro-batch's fresh gradient
+    # coexists with the accumulator.
+    grad_bytes = param_bytes * (2 if n_micro > 1 else 1)
+    # optax.adamw keeps mu and nu in the parameter dtype, sharded like the parameters.
+    opt_bytes = 2 * param_bytes
+    # DPO on full fine-tuning holds a frozen copy of the starting weights (LoRA: its base, adapters
+    # off, is the reference: nothing more); docs/preference.md.
+    ref_bytes = param_bytes if _holds_reference_copy(cfg) else 0
+    return grad_bytes, opt_bytes, ref_bytes
+
+
 def plan(
     cfg: Any,
     mesh_sizes: dict[str, int],
@@ -403,15 +417,7 @@ def plan(
     layout = param_layout(model_cfg, mesh, rules)
     n_params = sum(leaf.size for leaf in layout)
     param_bytes = sum(leaf.shard_size * _itemsize(leaf.dtype) for leaf in layout)
-    # jax.grad returns gradients in the parameter dtype and the step accumulates them in a
-    # zeros_like(params) buffer; with gradient accumulation a micro-batch's fresh gradient
-    # coexists with the accumulator.
-    grad_bytes = param_bytes * (2 if n_micro > 1 else 1)
-    # optax.adamw keeps mu and nu in the parameter dtype, sharded like the parameters.
-    opt_bytes = 2 * param_bytes
-    # DPO on full fine-tuning holds a frozen copy of the starting weights (LoRA: its base, adapters
-    # off, is the reference: nothing more); docs/preference.md.
-    ref_bytes = param_bytes if _holds_reference_copy(cfg) else 0
+    grad_bytes, opt_bytes, ref_bytes = _state_bytes(cfg, param_bytes, n_micro)
 
     batch_shards, max_batch_shards = _batch_shards(micro, rules, mesh)
     # The trainer refuses a (micro) batch that does not split over the batch shards; memory
