@@ -502,7 +502,8 @@ def test_idle_and_slow_header_connections_hold_no_thread_for_ever(generator):
     assert max(t for o, t in outcome.values() if o == "closed") <= 2 * READ_TIMEOUT + MARGIN
     # The event loop serves every connection: no thread per connection, and the server's own threads
     # are the app's two (parse, model), started with its first chat request (none here).
-    assert max(during) == before == after and pool <= 2, (before, during, after, pool)
+    # (<=: a thread of an earlier test may end meanwhile; none may start.)
+    assert max(during) <= before and after <= before and pool <= 2, (before, during, after, pool)
     assert status == 200
     assert any("request not received within 1 s; connection closed" in line for line in lines)
 

@@ -300,7 +300,9 @@ def test_sigterm_exits_75_when_the_grace_period_ends_first(checkpoint, tmp_path)
     server = Served(checkpoint, tmp_path, "--grace-period", "1", "-q")
     try:
         assert chat(server.port, QUEUED)[0] == 200
-        out, threads = concurrently(server.port, [QUEUED] * 40)  # several seconds of queued work
+        # Several seconds of queued work however fast the box: 400-token replies (16 tokens each were
+        # all answered within the 1 s grace period on an idle machine).
+        out, threads = concurrently(server.port, [LONG] * 8)
         first_answer(out)
         server.signal(signal.SIGTERM)
         for t in threads:

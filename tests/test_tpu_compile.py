@@ -82,7 +82,7 @@ def test_train_compile_only_two_slices() -> None:
         "--num-slices", "2", *TINY, "--set", "train.global_batch_size=8",
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "demo train step on v5p-8 x 2 slices (8 chips" in r.stdout
+    assert "tiny train step on v5p-8 x 2 slices (8 chips" in r.stdout
     assert "mesh data=2,fsdp=4,tensor=1" in r.stdout
     assert "-> FITS" in r.stdout and "planner estimate" in r.stdout
     assert f"(libtpu {metadata.version('libtpu')}, jax {metadata.version('jax')}" in r.stdout
