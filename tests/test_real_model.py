@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from hf_fixtures import hf_masks
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DEMO = REPO / "agentrefine_jax" / "data" / "demo"
@@ -103,24 +104,6 @@ def _conversations() -> list[list[dict]]:
     return [json.loads(line)["messages"] for line in rows]
 
 
-def _hf_masks(tok, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """transformers' ids, and each assistant turn's tokens found by rendering prefix by prefix:
-    what message k adds after the generation prompt, through its `<|im_end|>`."""
-    ids = tok.apply_chat_template(messages, tokenize=True, return_dict=False)
-    mask = [0] * len(ids)
-    for k, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = tok.apply_chat_template(
-            messages[:k], tokenize=True, add_generation_prompt=True, return_dict=False
-        )
-        upto = tok.apply_chat_template(messages[: k + 1], tokenize=True, return_dict=False)
-        assert ids[: len(upto)] == upto and upto[: len(before)] == before
-        end = len(before) + upto[len(before) :].index(tok.eos_token_id) + 1
-        mask[len(before) : end] = [1] * (end - len(before))
-    return ids, mask
-
-
 def test_chatml_ids_and_masks_equal_apply_chat_template(smollm2_dir: pathlib.Path) -> None:
     from agentrefine_jax.data.templates import get_template
     from agentrefine_jax.data.tokenizers import load_tokenizer
@@ -132,7 +115,7 @@ def test_chatml_ids_and_masks_equal_apply_chat_template(smollm2_dir: pathlib.Pat
     for messages in conversations:
         clean = [{"role": m["role"], "content": m["content"]} for m in messages]
         ids, mask = ours.encode(messages, loss_on=("correct", "refinement", "erroneous"))
-        want_ids, want_mask = _hf_masks(tok, clean)
+        want_ids, want_mask = hf_masks(tok, clean)
         assert ids == want_ids
         assert mask == want_mask
         assert ours.encode_prompt(clean[:2]) == tok.apply_chat_template(

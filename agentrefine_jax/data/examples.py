@@ -90,6 +90,20 @@ class TokenStore:
     offsets: np.ndarray  # int64, len n+1
     where: list[str]  # record location of each example
 
+    @classmethod
+    def from_parts(
+        cls, ids_parts: list[np.ndarray], mask_parts: list[np.ndarray], lengths: list[int], where: list[str]
+    ) -> TokenStore:
+        """One store from per-example (or per-chunk) arrays, in order."""
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return cls(
+            ids=np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.int32),
+            mask=np.concatenate(mask_parts) if mask_parts else np.zeros(0, np.uint8),
+            offsets=offsets,
+            where=where,
+        )
+
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
@@ -311,11 +325,4 @@ def build_examples(
 
     report.examples += len(lengths)
     report.lengths = np.concatenate([report.lengths, np.asarray(lengths, dtype=np.int64)])
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return TokenStore(
-        ids=np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.int32),
-        mask=np.concatenate(mask_parts) if mask_parts else np.zeros(0, np.uint8),
-        offsets=offsets,
-        where=where_kept,
-    )
+    return TokenStore.from_parts(ids_parts, mask_parts, lengths, where_kept)

@@ -275,11 +275,4 @@ def build_pairs(
             lengths.append(len(ids))
             where.append(pair.where)
         report.pairs += 1
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return TokenStore(
-        ids=np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.int32),
-        mask=np.concatenate(mask_parts) if mask_parts else np.zeros(0, np.uint8),
-        offsets=offsets,
-        where=where,
-    )
+    return TokenStore.from_parts(ids_parts, mask_parts, lengths, where)
