@@ -11,7 +11,11 @@ import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_SANDBOX = tempfile.mkdtemp(prefix="agentrefine-test-home-")
+# One sandbox per suite run, shared by pytest-xdist's workers (they inherit the controller's
+# environment): the content-keyed caches under it (the real model's GGUF conversion) are then built
+# once, not once per worker; concurrent builders of one key are safe (the cache's rename protocol).
+_SANDBOX = os.environ.get("AGENTREFINE_TEST_SANDBOX") or tempfile.mkdtemp(prefix="agentrefine-test-home-")
+os.environ["AGENTREFINE_TEST_SANDBOX"] = _SANDBOX
 for _var, _sub in (("HOME", "home"), ("XDG_CACHE_HOME", "cache"), ("MPLCONFIGDIR", "mpl"), ("HF_HOME", "hf")):
     os.environ[_var] = os.path.join(_SANDBOX, _sub)
     os.makedirs(os.environ[_var], exist_ok=True)
