@@ -145,7 +145,7 @@ class TrainConfig:
     export_hf_at_end: str | None = None
     # "auto": the dtype init_from_hf weights came in, else model.param_dtype; or float32/bfloat16/float16.
     export_dtype: str = "auto"
-    # Peak FLOP/s per device used for MFU; 0 = look it up from the device kind.
+    # Peak FLOP/s per device used for MFU; 0 = look it up from the device kind (a CPU: measured, cpu_peak.py).
     peak_flops_per_device: float = 0.0
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     # sft | dpo | orpo | sft+dpo (docs/preference.md): dpo/orpo train on preference pairs (from the

@@ -13,6 +13,15 @@ every weight once, so tokens/s <= copy bandwidth / weight bytes per token, with 
 measured here (numpy copies of a buffer far larger than the caches: bytes read + written / s).
 The last line is the whole result as JSON.
 
+`--bf16-weights` adds a third contender, `ours_bf16w`: our engine with its weights stored in bfloat16
+and computing in --dtype (`inference generate/serve --weights-dtype bfloat16`): half the bytes per decode
+step, and the only change to the numerics is each weight rounded to bfloat16 once. Its batch-1 fraction
+of the bandwidth limit counts 2 bytes per weight. With `--model`, `--agreement N` (default 16) first
+turns of the demo's held-out conversations (system + user message + the assistant header, as a chat
+reply starts) are decoded greedily for --new-tokens tokens with float32 and with bfloat16 weights,
+and the number of identical outputs is reported (with the first position where each other one
+diverges).
+
 A random transformers Llama is written as safetensors and loaded by both stacks, so both
 run identical weights on identical prompts. Both decode greedily for exactly
 --new-tokens tokens (no early stop). Decode tokens/s counts generated tokens after the
@@ -59,6 +68,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both stacks")
+    p.add_argument(
+        "--bf16-weights", action="store_true", help="also our engine with bfloat16 weights (see above)"
+    )
+    p.add_argument("--agreement", type=int, default=16, help="--bf16-weights: prompts in the greedy check")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds (ours, transformers)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     p.add_argument("--seed", type=int, default=0)
@@ -130,12 +143,14 @@ def bench_transformers(hf_dir: pathlib.Path, prompts: np.ndarray, args: argparse
     return one_round, state
 
 
-def bench_ours(hf_dir: pathlib.Path, prompts: np.ndarray, args: argparse.Namespace):
+def bench_ours(
+    hf_dir: pathlib.Path, prompts: np.ndarray, args: argparse.Namespace, weights: str | None = None
+):
     """One round: decode tokens/s from the engine's own decode timing."""
     from agentrefine_jax.hf.io import load_hf_model
     from agentrefine_jax.inference.engine import generate
 
-    _, model = load_hf_model(hf_dir, dtype=args.dtype, param_dtype=args.dtype)
+    _, model = load_hf_model(hf_dir, dtype=args.dtype, param_dtype=weights or args.dtype)
     rows = prompts.tolist()
     state: dict[str, object] = {}
 
@@ -179,6 +194,44 @@ def demo_prompts(hf_dir: pathlib.Path, batch: int, length: int) -> np.ndarray:
         tok.apply_chat_template(rows[i % len(rows)], tokenize=True, return_dict=False) for i in range(batch)
     ]
     return np.array([r[:length] for r in ids])
+
+
+def first_turns(hf_dir: pathlib.Path, n: int) -> list[list[int]]:
+    """The prompts of `n` held-out demo conversations' first replies: system + user + assistant header."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    demo = pathlib.Path(__file__).resolve().parents[1] / "agentrefine_jax" / "data" / "demo" / "eval.jsonl"
+    rows = [json.loads(line)["messages"] for line in demo.read_text().splitlines()][:n]
+    return [
+        tok.apply_chat_template(r[:2], tokenize=True, return_dict=False, add_generation_prompt=True)
+        for r in rows
+    ]
+
+
+def bf16_agreement(hf_dir: pathlib.Path, args: argparse.Namespace) -> dict[str, object]:
+    """Greedy outputs with float32 vs bfloat16 weights on the same prompts (one batched call each)."""
+    from agentrefine_jax.hf.io import load_hf_model
+    from agentrefine_jax.inference.engine import generate
+
+    prompts = first_turns(hf_dir, args.agreement)
+    outs = {}
+    for weights in ("float32", "bfloat16"):
+        _, model = load_hf_model(hf_dir, dtype=args.dtype, param_dtype=weights)
+        gens = generate(model, prompts, max_new_tokens=args.new_tokens, stop_token_ids=())
+        outs[weights] = [g.tokens for g in gens]
+        del model
+    diverge = []
+    for a, b in zip(outs["float32"], outs["bfloat16"], strict=True):
+        if a != b:
+            diverge.append(next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y))
+    same = len(prompts) - len(diverge)
+    print(
+        f"\ngreedy with bfloat16 weights: {same} of {len(prompts)} outputs identical to float32 weights "
+        f"over {args.new_tokens} tokens; the others diverge at token {sorted(diverge)}",
+        flush=True,
+    )
+    return {"prompts": len(prompts), "identical": same, "first_divergence": sorted(diverge)}
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -259,6 +312,20 @@ def main() -> int:
                 f"{per_token / 1e6:.0f} MB of weights per token -> <= {limit:.1f} tokens/s; "
                 f"ours {ours:.1f} ({ours / limit:.0%}), transformers {theirs:.1f} ({theirs / limit:.0%})"
             )
+            if args.bf16_weights:
+                half = weight_bytes_per_token(hf_dir, "bfloat16")
+                mine = result["batch_1"]["throughput"]["ours_bf16w"]["median"]
+                result["bandwidth"].update(
+                    bf16_weight_bytes_per_token=half,
+                    bf16_limit_tokens_per_s=bw / half,
+                    ours_bf16w_fraction=mine / (bw / half),
+                )
+                print(
+                    f"bfloat16 weights: {half / 1e6:.0f} MB per token -> <= {bw / half:.1f} tokens/s; "
+                    f"ours_bf16w {mine:.1f} ({mine / (bw / half):.0%})"
+                )
+        if args.bf16_weights and args.agreement > 0 and args.model:  # real prompts need its tokenizer
+            result["bf16_greedy_agreement"] = bf16_agreement(hf_dir, args)
     print(json.dumps(result))
     return 0
 
@@ -267,8 +334,11 @@ def run_batch(hf_dir: pathlib.Path, prompts: np.ndarray, args: argparse.Namespac
     print(f"\n== batch {len(prompts)}", flush=True)
     ours, ours_state = bench_ours(hf_dir, prompts, args)
     theirs, theirs_state = bench_transformers(hf_dir, prompts, args)
+    contenders = {"ours": ours, "transformers": theirs}
+    if args.bf16_weights:
+        contenders["ours_bf16w"], half_state = bench_ours(hf_dir, prompts, args, weights="bfloat16")
     res = _paired.measure(
-        {"ours": ours, "transformers": theirs},
+        contenders,
         "transformers",
         rounds=args.rounds,
         log=lambda m: print(m, file=sys.stderr, flush=True),
@@ -285,7 +355,18 @@ def run_batch(hf_dir: pathlib.Path, prompts: np.ndarray, args: argparse.Namespac
     )
     print(f"our first run incl. compile: {ours_state['first_run_s']:.1f}s")
     print(f"greedy outputs identical: {'yes' if same else 'NO'}", flush=True)
-    return {**res, "greedy_identical": same, "first_run_s": ours_state["first_run_s"]}
+    out = {**res, "greedy_identical": same, "first_run_s": ours_state["first_run_s"]}
+    if args.bf16_weights:
+        half = res["ratio"]["ours_bf16w"]
+        print(
+            f"bfloat16 weights (ours_bf16w) / transformers: {half['median']:.2f}x "
+            f"[{half['min']:.2f}-{half['max']:.2f}], {tput['ours_bf16w']['median']:.1f} tok/s; "
+            f"greedy identical to float32 on these prompts: "
+            f"{'yes' if half_state['tokens'] == ours_state['tokens'] else 'NO'}",
+            flush=True,
+        )
+        out["bf16w_greedy_identical_to_fp32"] = half_state["tokens"] == ours_state["tokens"]
+    return out
 
 
 if __name__ == "__main__":

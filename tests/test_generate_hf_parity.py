@@ -98,3 +98,35 @@ def test_cli_entry_point_reports_errors_cleanly(tmp_path):
     assert res.returncode == 2
     assert "[inference] error:" in res.stderr and "does not exist" in res.stderr
     assert res.stdout == ""
+
+
+def test_cli_bfloat16_weights_equal_transformers_on_bfloat16_rounded_weights(tmp_path, capsys):
+    """`--weights-dtype bfloat16` stores every weight in bfloat16 and changes nothing else: greedy ids
+    equal transformers' (float32 compute) on the same weights rounded to bfloat16 once."""
+    import jax
+    import numpy as np
+    import torch
+    from flax import nnx
+
+    from agentrefine_jax.inference.loading import load_for_inference
+
+    hf_dir = make_checkpoint(tmp_path / "hf", "llama", seed=5)
+    loaded = load_for_inference(hf_dir, dtype="float32", param_dtype="bfloat16")
+    leaves = jax.tree.leaves(nnx.state(loaded.model, nnx.Param))
+    assert {np.dtype(x.dtype).name for x in leaves} == {"bfloat16"}
+    eos = list(loaded.cfg.eos_token_ids)
+    prompts = random_prompts(loaded.cfg.vocab_size, [5, 41, 19], eos, seed=9)
+    argv = ["generate", "--checkpoint", str(hf_dir), "--max-new-tokens", str(NEW_TOKENS), "--greedy"]
+    argv += ["--dtype", "float32", "--weights-dtype", "bfloat16"]
+    for p in prompts:
+        argv += ["--prompt-ids", ",".join(map(str, p))]
+    assert inference_cli.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "weights bfloat16, compute float32" in captured.err
+    ours = [json.loads(line) for line in captured.out.splitlines()]
+    hf = load_hf(hf_dir)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    assert ours == hf_greedy(hf, prompts, NEW_TOKENS, eos)
+    assert max(len(r) for r in ours) == NEW_TOKENS

@@ -21,6 +21,7 @@ import tempfile
 
 from agentrefine_jax import logs, outputs
 from agentrefine_jax.cli_errors import OneLineParser, fail
+from agentrefine_jax.eval import progress
 from agentrefine_jax.eval.journal import Journal, journal_path
 from agentrefine_jax.eval.policies import (
     DEFAULT_STOP,
@@ -36,6 +37,10 @@ from agentrefine_jax.eval.runner import TASK_NAMES, EvalConfig, format_table, ru
 
 BEST_OF_TEMPERATURE = 0.7
 TERMINATED = 75  # EX_TEMPFAIL, as the trainer's preemption: finished episodes kept, rerun to resume
+# --request-timeout's default (seconds). A CPU endpoint is slow: SmolLM2-135M served by our own server
+# on a loaded 2-core machine decodes ~5 tokens/s per sequence, and eight concurrent requests share it,
+# so one 256-token reply can take several minutes; the old 120 s failed such episodes as errors.
+REQUEST_TIMEOUT = 600.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,7 +150,24 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         help="--checkpoint: prefill every turn's whole prompt again instead of keeping each episode's KV "
         "cache between turns (same greedy actions, slower; for comparison)",
     )
-    p.add_argument("--request-timeout", type=float, default=120.0, help="seconds per HTTP request")
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=REQUEST_TIMEOUT,
+        help=f"--base-url: seconds one HTTP request may take, connect to the last byte of the reply "
+        f"(default {REQUEST_TIMEOUT:.0f}: sized for a CPU endpoint, where one --max-new-tokens 256 reply "
+        "among 8 concurrent requests to a small model on a busy 2-core machine takes minutes; a hosted "
+        "GPU endpoint answers in seconds, so lower it there to fail a hung request sooner)",
+    )
+    p.add_argument(
+        "--progress-every",
+        type=float,
+        default=progress.DEFAULT_INTERVAL,
+        metavar="SECONDS",
+        help=f"print a progress line (episodes done/total, in flight, steps, how long the current policy "
+        f"call has been waiting, elapsed) every SECONDS while episodes run, even when none ends (default "
+        f"{progress.DEFAULT_INTERVAL:.0f}; -q turns it off with the other progress lines)",
+    )
     p.add_argument("--sciworld-simplification", default="easy", help="ScienceWorld simplification string")
     p.add_argument(
         "--workdir",
@@ -229,7 +251,7 @@ def task_names(args: argparse.Namespace, source: str) -> tuple[str, ...]:
 
 
 # Settings that do not change what the episodes do: a journal is resumed across them.
-_NOT_RESULTS = ("quiet", "verbose", "workdir")
+_NOT_RESULTS = ("quiet", "verbose", "workdir", "progress_every")
 
 
 class Terminated(BaseException):
@@ -262,9 +284,12 @@ def run(args: argparse.Namespace) -> int:
     source = source_of(args)
     for module in args.plugin:
         importlib.import_module(module)
+    if not args.progress_every > 0:
+        raise ValueError(f"--progress-every must be > 0 seconds, got {args.progress_every}")
     journal = _JOURNAL.journal = open_journal(args)
     try:
-        code = run_agentboard(args, journal) if source == "agentboard" else run_builtin(args, journal)
+        with progress.Progress(args.progress_every, logging.getLogger("agentrefine_jax.eval").info):
+            code = run_agentboard(args, journal) if source == "agentboard" else run_builtin(args, journal)
     finally:
         if journal is not None:
             journal.close()

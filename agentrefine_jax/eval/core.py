@@ -13,6 +13,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from agentrefine_jax.eval import progress
+
 if TYPE_CHECKING:
     from agentrefine_jax.eval.journal import Resume
 
@@ -55,14 +57,20 @@ def run_loop(
     `respond(active)` answers every active episode together and applies the replies; an episode whose
     `finished` is then set leaves (`on_done`) and the next job takes its place. With `resume` (the run's
     journal), a job the journal holds is not run again (its record comes back, without `on_done`: it was
-    reported when it ran) and every episode that ends is journaled before `on_done`.
+    reported when it ran) and every episode that ends is journaled before `on_done`. Inside `eval`'s
+    `progress.Progress` block, the loop reports its jobs, rounds and ended episodes to the heartbeat.
     """
     queue = collections.deque(enumerate(jobs))
     active: list[tuple[int, E]] = []
     done: dict[int, E] = {}
+    beat = progress.active()  # eval's heartbeat (None outside the CLI): counts only, never blocks
+    if beat is not None:
+        beat.add_jobs(len(jobs))
 
     def finish(i: int, ep: E) -> None:
         done[i] = ep
+        if beat is not None:
+            beat.episode_done()
         if resume is not None:
             resume.record(jobs[i], ep)
         if on_done is not None:
@@ -74,6 +82,8 @@ def run_loop(
             restored = resume.restored(job) if resume is not None else None
             if restored is not None:
                 done[i] = restored
+                if beat is not None:
+                    beat.episode_done(was_running=False)
                 continue
             ep = start(job)
             if ep.finished:
@@ -81,7 +91,13 @@ def run_loop(
             else:
                 active.append((i, ep))
         if active:
-            respond([ep for _, ep in active])
+            if beat is not None:
+                beat.round_started(len(active))
+            try:
+                respond([ep for _, ep in active])
+            finally:
+                if beat is not None:
+                    beat.round_ended()
         still = []
         for i, ep in active:
             if ep.finished:

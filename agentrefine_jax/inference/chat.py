@@ -78,11 +78,13 @@ class ChatGenerator:
         tokenizer: str | None = None,
         *,
         dtype: str | None = None,
+        weights_dtype: str | None = None,
         name: str | None = None,
     ) -> ChatGenerator:
-        """Load a project checkpoint or HF directory; template/tokenizer default to its metadata."""
+        """Load a project checkpoint or HF directory; template/tokenizer default to its metadata;
+        `dtype` overrides the compute dtype, `weights_dtype` the weights' storage dtype."""
         check_chat_names(path, template, tokenizer)  # before the weights: seconds to minutes
-        loaded = load_for_inference(path, dtype=dtype)
+        loaded = load_for_inference(path, dtype=dtype, param_dtype=weights_dtype)
         return cls.from_loaded(loaded, template, tokenizer, name=name or as_path(path).name)
 
     @classmethod

@@ -116,6 +116,13 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     )
     stops.add_argument("--no-stop-ids", action="store_true", help="never stop before --max-new-tokens")
     p.add_argument("--dtype", choices=DTYPES, help="override the compute dtype")
+    p.add_argument(
+        "--weights-dtype",
+        choices=DTYPES,
+        help="store the weights in this dtype (default: the checkpoint's). bfloat16 halves the bytes a "
+        "decode step reads (batch-1 decode is memory-bound on CPU); greedy text may differ from float32 "
+        "weights (docs/inference.md)",
+    )
     p.add_argument("--json", action="store_true", help="chat mode: print a JSON object instead of the text")
 
 
@@ -144,10 +151,10 @@ def run_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if args.prompt_ids is None:  # chat mode: refuse a missing template before the weights load
         check_chat_names(args.checkpoint, args.template, args.tokenizer)
-    loaded = load_for_inference(args.checkpoint, dtype=args.dtype)
+    loaded = load_for_inference(args.checkpoint, dtype=args.dtype, param_dtype=args.weights_dtype)
     log.info(
         f"loaded {args.checkpoint} ({loaded.source}, {param_count(loaded.model) / 1e6:.2f}M params, "
-        f"compute {loaded.cfg.dtype}) in {time.perf_counter() - t0:.1f}s"
+        f"weights {loaded.cfg.param_dtype}, compute {loaded.cfg.dtype}) in {time.perf_counter() - t0:.1f}s"
     )
     t1 = time.perf_counter()
     if args.prompt_ids is not None:
@@ -216,6 +223,13 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="tokenizer name or dir (default: the checkpoint's)")
     p.add_argument("--dtype", choices=DTYPES, help="override the compute dtype")
     p.add_argument(
+        "--weights-dtype",
+        choices=DTYPES,
+        help="store the weights in this dtype (default: the checkpoint's). bfloat16 halves the bytes a "
+        "decode step reads (batch-1 decode is memory-bound on CPU); greedy text may differ from float32 "
+        "weights (docs/inference.md)",
+    )
+    p.add_argument(
         "--default-max-tokens", type=int_in(1), default=512, help="when a request sets no max_tokens"
     )
     p.add_argument("--max-n", type=int_in(1), default=16, help="largest 'n' a request may ask for")
@@ -270,7 +284,9 @@ def _limits(args: argparse.Namespace) -> ServerLimits:
 def run_serve(args: argparse.Namespace) -> int:
     try:
         t0 = time.perf_counter()
-        gen = ChatGenerator.from_checkpoint(args.checkpoint, args.template, args.tokenizer, dtype=args.dtype)
+        gen = ChatGenerator.from_checkpoint(
+            args.checkpoint, args.template, args.tokenizer, dtype=args.dtype, weights_dtype=args.weights_dtype
+        )
         log.info(f"loaded {args.checkpoint} in {time.perf_counter() - t0:.1f}s")
         api_key = os.environ.get(args.api_key_env) or None
         service = ChatService(

@@ -65,12 +65,19 @@ def check_chat_names(path: str | pathlib.Path, template: str | None, tokenizer: 
 
 
 def load_for_inference(
-    path: str | pathlib.Path, *, dtype: str | None = None, **load_kwargs: Any
+    path: str | pathlib.Path,
+    *,
+    dtype: str | None = None,
+    param_dtype: str | None = None,
+    **load_kwargs: Any,
 ) -> LoadedModel:
-    """Load parameters from `path`; `dtype` overrides the compute dtype (e.g. float32 on CPU)."""
+    """Load parameters from `path`; `dtype` overrides the compute dtype (e.g. float32 on CPU),
+    `param_dtype` the weights' storage dtype (e.g. bfloat16: half the bytes a decode step reads)."""
     overrides: dict[str, Any] = dict(load_kwargs)
     if dtype is not None:
         overrides["dtype"] = dtype
+    if param_dtype is not None:
+        overrides["param_dtype"] = param_dtype
     from agentrefine_jax.checkpoint import load_model
     from agentrefine_jax.paths import as_path
 

@@ -10,6 +10,7 @@ MFU is "model FLOPs utilisation" in the PaLM sense.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 
@@ -28,9 +29,25 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6.0 * matmul_params(cfg) + attention
 
 
-def device_peak_flops(override: float = 0.0) -> float | None:
-    """Peak FLOP/s of one local device, or None when unknown (e.g. CPU)."""
+def device_peak_flops(override: float = 0.0, log: Callable[[str], None] | None = None) -> float | None:
+    """Peak FLOP/s of one local device: `override` when > 0, a known TPU chip's datasheet figure,
+    on a CPU backend this host's measured float32 matmul peak (`cpu_peak.py`, shared among the
+    local CPU devices), else None (an unknown accelerator: MFU n/a)."""
     if override > 0:
         return override
-    chip = chip_of_device_kind(jax.devices()[0].device_kind)
-    return chip.peak_flops if chip else None
+    device = jax.devices()[0]
+    chip = chip_of_device_kind(device.device_kind)
+    if chip:
+        return chip.peak_flops
+    if device.platform == "cpu":
+        from agentrefine_jax.train import cpu_peak
+
+        host, path, cached = cpu_peak.peak()
+        if log:
+            how = "cached" if cached else "measured now"
+            log(
+                f"MFU against this host's float32 matmul peak: {host / 1e9:,.1f} GFLOP/s ({how}, {path}; "
+                f"train.peak_flops_per_device overrides)"
+            )
+        return host / max(1, jax.local_device_count())
+    return None

@@ -330,7 +330,7 @@ def _hooks(
         total_steps=state.total_steps,
         start_step=state.start_step,
         flops_per_step=flops.flops_per_token(cfg.model, seq_len) * tc.global_batch_size * seq_len,
-        peak_flops=flops.device_peak_flops(tc.peak_flops_per_device),
+        peak_flops=flops.device_peak_flops(tc.peak_flops_per_device, log=log.info),
         last_good=ckpts.last_good_note,
     )
     checkpointing = Checkpointing(

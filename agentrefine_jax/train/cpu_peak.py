@@ -1,0 +1,119 @@
+"""This host's float32 matmul peak, measured: the denominator of MFU on a CPU backend.
+
+A CPU has no datasheet entry in `topology.py` (its FLOP/s depend on the model, its vector units, the
+cores this process may use and the clock), so we measure what matters to a training step: the best
+rate XLA's own float32 matmul reaches here. `measure()` times a jitted `N x N @ N x N` float32 matmul
+(N = 1024, 2.1 GFLOP per call) on device 0 after one compile/warm-up call, `REPEATS` times, and keeps the
+fastest call: the peak the step's matmuls could reach, not an average under whatever load the machine
+has. It takes well under 2 s.
+
+The figure is cached per machine and software (`peak()`): a JSON file under
+`$XDG_CACHE_HOME/agentrefine_jax/cpu_peak/<key>.json` (default `~/.cache/...`), keyed by a hash of the
+CPU model, the cores this process may use, jax/jaxlib versions, XLA_FLAGS and `MEASURE_VERSION`, so a
+new machine, core mask, JAX or measurement measures again rather than reuse a stale figure. The file is
+written to a temporary sibling and renamed (a concurrent measurer's rename simply wins).
+
+The peak is the *host's*: with several forced host devices (`--xla_force_host_platform_device_count`)
+they share the cores, so `flops.device_peak_flops` divides it among them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import platform
+import time
+
+from agentrefine_jax import outputs
+
+# Bump when the measurement changes: old cache entries are then not reused.
+MEASURE_VERSION = 1
+SIZE = 1024
+REPEATS = 8
+
+
+def cache_root() -> pathlib.Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "agentrefine_jax" / "cpu_peak"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def machine_key() -> str:
+    """What the measured figure depends on, hashed: CPU, usable cores, JAX, XLA flags, the method."""
+    import jax
+    import jaxlib
+
+    facts = {
+        "v": MEASURE_VERSION,
+        "cpu": _cpu_model(),
+        "cores": _cores(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+    return hashlib.sha256(outputs.json_dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def measure(size: int = SIZE, repeats: int = REPEATS) -> float:
+    """FLOP/s of the fastest of `repeats` jitted float32 `size`^3 matmuls on device 0 (after a warm-up)."""
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices()[0]
+    k1, k2 = jax.random.split(jax.random.key(0))
+    a = jax.device_put(jax.random.normal(k1, (size, size), jnp.float32), device)
+    b = jax.device_put(jax.random.normal(k2, (size, size), jnp.float32), device)
+    matmul = jax.jit(jnp.matmul)
+    matmul(a, b).block_until_ready()  # compile + first touch, not timed
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        matmul(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * size**3 / best
+
+
+def peak() -> tuple[float, pathlib.Path, bool]:
+    """(this host's float32 matmul FLOP/s, its cache file, whether it was read from the cache)."""
+    path = cache_root() / f"{machine_key()}.json"
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("version") == MEASURE_VERSION and float(doc["flops"]) > 0:
+            return float(doc["flops"]), path, True
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # absent or unreadable: measure again
+    flops = measure()
+    doc = {
+        "version": MEASURE_VERSION,
+        "flops": flops,
+        "method": f"best of {REPEATS} jitted float32 {SIZE}x{SIZE} @ {SIZE}x{SIZE} matmuls on device 0",
+        "cpu": _cpu_model(),
+        "cores": _cores(),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_avg_1m": os.getloadavg()[0],
+    }
+    try:  # a cache we cannot write only costs the next run another ~1 s
+        path.parent.mkdir(parents=True, exist_ok=True)
+        outputs.write_json(path, doc)
+    except (OSError, outputs.OutputWriteError):
+        pass
+    return flops, path, False

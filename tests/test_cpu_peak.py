@@ -1,0 +1,51 @@
+"""This host's measured float32 matmul peak (the denominator of MFU on CPU): measured once per machine
+and software into the content-keyed cache, read back after, measured again when the key changes or the
+entry is unreadable; and the trainer's peak on a CPU backend is it, shared among the local devices."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jax
+import numpy as np
+
+from agentrefine_jax.train import cpu_peak, flops
+
+
+def test_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    t0 = time.perf_counter()
+    first, path, cached = cpu_peak.peak()
+    took = time.perf_counter() - t0
+    assert not cached and path.parent == tmp_path / "agentrefine_jax" / "cpu_peak"
+    assert took < 30, took  # ~1 s idle; generous for a loaded machine
+    doc = json.loads(path.read_text())
+    assert doc["flops"] == first and doc["cores"] >= 1 and "1024x1024" in doc["method"]
+    # A real oracle of the order of magnitude: numpy's own float32 matmul of the same shape here.
+    a = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
+    best = min(_timed(lambda: a @ a) for _ in range(3))
+    numpy_flops = 2 * 1024**3 / best
+    assert numpy_flops / 20 < first < numpy_flops * 20, (first, numpy_flops)
+    again, path2, cached2 = cpu_peak.peak()
+    assert cached2 and again == first and path2 == path
+    # The trainer's per-device peak on this CPU backend is the host's, shared among local devices.
+    assert flops.device_peak_flops() == first / jax.local_device_count()
+    assert flops.device_peak_flops(123.0) == 123.0  # train.peak_flops_per_device still overrides
+
+
+def test_a_changed_machine_key_or_a_broken_entry_measures_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    key = cpu_peak.machine_key()
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+    assert cpu_peak.machine_key() != key  # other XLA flags: another entry
+    _, path, _ = cpu_peak.peak()
+    path.write_text("{not json")
+    value, path2, cached = cpu_peak.peak()
+    assert not cached and path2 == path and json.loads(path.read_text())["flops"] == value > 0
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0

@@ -1,0 +1,120 @@
+"""Eval's heartbeat (`eval/progress.py`): a progress line every --progress-every seconds while
+episodes run, also while one slow model call is under way and no episode ends; and the counts the
+episode loop reports into it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from openai_fixture import chat_completion
+
+from agentrefine_jax.eval import progress
+from agentrefine_jax.eval.core import run_loop
+
+REPLY_S = 1.5  # one "model call": far longer than the heartbeat interval below
+
+
+class SlowAgent(BaseHTTPRequestHandler):
+    """A model that takes REPLY_S seconds per reply and always asks for the valid actions."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        time.sleep(REPLY_S)
+        reply = "Thought: I need the options.\nAction: check valid actions"
+        data = json.dumps(chat_completion(body["model"], reply)).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def slow_server():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), SlowAgent)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}/v1"
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.mark.timeout(300)
+def test_eval_prints_progress_while_a_slow_model_call_runs(slow_server, tmp_path):
+    args = ["--base-url", slow_server, "--model", "slow", "--tasks", "babyai", "--episodes", "1"]
+    args += ["--max-steps", "2", "--progress-every", "0.25", "--workdir", str(tmp_path / "w")]
+    env = {**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl"), "OPENAI_API_KEY": ""}
+    proc = subprocess.run(
+        [sys.executable, "-m", "agentrefine_jax.eval", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr
+    beats = [line for line in proc.stderr.splitlines() if line.startswith("[eval] progress: ")]
+    # Two replies of 1.5 s each with a 0.25 s heartbeat: lines while no episode had ended yet, each
+    # saying how long the current policy call has been waiting.
+    waiting = [b for b in beats if "0/1 episodes done, 1 in flight" in b and "on the policy" in b]
+    assert len(waiting) >= 2, proc.stderr
+    assert all(re.search(r"elapsed \d+s$", b) for b in beats), beats
+    # The step count moves as the rounds end (the first reply is step 1).
+    assert any(" 1 steps (" in b for b in beats), beats
+    # The episode's own line still comes; a non-positive interval is one line and exit 2.
+    assert "babyai original episode 0" in proc.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "agentrefine_jax.eval", *args[:-4], "--progress-every", "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    errors = [line for line in bad.stderr.splitlines() if "error:" in line]
+    assert bad.returncode == 2 and len(errors) == 1 and "--progress-every" in errors[0], bad.stderr
+
+
+class _Episode:
+    def __init__(self, steps: int) -> None:
+        self.left, self.finished = steps, steps == 0
+
+
+def test_the_loop_reports_jobs_rounds_and_ended_episodes():
+    lines: list[str] = []
+    jobs = [2, 1, 3, 0]  # steps each episode takes; the last one "fails to start" (finished at once)
+
+    def respond(active: list[_Episode]) -> None:
+        for ep in active:
+            ep.left -= 1
+            ep.finished = ep.left == 0
+
+    with progress.Progress(3600, lines.append) as p:
+        eps = run_loop(jobs, _Episode, respond, width=2)
+        assert p.line().startswith("progress: 4/4 episodes done, 0 in flight, 6 steps (")
+    assert [e.finished for e in eps] == [True] * 4
+    assert progress.active() is None and lines == []  # no beat in an hour-long interval
+    # Outside a Progress block the loop runs without one.
+    assert all(e.finished for e in run_loop([1, 2], _Episode, respond, width=2))
+
+
+def test_the_heartbeat_beats_without_any_event():
+    lines: list[str] = []
+    with progress.Progress(0.05, lines.append) as p:
+        p.add_jobs(3)
+        p.round_started(2)
+        deadline = time.monotonic() + 60
+        while len(lines) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert len(lines) >= 2 and lines[0].startswith("progress: 0/3 episodes done, 2 in flight, 0 steps")
+    assert "on the policy" in lines[0]
+    with pytest.raises(ValueError, match="> 0"):
+        progress.Progress(0)
