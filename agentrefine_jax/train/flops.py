@@ -44,7 +44,7 @@ def device_peak_flops(override: float = 0.0, log: Callable[[str], None] | None =
 
         host, path, cached = cpu_peak.peak()
         if log:
-            how = "cached" if cached else "measured now"
+            how = "the best measured here so far" if cached else "measured now, a new best"
             log(
                 f"MFU against this host's float32 matmul peak: {host / 1e9:,.1f} GFLOP/s ({how}, {path}; "
                 f"train.peak_flops_per_device overrides)"
