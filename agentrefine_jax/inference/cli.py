@@ -115,6 +115,12 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
         "--stop-ids", type=_ids, help="ids that end a row (ids mode; default: the model's eos)"
     )
     stops.add_argument("--no-stop-ids", action="store_true", help="never stop before --max-new-tokens")
+    _add_dtype_args(p)
+    p.add_argument("--json", action="store_true", help="chat mode: print a JSON object instead of the text")
+
+
+def _add_dtype_args(p: argparse.ArgumentParser) -> None:
+    """--dtype and --weights-dtype, the same for generate and serve."""
     p.add_argument("--dtype", choices=DTYPES, help="override the compute dtype")
     p.add_argument(
         "--weights-dtype",
@@ -123,7 +129,6 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
         "decode step reads (batch-1 decode is memory-bound on CPU); greedy text may differ from float32 "
         "weights (docs/inference.md)",
     )
-    p.add_argument("--json", action="store_true", help="chat mode: print a JSON object instead of the text")
 
 
 def _temperature(args: argparse.Namespace) -> float:
@@ -221,14 +226,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", help="the model id clients must send (default: checkpoint dir name)")
     p.add_argument("--template", help="chat template (default: the checkpoint's)")
     p.add_argument("--tokenizer", help="tokenizer name or dir (default: the checkpoint's)")
-    p.add_argument("--dtype", choices=DTYPES, help="override the compute dtype")
-    p.add_argument(
-        "--weights-dtype",
-        choices=DTYPES,
-        help="store the weights in this dtype (default: the checkpoint's). bfloat16 halves the bytes a "
-        "decode step reads (batch-1 decode is memory-bound on CPU); greedy text may differ from float32 "
-        "weights (docs/inference.md)",
-    )
+    _add_dtype_args(p)
     p.add_argument(
         "--default-max-tokens", type=int_in(1), default=512, help="when a request sets no max_tokens"
     )
