@@ -229,3 +229,22 @@ def test_cli_errors_are_clear(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         plan_cli.main(["--config", "llama3_8b", "--mesh", "fsdp=8", "--chip", "h100"])
     assert "invalid choice: 'h100'" in capsys.readouterr().err
+
+
+def test_dpo_reference_copy_only_for_full_fine_tuning() -> None:
+    """Full-FT DPO holds one more model's worth of parameters (the frozen reference); LoRA DPO's
+    reference is its base with the adapters off: the same bytes as LoRA SFT (docs/preference.md)."""
+
+    def state(name: str, objective: str) -> dict[str, int]:
+        cfg = load_config(name, [f"train.objective={objective}"])
+        return P.plan(cfg, mesh_of(fsdp=8), "v5p")["bytes_per_device"]
+
+    full_sft, full_dpo = state("llama3_8b", "sft"), state("llama3_8b", "dpo")
+    assert "reference" not in full_sft
+    assert full_dpo["reference"] == full_dpo["params"] == full_sft["params"]
+    assert full_dpo["total"] == full_sft["total"] + full_dpo["params"]
+    lora_sft = state("llama3_8b_lora", "sft")
+    for objective in ("dpo", "sft+dpo"):
+        lora_dpo = state("llama3_8b_lora", objective)
+        assert "reference" not in lora_dpo
+        assert lora_dpo == lora_sft

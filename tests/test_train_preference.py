@@ -30,6 +30,7 @@ import agentrefine_jax
 from agentrefine_jax import sharding as shd
 from agentrefine_jax.data.preference import CHOSEN, REJECTED
 from agentrefine_jax.hf.io import load_hf_model
+from agentrefine_jax.models import lora
 from agentrefine_jax.train import objectives
 from agentrefine_jax.train.step import build_steps, preference_loss
 
@@ -197,6 +198,50 @@ def test_two_devices_two_micro_batches_equal_one_device(models):
     for k in ("loss", "rewards_chosen", "rewards_rejected", "margin", "accuracy", "pairs", "grad_norm"):
         np.testing.assert_allclose(m2[k], m1[k], rtol=1e-5, atol=1e-7, err_msg=k)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p2, p1)
+
+
+@pytest.mark.parametrize("objective", ["dpo", "sft+dpo"])
+def test_lora_reference_is_the_base_with_adapters_off(models, objective):
+    """A LoRA run holds no reference copy (params are the base and the adapters), and the trainer's
+    DPO rewards use, as the reference, the base's log-probabilities with the adapters off: here
+    transformers' on the base weights, each sequence on its own."""
+    (t_base, _), (base, _), cfg = models
+    spec = lora.LoraSpec(("q", "v", "down"), rank=4, alpha=8.0)
+    mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    fns = build_steps(
+        cfg, optax.adam(1e-3), mesh, shd.DEFAULT_RULES, global_batch=2, micro_batch=None,
+        loss_chunk=8, lora_spec=spec, objective=objective, knobs={"beta": BETA},
+    )  # fmt: skip
+    assert set(fns.init_params(0)) == {"base", "lora"}  # no "ref": nothing copied
+    # Non-zero B, so the policy differs from the base (fresh adapters would make them equal).
+    adapters = jax.tree.map(
+        lambda a: 0.05 * jax.random.normal(jax.random.key(3), a.shape, a.dtype),
+        lora.init(spec, cfg, jax.random.key(2)),
+    )
+    params = {"base": nnx.to_pure_dict(nnx.state(base, nnx.Param)), "lora": adapters}
+    batch, seqs = _batch(cfg.vocab_size, seed=4)
+    jb = {k: jnp.asarray(v) for k, v in batch.items()}
+    on = (spec, adapters, None)
+    hidden, _ = base.forward(jb["input_ids"], jb["positions"], jb["segment_ids"], adapters=on)
+    logp = objectives.token_logps(hidden[:, :-1], base.lm_head_weight(), jb["input_ids"][:, 1:], 8)
+    pi = objectives.pair_logps(logp, jb)
+    reward_c, reward_r = [], []
+    for r, row in enumerate(ROWS):
+        j = next(j for j, (kind, _, _) in enumerate(row) if kind == CHOSEN)
+        with torch.no_grad():
+            ref_c = float(_torch_logps(t_base, seqs[r][j], row[j][2])[0])
+            ref_r = float(_torch_logps(t_base, seqs[r][j + 1], row[j + 1][2])[0])
+        pi_c, pi_r = float(pi["chosen"][r, j + 1]), float(pi["rejected"][r, j + 1])
+        assert abs(pi_c - ref_c) > 1e-3  # the adapters are on in the policy
+        reward_c.append(BETA * (pi_c - ref_c))
+        reward_r.append(BETA * (pi_r - ref_r))
+    params = jax.device_put(jax.tree.map(jnp.copy, params), fns.param_shardings)  # the step donates them
+    _, _, m = fns.train(params, fns.init_opt(params), jax.device_put(jb, fns.batch_sharding))
+    m = jax.device_get(m)
+    np.testing.assert_allclose(m["rewards_chosen"], np.mean(reward_c), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(m["rewards_rejected"], np.mean(reward_r), rtol=1e-4, atol=1e-6)
+    want = np.mean([-np.log(1 / (1 + np.exp(-(c - r)))) for c, r in zip(reward_c, reward_r, strict=True)])
+    np.testing.assert_allclose(m["pair_loss"], want, rtol=1e-4)
 
 
 SMALL_DATA = pathlib.Path(agentrefine_jax.__file__).parent / "data" / "demo" / "eval.jsonl"  # 40 rows
