@@ -11,7 +11,7 @@ import pytest
 
 from agentrefine_jax import sharding as shd
 from agentrefine_jax.config import MeshConfig, OptimConfig
-from agentrefine_jax.models import ModelConfig, preset
+from agentrefine_jax.models import ModelConfig, execution, preset
 from agentrefine_jax.models import attention as attn
 
 # GQA: 4 query heads per kv head. S = 200 is not a multiple of 128, so the splash path's
@@ -61,7 +61,9 @@ def _compare(cfg: ModelConfig, impl) -> None:
         return jax.jit(run)(q, k, v)
 
     want, g_want = fwd_bwd(
-        lambda cfg, q, k, v, seg, pos: attn.xla_attention(cfg, q, k, v, attn.Segments(seg, pos, seg, pos))
+        lambda cfg, q, k, v, seg, pos: attn.xla_attention(
+            cfg, q, k, v, attn.Segments(seg, pos, seg, pos), block=cfg.attention_block_size
+        )
     )
     got, g_got = fwd_bwd(impl)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
@@ -70,7 +72,7 @@ def _compare(cfg: ModelConfig, impl) -> None:
 
 
 def _splash(cfg, q, k, v, seg, pos):
-    return attn.splash_attention(cfg, q, k, v, seg)
+    return attn.splash_attention(cfg, execution.resolve(cfg, "cpu"), q, k, v, seg)
 
 
 @pytest.mark.parametrize("window", [None, 24])
@@ -91,7 +93,7 @@ def test_splash_sharded_over_batch_and_heads_equals_xla():
 
     def sharded(cfg, q, k, v, seg, pos):
         with shd.use_sharding(mesh, rules):
-            return attn.splash_attention(cfg, q, k, v, seg)
+            return attn.splash_attention(cfg, execution.resolve(cfg, "cpu"), q, k, v, seg)
 
     _compare(CFG, sharded)
 
@@ -106,11 +108,11 @@ def test_cudnn_call_plumbing_equals_xla():
 
 
 def test_auto_follows_the_compile_target_devices():
-    assert attn.resolve(CFG, "tpu") == "splash"
-    assert attn.resolve(CFG, "cpu") == "xla"
-    assert attn.resolve(dataclasses.replace(CFG, dtype="bfloat16"), "gpu") == "cudnn"
-    assert attn.resolve(CFG, "gpu") == "xla"  # float32: cuDNN has no path
-    assert attn.resolve(dataclasses.replace(CFG, attention="xla"), "tpu") == "xla"
+    assert execution.attention_kernel(CFG, "tpu") == "splash"
+    assert execution.attention_kernel(CFG, "cpu") == "xla"
+    assert execution.attention_kernel(dataclasses.replace(CFG, dtype="bfloat16"), "gpu") == "cudnn"
+    assert execution.attention_kernel(CFG, "gpu") == "xla"  # float32: cuDNN has no path
+    assert execution.attention_kernel(dataclasses.replace(CFG, attention="xla"), "tpu") == "xla"
 
 
 @pytest.mark.parametrize(

@@ -129,14 +129,16 @@ def test_cpu_layout_auto_follows_the_step_devices_not_the_host() -> None:
     from jax.sharding import Mesh
 
     from agentrefine_jax import sharding as shd
-    from agentrefine_jax.models import cpu_layout, preset
+    from agentrefine_jax.models import execution, preset
 
     cfg = preset("tiny")
     assert cfg.cpu_layout == "auto"
     aot.prepare_tpu_env()
     axes = ("data", "fsdp", "tensor")
     tpu = np.asarray(aot.topology_devices(T.get_slice("v5p-8"))).reshape(1, 4, 1)
+    cpu = Mesh(np.asarray(jax.devices("cpu")[:1]).reshape(1, 1, 1), axes)
+    assert execution.for_devices(cfg, Mesh(tpu, axes)).cpu_layout is False
+    assert execution.for_devices(cfg, cpu).cpu_layout is True
+    # Without a mesh argument: the active mesh's devices (sharding.use_sharding).
     with shd.use_sharding(Mesh(tpu, axes), ()):
-        assert cpu_layout.active(cfg) is False
-    with shd.use_sharding(Mesh(np.asarray(jax.devices("cpu")[:1]).reshape(1, 1, 1), axes), ()):
-        assert cpu_layout.active(cfg) is True
+        assert execution.for_devices(cfg).cpu_layout is False

@@ -27,7 +27,6 @@ import numpy as np
 from flax import nnx
 
 from agentrefine_jax.inference.sampling import row_keys, sample
-from agentrefine_jax.models import cpu_layout
 from agentrefine_jax.models.llama import Transformer, init_cache, stack_cache, unstack_cache
 
 DEFAULT_CHUNK = 16
@@ -133,8 +132,8 @@ def _prefill(
     sampled generation alike.
     """
     model = nnx.merge(graphdef, state)
-    if ids.shape[1] > PREFILL_BLOCK and not model.cfg.attention_block_size:
-        model.cfg = dataclasses.replace(model.cfg, attention_block_size=PREFILL_BLOCK)
+    if ids.shape[1] > PREFILL_BLOCK and not model.plan.attention_block_size:
+        model.plan = dataclasses.replace(model.plan, attention_block_size=PREFILL_BLOCK)
     cache = init_cache(model.cfg, ids.shape[0], cache_len)
     hidden, cache = model.forward(ids, positions, segments, cache)
     # Left padding puts every row's last real token in the last column.
@@ -184,7 +183,7 @@ def _decode_chunk(
     # CPU: per-layer cache arrays inside the loop, so a step writes its column in place rather
     # than copying every layer's cache through the layer scan (~1/3 of a tiny model's step at
     # 2k columns). Same layer math, unrolled.
-    layered = cpu_layout.active(model.cfg)
+    layered = model.plan.cpu_layout
     init = (
         jnp.int32(0),
         unstack_cache(cache) if layered else cache,

@@ -102,8 +102,8 @@ def _extend(
             "index": end,
         }
     model = nnx.merge(graphdef, state)
-    if ids.shape[1] > PREFILL_BLOCK and not model.cfg.attention_block_size:
-        model.cfg = dataclasses.replace(model.cfg, attention_block_size=PREFILL_BLOCK)
+    if ids.shape[1] > PREFILL_BLOCK and not model.plan.attention_block_size:
+        model.plan = dataclasses.replace(model.plan, attention_block_size=PREFILL_BLOCK)
     hidden, cache = model.forward(ids, pos, seg, cache)
     hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
     return model.logits(hidden)[:, 0], {**cache, "index": end}

@@ -3,9 +3,9 @@
 `model.attention` picks one: "xla" (exact softmax over query blocks, any backend),
 "splash" (the Pallas TPU splash-attention kernel, never builds [S, S] scores or masks),
 "cudnn" (`jax.nn.dot_product_attention(implementation="cudnn")`, NVIDIA GPUs) or
-"auto", decided from the devices of the active mesh, i.e. the devices the step is
-compiled for, not the host's default backend: AOT compilation on a CPU host for a TPU
-topology must get splash.
+"auto", decided once per model from the devices the step is compiled for, not the host's
+default backend (models/execution.py: AOT compilation on a CPU host for a TPU topology must get
+splash); the kernels here take that decided `ExecutionPlan`.
 
 splash and cudnn serve the full-sequence forward (training, eval loss, prefill without a
 cache). Decoding with a KV cache always uses the XLA path, whose mask is built from
@@ -29,9 +29,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from agentrefine_jax import sharding as shd
-from agentrefine_jax.models import cpu_layout
-from agentrefine_jax.models.config import ModelConfig
-from agentrefine_jax.sharding import mesh_platform
+from agentrefine_jax.models.config import Architecture
+from agentrefine_jax.models.execution import ExecutionPlan
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # The splash kernel's key blocks must be multiples of the TPU lane width.
@@ -60,21 +59,9 @@ def attention_mask(seg: Segments, window: int | None) -> jax.Array:
 # ----------------------------------------------------------------------------- choice
 
 
-def resolve(cfg: ModelConfig, platform: str | None = None) -> str:
-    """The implementation `cfg.attention` means on `platform` ("auto" decided here)."""
-    if cfg.attention != "auto":
-        return cfg.attention
-    platform = platform or mesh_platform()
-    if platform == "tpu":
-        return "splash"
-    # cuDNN flash attention only takes 16-bit inputs; float32 models keep the XLA path.
-    if platform in ("gpu", "cuda") and cfg.dtype in ("bfloat16", "float16"):
-        return "cudnn"
-    return "xla"
-
-
 def attend(
-    cfg: ModelConfig,
+    cfg: Architecture,
+    plan: ExecutionPlan,
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
@@ -85,14 +72,15 @@ def attend(
     """q: [B, S, H, D]; k, v: [B, T, KVH, D] -> [B, S, H, D] in q's dtype.
 
     `cached`: keys come from a KV cache (T != S, slots beyond the written ones), so only
-    the XLA path applies.
+    the XLA path applies, never in the CPU layout.
     """
-    impl = "xla" if cached else resolve(cfg)
+    impl = "xla" if cached else plan.attention
     if impl == "splash":
-        return splash_attention(cfg, q, k, v, seg.q_seg)
+        return splash_attention(cfg, plan, q, k, v, seg.q_seg)
     if impl == "cudnn":
         return cudnn_attention(cfg, q, k, v, seg)
-    return xla_attention(cfg, q, k, v, seg, flat=not cached and cpu_layout.active(cfg))
+    flat = not cached and plan.cpu_layout
+    return xla_attention(cfg, q, k, v, seg, block=plan.attention_block_size, flat=flat)
 
 
 # ----------------------------------------------------------------------------- XLA
@@ -139,29 +127,30 @@ def attend_flat(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> ja
 
 
 def xla_attention(
-    cfg: ModelConfig,
+    cfg: Architecture,
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     seg: Segments,
     *,
+    block: int = 0,
     flat: bool = False,
 ) -> jax.Array:
-    """Exact softmax attention, queries in `attention_block_size` blocks; GQA by grouping.
+    """Exact softmax attention, queries in blocks of `block` tokens (0: one); GQA by grouping.
     With `flat` (model.cpu_layout, training only) one-batch-dimension dots, fast on XLA:CPU."""
     b, s, h, d = q.shape
     mask = attention_mask(seg, cfg.sliding_window)
     qg = q.reshape(b, s, cfg.num_kv_heads, h // cfg.num_kv_heads, d)
     if flat:
         return attend_flat(qg, k, v, mask).reshape(b, s, h, d)
-    return _attend_blocked(qg, k, v, mask, cfg.attention_block_size).reshape(b, s, h, d)
+    return _attend_blocked(qg, k, v, mask, block).reshape(b, s, h, d)
 
 
 # ----------------------------------------------------------------------------- cuDNN
 
 
 def cudnn_attention(
-    cfg: ModelConfig,
+    cfg: Architecture,
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
@@ -229,7 +218,7 @@ def _make_splash_kernel(
 
 
 def splash_attention(
-    cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array
+    cfg: Architecture, plan: ExecutionPlan, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array
 ) -> jax.Array:
     """The Pallas TPU splash kernel, one call per (batch shard, head shard) via shard_map.
 
@@ -238,7 +227,7 @@ def splash_attention(
     the rules shard `activation_seq`, shard_map's specs all-gather it first.
     On CPU devices the kernel runs in Pallas interpret mode (tests).
     """
-    platform = mesh_platform()
+    platform = plan.platform
     if platform not in ("tpu", "cpu"):
         raise ValueError(f"model.attention='splash' needs TPU devices (or CPU, interpreted), got {platform}")
     interpret = platform != "tpu"
@@ -261,9 +250,7 @@ def splash_attention(
             lkv * g,
             seq,
             cfg.sliding_window,
-            cfg.splash_block_q,
-            cfg.splash_block_kv,
-            cfg.splash_block_kv_compute,
+            *plan.splash_blocks,
             interpret,
         )
         from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds

@@ -1,8 +1,10 @@
 """Model configuration and the shipped presets.
 
-One dataclass describes every model we support (Llama-3, Mistral, Qwen2.5, Qwen3; the families and
-what differs between them are in models/families.py); the model code branches only on these
-fields and the family's row, never on a family name.
+One `ModelConfig` describes every model we support (Llama-3, Mistral, Qwen2.5, Qwen3; the families
+and what differs between them are in models/families.py), made of three parts: the `Architecture`
+(the function), its `Interface` (special tokens, context length) and its `Execution` settings (how
+it runs). The model code branches only on the architecture, the family's row and the resolved
+`ExecutionPlan` (models/execution.py), never on a family name.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class Architecture:
+    """The function the network computes: what a `config.json` and the family table fix about the
+    weights and the math. Two models with equal architectures compute the same logits from the same
+    weights, however they run (`Execution`) and whatever their token ids (`Interface`)."""
+
     family: str = "llama"  # a row of models/families.py
     vocab_size: int = 128256
     hidden_size: int = 4096
@@ -38,9 +44,43 @@ class ModelConfig:
     rope_theta: float = 500000.0
     rope_scaling: RopeScaling | None = None
     rms_norm_eps: float = 1e-5
-    max_position_embeddings: int = 8192
     tie_embeddings: bool = False
     sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        families.get(self.family)  # ValueError naming the supported families
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def architecture_diff(self, other: Architecture) -> list[str]:
+        """Names of the `Architecture` fields that differ: the function the model computes changed.
+        Floats compare as float32 (config.json round trips). Used by `export verify`."""
+        return _diff(self, other, ARCHITECTURE_FIELDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Interface:
+    """What a `config.json` says beside the function: the special tokens and the advertised context
+    (RoPE depends on rope_theta / rope_scaling, never on max_position_embeddings)."""
+
+    max_position_embeddings: int = 8192
+    bos_token_id: int = 128000
+    eos_token_ids: tuple[int, ...] = (128001, 128009)
+    pad_token_id: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    """How the model is initialised and runs — never read from a config.json, never compared with
+    one. Settings as the user writes them ("auto" included); `models/execution.py` resolves them
+    once against the devices a step is compiled for into the `ExecutionPlan` the model runs by."""
+
     initializer_range: float = 0.02
     # Storage dtype of parameters (master weights) vs the dtype matmuls run in.
     param_dtype: str = "float32"
@@ -66,18 +106,10 @@ class ModelConfig:
     # 2-D projections (models/cpu_layout.py) and one-batch-dimension attention dots
     # (attention.attend_flat), layers unrolled: faster on XLA:CPU, same numbers; training (no KV
     # cache) only, except that decode loops then unroll the layers over per-layer cache arrays
-    # (inference/engine.py). "auto" = on when the step's devices are CPUs (models/cpu_layout.active).
+    # (inference/engine.py). "auto" = on when the step's devices are CPUs (models/execution.py).
     cpu_layout: bool | str = "auto"
-    bos_token_id: int = 128000
-    eos_token_ids: tuple[int, ...] = (128001, 128009)
-    pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        families.get(self.family)  # ValueError naming the supported families
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
-            )
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name} must be float32, bfloat16 or float16, got {getattr(self, name)!r}")
@@ -95,28 +127,43 @@ class ModelConfig:
         if self.splash_block_kv % self.splash_block_kv_compute:
             raise ValueError("splash_block_kv must be a multiple of splash_block_kv_compute")
 
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(Execution, Interface, Architecture):
+    """The run config's `model` section: one flat set of keys (`--set model.dtype=...`, and the
+    JSON every checkpoint records), made of the three parts above. Code that compares or runs a
+    model asks for the part it means: `architecture_diff`, `hf_diff`, `.execution`."""
+
+    def __post_init__(self) -> None:
+        Architecture.__post_init__(self)
+        Execution.__post_init__(self)
+
     @property
-    def q_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
+    def architecture(self) -> Architecture:
+        return Architecture(**{f: getattr(self, f) for f in ARCHITECTURE_FIELDS})
 
-    def architecture_diff(self, other: ModelConfig) -> list[str]:
-        """Names of the fields that differ and change the function the model computes.
-
-        Everything counts except `NOT_ARCHITECTURE` (how and in what precision it runs, token
-        ids, init), so a field added later is compared unless it is listed there on purpose.
-        Floats compare as float32 (config.json round trips). Used by `export verify`.
-        """
-        return [
-            f.name
-            for f in dataclasses.fields(self)
-            if f.name not in NOT_ARCHITECTURE
-            and not same_value(getattr(self, f.name), getattr(other, f.name))
-        ]
+    @property
+    def execution(self) -> Execution:
+        return Execution(**{f: getattr(self, f) for f in EXECUTION_FIELDS})
 
     def hf_diff(self, other: ModelConfig) -> list[str]:
         """Fields a Hugging Face `config.json` describes that differ: the architecture plus the
         special tokens and the context length (`HF_FIELDS`). Used by `train.init_from_hf`."""
-        return [f for f in HF_FIELDS if not same_value(getattr(self, f), getattr(other, f))]
+        return _diff(self, other, HF_FIELDS)
+
+
+def _names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+ARCHITECTURE_FIELDS = _names(Architecture)
+# What an HF config.json fixes: the architecture, the special tokens and the context length.
+HF_FIELDS = ARCHITECTURE_FIELDS + _names(Interface)
+EXECUTION_FIELDS = _names(Execution)
+
+
+def _diff(a: object, b: object, names: tuple[str, ...]) -> list[str]:
+    return [f for f in names if not same_value(getattr(a, f), getattr(b, f))]
 
 
 def same_value(a: object, b: object) -> bool:
@@ -129,38 +176,6 @@ def same_value(a: object, b: object) -> bool:
     if dataclasses.is_dataclass(a) and type(a) is type(b):
         return all(same_value(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
     return a == b
-
-
-# How the model runs, not what it is: not read from a config.json, never compared with one.
-EXECUTION_FIELDS = frozenset(
-    {
-        "param_dtype",
-        "dtype",
-        "remat_policy",
-        "scan_layers",
-        "cpu_layout",
-        "attention_block_size",
-        "mlp_chunk_size",
-        "attention",
-        "splash_block_q",
-        "splash_block_kv",
-        "splash_block_kv_compute",
-        "initializer_range",
-    }
-)
-
-
-# Fields that do not change the function: how it runs (EXECUTION_FIELDS), token ids and the
-# advertised context length (RoPE depends on rope_theta / rope_scaling, never on
-# max_position_embeddings).
-NOT_ARCHITECTURE = EXECUTION_FIELDS | {
-    "bos_token_id",
-    "eos_token_ids",
-    "pad_token_id",
-    "max_position_embeddings",
-}
-# What an HF config.json fixes (architecture, special tokens, context): everything else.
-HF_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in EXECUTION_FIELDS)
 
 
 # The floating-point dtypes a model may store or compute in: the one list (config checks, CLIs).

@@ -10,26 +10,16 @@ float32 accumulation: the numbers match the default layout to float32 rounding
 The layers also run unrolled rather than under `lax.scan`: XLA:CPU fuses across an unrolled
 stack, and the small models a CPU trains compile quickly either way.
 
-"auto" turns it on exactly when the step's devices are CPUs — the active mesh's, so an
-ahead-of-time compile for a TPU slice on a CPU host still gets the TPU layout. Off the TPU
+"auto" turns it on exactly when the step's devices are CPUs — the mesh's, so an
+ahead-of-time compile for a TPU slice on a CPU host still gets the TPU layout; the choice is made
+once, in models/execution.py (`ExecutionPlan.cpu_layout`). Off the TPU
 path: a TPU wants the sharded, blocked default layout (sequence sharding, blocked
 attention at 8k tokens, scan over many layers); this layout ignores `attention_block_size`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
-
-from agentrefine_jax.sharding import mesh_platform
-
-
-def active(cfg: Any) -> bool:
-    """Whether `cfg.cpu_layout` ("auto", True or False) applies to the step being traced."""
-    if cfg.cpu_layout == "auto":
-        return mesh_platform() == "cpu"
-    return bool(cfg.cpu_layout)
 
 
 def project_in(x: jax.Array, w: jax.Array) -> jax.Array:

@@ -4,6 +4,10 @@ Layer parameters are always stored stacked along a leading "layers" axis, so the
 checkpoint layout does not depend on `scan_layers`: scanning only changes how the
 forward pass walks that axis (one compiled body vs. an unrolled loop).
 
+The model reads its architecture from `cfg` and every run-time choice (compute dtype, kernel,
+CPU layout, scan, remat, chunk sizes) from `plan`, an `ExecutionPlan` decided once for the
+devices it is compiled for (models/execution.py) and fixed at construction.
+
 Attention masks come from (segment_ids, positions) of queries and keys, never from
 array indices: packed documents cannot see each other, per-document positions restart,
 and the same rule serves training, left-padded batches and the KV cache.
@@ -18,9 +22,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from agentrefine_jax.models import cpu_layout, lora, params, quant, rope
+from agentrefine_jax.models import cpu_layout, execution, lora, params, quant, rope
 from agentrefine_jax.models.attention import Segments, attend
 from agentrefine_jax.models.config import ModelConfig
+from agentrefine_jax.models.execution import ExecutionPlan
 from agentrefine_jax.sharding import constrain
 
 Cache = dict[str, jax.Array]
@@ -61,6 +66,7 @@ class DecoderLayers(nnx.Module):
 
 def layer_forward(
     cfg: ModelConfig,
+    plan: ExecutionPlan,
     p: dict[str, jax.Array],
     x: jax.Array,
     sin: jax.Array,
@@ -74,8 +80,8 @@ def layer_forward(
     """One decoder layer on per-layer weights `p` (a slice of DecoderLayers); with `lora_spec`,
     `p["lora"]` holds this layer's adapters and `p["lora_key"]` (optional) its dropout key.
     `mlp_chunk`: the MLP's sequence chunk in a full-sequence pass (0 = whole; `forward` decides)."""
-    dt = jnp.dtype(cfg.dtype)
-    flat = kv is None and cpu_layout.active(cfg)
+    dt = jnp.dtype(plan.dtype)
+    flat = kv is None and plan.cpu_layout
     proj_in = cpu_layout.project_in if flat else _project_in
     proj_out = cpu_layout.project_out if flat else _project_out
 
@@ -105,7 +111,7 @@ def layer_forward(
         v_cache = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), index, axis=1)
         new_kv = (k_cache, v_cache)
         k, v = k_cache.astype(dt), v_cache.astype(dt)
-    attn = attend(cfg, q, k, v, seg, cached=kv is not None)
+    attn = attend(cfg, plan, q, k, v, seg, cached=kv is not None)
     attn = checkpoint_name(attn, "attn_out")
     x = x + proj(proj_out, attn, "wo")
     x = constrain(x, ("batch", "activation_seq", "activation_embed"))
@@ -152,8 +158,11 @@ def _project_out(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, plan: ExecutionPlan | None = None):
+        """`plan`: how it runs; by default decided for the active mesh's devices, else the default
+        devices' (a step compiled for other devices passes its own: train/param_mode.py)."""
         self.cfg = cfg
+        self.plan = plan if plan is not None else execution.for_devices(cfg)
         # Table order is also the order random initialisers draw in: embed, layers, head.
         for row in params.present(cfg):
             if not row.per_layer:
@@ -196,13 +205,13 @@ class Transformer(nnx.Module):
         tokens are written at `cache["index"]` and attend to every live cache slot.
         `adapters` = (spec, stacked LoRA weights, dropout key or None) adds LoRA deltas.
         """
-        cfg = self.cfg
+        cfg, plan = self.cfg, self.plan
         b, s = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         if segment_ids is None:
             segment_ids = jnp.ones((b, s), jnp.int32)
-        x = jnp.take(self.embed[...], input_ids, axis=0).astype(jnp.dtype(cfg.dtype))
+        x = jnp.take(self.embed[...], input_ids, axis=0).astype(jnp.dtype(plan.dtype))
         x = constrain(x, ("batch", "activation_seq", "activation_embed"))
         sin, cos = rope.sin_cos(cfg, positions)
 
@@ -221,20 +230,20 @@ class Transformer(nnx.Module):
             spec, weights["lora"], key = adapters
         dropout_keys = lora.dropout_keys(spec, key, cfg.num_layers)
         # Dropout draws one mask per call, so a layer that draws it runs its MLP unchunked.
-        mlp_chunk = cfg.mlp_chunk_size if dropout_keys is None else 0
+        mlp_chunk = plan.mlp_chunk_size if dropout_keys is None else 0
         if dropout_keys is not None:
             weights["lora_key"] = dropout_keys
 
         def body(carry: jax.Array, xs: tuple[dict[str, jax.Array], Any]) -> tuple[jax.Array, Any]:
             p, kv = xs
-            return layer_forward(cfg, p, carry, sin, cos, seg, kv, index, spec, mlp_chunk)
+            return layer_forward(cfg, plan, p, carry, sin, cos, seg, kv, index, spec, mlp_chunk)
 
-        # The CPU layout unrolls the layers (models/cpu_layout.py); decoding keeps the scan unless
-        # the cache comes as one array per layer (see `unstack_cache`).
+        # The CPU layout unrolls the layers of a full-sequence pass (models/cpu_layout.py); decoding
+        # keeps the scan unless the cache comes as one array per layer (see `unstack_cache`).
         layered = cache is not None and isinstance(cache["k"], tuple)
-        scan = cfg.scan_layers and not layered and not (cache is None and cpu_layout.active(cfg))
-        if cfg.remat_policy != "none":
-            body = jax.checkpoint(body, policy=_REMAT[cfg.remat_policy], prevent_cse=not scan)
+        scan = plan.scan_full_sequence if cache is None else plan.scan_layers and not layered
+        if plan.remat_policy != "none":
+            body = jax.checkpoint(body, policy=_REMAT[plan.remat_policy], prevent_cse=not scan)
         kv_stack = None if cache is None else (cache["k"], cache["v"])
         if scan:
             x, new_kv = jax.lax.scan(body, x, (weights, kv_stack))
@@ -288,18 +297,19 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = N
     }
 
 
-def create(cfg: ModelConfig, seed: int = 0) -> Transformer:
-    return Transformer(cfg, rngs=nnx.Rngs(params=seed))
+def create(cfg: ModelConfig, seed: int = 0, plan: ExecutionPlan | None = None) -> Transformer:
+    return Transformer(cfg, rngs=nnx.Rngs(params=seed), plan=plan)
 
 
-def abstract(cfg: ModelConfig) -> Transformer:
+def abstract(cfg: ModelConfig, plan: ExecutionPlan | None = None) -> Transformer:
     """The model with ShapeDtypeStruct leaves: shapes and axes, no memory allocated."""
-    return nnx.eval_shape(lambda: create(cfg))
+    return nnx.eval_shape(lambda: create(cfg, plan=plan))
 
 
-def abstract_params(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
-    """GraphDef and ShapeDtypeStruct parameter state of the model `cfg` describes (no memory)."""
-    graphdef, state, rest = nnx.split(abstract(cfg), nnx.Param, ...)
+def abstract_params(cfg: ModelConfig, plan: ExecutionPlan | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+    """GraphDef and ShapeDtypeStruct parameter state of the model `cfg` describes (no memory);
+    the graphdef carries `plan` (default: see `Transformer`)."""
+    graphdef, state, rest = nnx.split(abstract(cfg, plan), nnx.Param, ...)
     if jax.tree.leaves(rest):
         raise RuntimeError("Transformer holds non-parameter state; the checkpoint format must be extended")
     return graphdef, state

@@ -41,7 +41,7 @@ from agentrefine_jax.checkpoint import (
     rebuild_base,
 )
 from agentrefine_jax.config import Config
-from agentrefine_jax.models import llama, lora, quant
+from agentrefine_jax.models import execution, llama, lora, quant
 from agentrefine_jax.models.config import ModelConfig
 from agentrefine_jax.train.run_dir import TrainingInputError
 
@@ -100,8 +100,10 @@ class ParamMode:
         return lora.init(self.lora_spec, self.model_cfg, jax.random.fold_in(jax.random.key(seed), 0x10A))
 
     def build(self, mesh: Mesh, rules: shd.Rules) -> Built:
-        """Jitted initialisers, shardings and abstract shapes on `mesh`."""
-        graphdef, abs_state = llama.abstract_params(self.model_cfg)
+        """Jitted initialisers, shardings and abstract shapes on `mesh`; the graphdef carries the
+        execution plan for `mesh`'s devices (models/execution.py), decided here once."""
+        plan = execution.for_devices(self.model_cfg, mesh)
+        graphdef, abs_state = llama.abstract_params(self.model_cfg, plan)
         base_shard = shd.param_shardings(abs_state, mesh, rules)
         init = jax.jit(self.init_base, static_argnums=0, out_shardings=base_shard)
         with shd.use_sharding(mesh, rules):

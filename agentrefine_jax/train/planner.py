@@ -22,7 +22,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from agentrefine_jax.models import attention
+from agentrefine_jax.models.execution import attention_kernel
 from agentrefine_jax.sharding import MESH_AXES, parse_mesh_sizes
 from agentrefine_jax.train.topology import HBM_BYTES, PEAK_FLOPS, GiB
 
@@ -328,7 +328,7 @@ def activation_model(
     mask = 0
     # The splash kernel (TPU default) tiles scores in VMEM and builds its mask per tile from the
     # segment ids: no score block or [S, S] mask in HBM (8B v5p-64, libtpu 0.0.42.1: temp 17.41 -> 13.37 GiB).
-    if attention.resolve(model_cfg, "tpu") != "splash":
+    if attention_kernel(model_cfg, "tpu") != "splash":
         if blocked:
             # Scores (f32), probabilities (compute dtype) and score cotangents (f32) of one
             # query block, rebuilt inside the block's checkpoint.
@@ -446,7 +446,7 @@ def plan(
     # sample at large batches (8B v5p-64, 17 per chip: 105.1 GiB compiled vs 84.6 planned), so the
     # conservative model keeps every answer one the compiler confirms fits.
     sizing = act_model
-    if attention.resolve(model_cfg, "tpu") == "splash":
+    if attention_kernel(model_cfg, "tpu") == "splash":
         blocked_cfg = dataclasses.replace(model_cfg, attention="xla")
         sizing, _ = activation_model(blocked_cfg, mesh, rules, seq, cfg.train.loss_chunk_size)
     max_pdb = sizing.max_batch(usable - (param_bytes + param_bytes + opt_bytes))
@@ -462,7 +462,7 @@ def plan(
     return {
         "config": name,
         "chip": chip,
-        "attention": attention.resolve(cfg.model, "tpu"),
+        "attention": attention_kernel(cfg.model, "tpu"),
         "mesh": mesh_sizes,
         "devices": devices,
         "params": n_params,

@@ -1,0 +1,76 @@
+"""How a model runs on given devices, decided once: the `ExecutionPlan`.
+
+A `ModelConfig`'s `Execution` settings are what the user wrote ("auto" included). Which attention
+kernel, whether the CPU layout applies, whether the layers are scanned depend on the devices the
+step is compiled for — the mesh's, not the host's: an ahead-of-time compile for a TPU slice on a
+CPU host must get the TPU choices. `resolve` makes every such choice once and the model carries
+the result (`Transformer.plan`); nothing in the forward pass asks the devices again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from agentrefine_jax.models.config import ModelConfig
+from agentrefine_jax.sharding import mesh_platform
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionPlan:
+    """Every run-time choice of the forward pass, already decided (hashable: part of the model's
+    static structure, so a different plan is a different compiled program)."""
+
+    platform: str  # the devices' platform: "cpu", "tpu", "gpu"
+    dtype: str  # the compute dtype matmuls run in
+    # "xla" | "splash" | "cudnn" for full-sequence passes; decoding with a KV cache is always "xla".
+    attention: str
+    # The CPU layout in full-sequence passes (models/cpu_layout.py): 2-D projections, flat
+    # attention dots, layers unrolled, MLP unchunked; decode loops carry one cache array per layer.
+    cpu_layout: bool
+    scan_layers: bool  # lax.scan over the layers (full-sequence passes: unless cpu_layout)
+    remat_policy: str
+    attention_block_size: int
+    mlp_chunk_size: int
+    splash_blocks: tuple[int, int, int]  # (q, kv, kv_compute) tiles of the splash kernel
+
+    @property
+    def scan_full_sequence(self) -> bool:
+        """Whether a pass without a KV cache scans the layers (the CPU layout unrolls them)."""
+        return self.scan_layers and not self.cpu_layout
+
+
+def attention_kernel(cfg: ModelConfig, platform: str) -> str:
+    """The implementation `cfg.attention` means on `platform` ("auto" decided here)."""
+    if cfg.attention != "auto":
+        return cfg.attention
+    if platform == "tpu":
+        return "splash"
+    # cuDNN flash attention only takes 16-bit inputs; float32 models keep the XLA path.
+    if platform in ("gpu", "cuda") and cfg.dtype in ("bfloat16", "float16"):
+        return "cudnn"
+    return "xla"
+
+
+def resolve(cfg: ModelConfig, platform: str) -> ExecutionPlan:
+    """`cfg`'s execution settings decided for devices of `platform`."""
+    cpu = platform == "cpu" if cfg.cpu_layout == "auto" else bool(cfg.cpu_layout)
+    return ExecutionPlan(
+        platform=platform,
+        dtype=cfg.dtype,
+        attention=attention_kernel(cfg, platform),
+        cpu_layout=cpu,
+        scan_layers=cfg.scan_layers,
+        remat_policy=cfg.remat_policy,
+        attention_block_size=cfg.attention_block_size,
+        mlp_chunk_size=cfg.mlp_chunk_size,
+        splash_blocks=(cfg.splash_block_q, cfg.splash_block_kv, cfg.splash_block_kv_compute),
+    )
+
+
+def for_devices(cfg: ModelConfig, mesh: Any = None) -> ExecutionPlan:
+    """The plan for `mesh`'s devices; without one, for the active mesh's (sharding.use_sharding),
+    else the default devices'."""
+    devices = getattr(mesh, "devices", None)
+    platform = devices.flat[0].platform if devices is not None else mesh_platform()
+    return resolve(cfg, platform)
