@@ -24,7 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from agentrefine_jax.models import cpu_layout, execution, lora, params, quant, rope
 from agentrefine_jax.models.attention import Segments, attend
-from agentrefine_jax.models.config import ModelConfig
+from agentrefine_jax.models.config import Architecture, ModelConfig
 from agentrefine_jax.models.execution import ExecutionPlan
 from agentrefine_jax.sharding import constrain
 
@@ -65,7 +65,7 @@ class DecoderLayers(nnx.Module):
 
 
 def layer_forward(
-    cfg: ModelConfig,
+    cfg: Architecture,
     plan: ExecutionPlan,
     p: dict[str, jax.Array],
     x: jax.Array,
