@@ -134,6 +134,15 @@ class GcsEmulator:
         with urllib.request.urlopen(url, timeout=60) as resp:
             return resp.read()
 
+    def write(self, bucket: str, name: str, data: bytes) -> None:
+        """Create or replace one object (a user's edit, not the project's client stack)."""
+        query = urllib.parse.urlencode({"uploadType": "media", "name": name})
+        req = urllib.request.Request(
+            f"{self.url}/upload/storage/v1/b/{bucket}/o?{query}", data=data, method="POST"
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert resp.status == 200, resp.status
+
     def download(self, bucket: str, prefix: str, dest: pathlib.Path) -> pathlib.Path:
         """Every object under `prefix/` into `dest` (relative names kept)."""
         for name in self.objects(bucket, prefix.rstrip("/") + "/"):

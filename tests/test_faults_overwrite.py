@@ -16,8 +16,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import urllib.parse
-import urllib.request
 
 import pytest
 from faults_disk import env, one_line, run, snapshot
@@ -80,16 +78,6 @@ def test_overwrite_refuses_a_file_edited_since_and_an_old_marker(exported, tmp_p
     assert json.loads((out / MARKER).read_text())["files"]["model.safetensors"]["size"] > 0
 
 
-def _upload(emulator, bucket: str, name: str, data: bytes) -> None:
-    """Replace one object through the emulator's JSON API (a user's edit, not our client stack)."""
-    query = urllib.parse.urlencode({"uploadType": "media", "name": name})
-    req = urllib.request.Request(
-        f"{emulator.url}/upload/storage/v1/b/{bucket}/o?{query}", data=data, method="POST"
-    )
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        assert resp.status == 200, resp.status
-
-
 def test_overwrite_on_gcs_refuses_an_edited_object(exported, gcs_emulator):
     ckpt, _ = exported
     bucket = "faults-overwrite"
@@ -103,10 +91,10 @@ def test_overwrite_on_gcs_refuses_an_edited_object(exported, gcs_emulator):
     first = export()
     assert first.returncode == 0, first.stderr
     config = gcs_emulator.read(bucket, "hf/config.json")
-    _upload(gcs_emulator, bucket, "hf/config.json", config.rstrip(b"}\n") + b', "my_field": 1}')
+    gcs_emulator.write(bucket, "hf/config.json", config.rstrip(b"}\n") + b', "my_field": 1}')
     edited = gcs_emulator.objects(bucket, "hf/")
     one_line(export("--overwrite"), "export", 2, "config.json", "changed since")
     assert gcs_emulator.objects(bucket, "hf/") == edited
-    _upload(gcs_emulator, bucket, "hf/config.json", config)
+    gcs_emulator.write(bucket, "hf/config.json", config)
     again = export("--overwrite")
     assert again.returncode == 0, again.stderr

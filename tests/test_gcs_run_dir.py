@@ -292,3 +292,42 @@ def test_a_gs_run_dir_without_gcsfs_is_refused_at_load(monkeypatch):
         ConfigError, match=r'run_dir=gs://\S+: gs:// URLs need gcsfs: pip install -e "\.\[gcs\]"'
     ):
         check_outputs(cfg)
+
+
+OPEN_RUN_CHECKPOINTS = """
+import json, sys
+from agentrefine_jax.checkpoint.train_state import TrainCheckpoints
+from agentrefine_jax.paths import as_path
+
+root = as_path(sys.argv[1])  # points gcsfs and TensorStore at the emulator, before either loads
+ckpts = TrainCheckpoints(root, keep=2)
+import gcsfs
+
+left = gcsfs.GCSFileSystem().find(sys.argv[1])  # what is stored the moment it returns
+print(json.dumps({"steps": list(ckpts.mngr.all_steps()), "left": left}))
+ckpts.mngr.close()
+"""
+
+
+def test_an_uncommitted_step_is_removed_before_the_checkpoints_are_listed(gcs_emulator, tmp_path):
+    """A run whose only step was cut off mid-save (no commit marker): opening its checkpoints
+    removes that step first, then lists an empty root. Orbax's own cleanup ran in a thread
+    beside that listing, which raised FileNotFoundError when the step's last object went
+    between "the root exists" and "list the root" (CI, under load)."""
+    bucket = "uncommitted-only"
+    gcs_emulator.create_bucket(bucket)
+    for name in ("params/_METADATA", "params/array_metadatas/process_0", "meta/metadata"):
+        gcs_emulator.write(bucket, f"run/checkpoints/2/{name}", b"{}")
+    gcs_emulator.write(bucket, "run/metrics.jsonl", b'{"step": 1, "loss": 1.0}\n')
+    root = f"gs://{bucket}/run/checkpoints"
+    proc = subprocess.run(
+        [sys.executable, "-c", OPEN_RUN_CHECKPOINTS, root],
+        cwd=REPO,
+        env=gcs_emulator.env(_env(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"steps": [], "left": []}
+    assert list(gcs_emulator.objects(bucket)) == ["run/metrics.jsonl"]  # nothing else touched

@@ -64,21 +64,16 @@ def manager(
     keep: int | None = None,
     keep_every: int = 0,
     async_save: bool = False,
-    cleanup_tmp: bool = False,
     compress: bool = True,
 ) -> ocp.CheckpointManager:
     """The one Orbax manager for a checkpoint root: keep the newest `keep` steps (all when None)
     plus every `keep_every`-th step (e.g. each epoch's last), saving in the background if asked.
-    `cleanup_tmp` removes uncommitted step directories of earlier (killed) saves: only for a
-    root this process owns (the trainer's, under its run lock). `compress`: zstd on the array
+    Uncommitted steps of earlier (killed) saves are the trainer's to remove, before this
+    (`remove_uncommitted_steps`). `compress`: zstd on the array
     chunks it writes (see `handler_registry`)."""
     from orbax.checkpoint import checkpoint_managers as policies
 
-    options: dict[str, Any] = {
-        "enable_async_checkpointing": async_save,
-        "create": True,
-        "cleanup_tmp_directories": cleanup_tmp,
-    }
+    options: dict[str, Any] = {"enable_async_checkpointing": async_save, "create": True}
     if (faulty := _fault_temporary_path_class(as_path(root))) is not None:
         options["temporary_path_class"] = faulty
     if keep is not None:
@@ -91,6 +86,29 @@ def manager(
         handler_registry=handler_registry(compress=compress),
         options=ocp.CheckpointManagerOptions(**options),
     )
+
+
+def remove_uncommitted_steps(root: epath.Path) -> list[str]:
+    """Delete the step directories under `root` that Orbax never committed (a save killed or cut
+    off mid-write) and return their names; process 0 deletes, every process waits for it.
+    Only for a root this run owns (the trainer's, under its run lock): these are its own
+    unfinished writes.
+
+    Not Orbax's `cleanup_tmp_directories`: that deletes in a background thread *while* the
+    manager's constructor lists the root, and on an object store, where a "directory" is only its
+    objects' common prefix, the listing raises FileNotFoundError when the thread has just removed
+    the root's last object (a run whose only step was uncommitted). This finishes first."""
+    removed: list[str] = []
+    if jax.process_index() == 0 and root.exists():
+        for tmp in ocp.path.step.all_temporary_paths(root):
+            path = tmp.get()
+            path.rmtree()
+            removed.append(path.name)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"uncommitted steps removed under {root}")
+    return removed
 
 
 def _fault_temporary_path_class(root: epath.Path) -> Any:

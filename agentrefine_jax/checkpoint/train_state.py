@@ -17,7 +17,14 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from agentrefine_jax.checkpoint.format import ITEM_META, ITEM_OPT_STATE, ITEM_PARAMS, compare_trees, manager
+from agentrefine_jax.checkpoint.format import (
+    ITEM_META,
+    ITEM_OPT_STATE,
+    ITEM_PARAMS,
+    compare_trees,
+    manager,
+    remove_uncommitted_steps,
+)
 from agentrefine_jax.checkpoint.integrity import CheckpointIntegrityError, newest_intact_step, write_manifest
 from agentrefine_jax.checkpoint.meta import CheckpointMeta
 
@@ -187,9 +194,9 @@ class TrainCheckpoints:
         self.root = root
         on_cpu = jax.default_backend() == "cpu"
         compress = compression == "zstd" or (compression == "auto" and not on_cpu)
-        self.mngr = manager(
-            root, keep=keep, keep_every=keep_every, async_save=True, cleanup_tmp=True, compress=compress
-        )
+        for name in remove_uncommitted_steps(root):
+            log.info("removed the uncommitted checkpoint %s (a save that never finished)", root / name)
+        self.mngr = manager(root, keep=keep, keep_every=keep_every, async_save=True, compress=compress)
         self.pending: list[int] = []  # handed to Orbax, commit not yet seen
         self.hashing: dict[int, Future[Any]] = {}  # committed, manifest being written
         self._hasher = ThreadPoolExecutor(
