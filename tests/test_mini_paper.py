@@ -141,3 +141,14 @@ def test_model_settings_give_the_directory_architecture(tmp_path):
             assert getattr(cfg.model, f.name) == getattr(want, f.name), f.name
     assert cfg.train.init_from_hf == str(tmp_path.resolve()) and cfg.data.template == "hf"
     assert mini_paper.train_steps(200_000, 4, 512) == 98 and mini_paper.train_steps(1, 4, 512) == 1
+
+
+def test_recipe_remats_new_runs_and_keeps_a_started_runs_policy(tmp_path):
+    """New runs train with remat `full` (the CPU memory fix, docs/scale.md); a run directory started
+    before under remat `none` resumes under it, since resuming refuses a changed model config."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import mini_paper
+
+    assert mini_paper.remat_policy(tmp_path / "new") == "full"
+    (tmp_path / "config.json").write_text(json.dumps({"model": {"remat_policy": "none"}}))
+    assert mini_paper.remat_policy(tmp_path) == "none"

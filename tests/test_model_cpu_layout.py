@@ -58,3 +58,33 @@ def test_cpu_layout_is_ignored_when_decoding_with_a_cache():
     h1, _ = model.forward(ids, cache=init_cache(model.cfg, 1, 8))
     h2, _ = ref.forward(ids, cache=init_cache(ref.cfg, 1, 8))
     np.testing.assert_array_equal(np.asarray(h1), np.asarray(h2))
+
+
+def test_cpu_layout_with_remat_scans_the_layers_and_keeps_the_numbers():
+    """Remat in the CPU layout runs over scanned layers: unrolled, XLA:CPU scheduled the
+    recomputation early and kept every layer's activations anyway (docs/scale.md, "CPU memory of a
+    real model"). Same loss and gradients as the unrolled layout without remat."""
+    from agentrefine_jax.models.execution import resolve
+
+    assert not resolve(dataclasses.replace(CFG, cpu_layout=True), "cpu").scan_full_sequence
+    assert resolve(dataclasses.replace(CFG, cpu_layout=True, remat_policy="full"), "cpu").scan_full_sequence
+    rng = np.random.RandomState(3)
+    seg = np.array([[1] * 20 + [2] * 12, [1] * 32])
+    batch = {
+        "input_ids": jnp.asarray(rng.randint(0, 500, (2, 32)), jnp.int32),
+        "loss_mask": jnp.asarray(seg > 0, jnp.int32),
+        "segment_ids": jnp.asarray(seg, jnp.int32),
+        "positions": jnp.asarray(np.array([list(range(20)) + list(range(12)), list(range(32))]), jnp.int32),
+    }
+    out = []
+    for remat in ("none", "full"):
+        model = create(dataclasses.replace(CFG, cpu_layout=True, remat_policy=remat), seed=2)
+        graphdef, params = nnx.graphdef(model), nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        fn = jax.value_and_grad(lambda p, g=graphdef: loss_sums(g, p, batch, 8, "fused"), has_aux=True)
+        out.append(jax.jit(fn)(params))
+    ((s_u, n_u), g_u), ((s_r, n_r), g_r) = out
+    np.testing.assert_allclose(float(s_r), float(s_u), rtol=1e-6)
+    assert float(n_r) == float(n_u) > 0
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_r), jax.tree.leaves(g_u), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5 * np.abs(b).max(), err_msg=str(path))

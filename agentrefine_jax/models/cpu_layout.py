@@ -7,8 +7,9 @@ one-batch-dimension dots over [B*KVH, G*S, D] (`attention.attend_flat`). Same pr
 float32 accumulation: the numbers match the default layout to float32 rounding
 (tests/test_model_cpu_layout.py).
 
-The layers also run unrolled rather than under `lax.scan`: XLA:CPU fuses across an unrolled
-stack, and the small models a CPU trains compile quickly either way.
+The layers also run unrolled rather than under `lax.scan` (unless a remat policy is set, which
+only a scanned stack honours on XLA:CPU: `ExecutionPlan.scan_full_sequence`): XLA:CPU fuses across
+an unrolled stack, and the small models a CPU trains compile quickly either way.
 
 "auto" turns it on exactly when the step's devices are CPUs — the mesh's, so an
 ahead-of-time compile for a TPU slice on a CPU host still gets the TPU layout; the choice is made

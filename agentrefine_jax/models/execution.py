@@ -26,7 +26,8 @@ class ExecutionPlan:
     # "xla" | "splash" | "cudnn" for full-sequence passes; decoding with a KV cache is always "xla".
     attention: str
     # The CPU layout in full-sequence passes (models/cpu_layout.py): 2-D projections, flat
-    # attention dots, layers unrolled, MLP unchunked; decode loops carry one cache array per layer.
+    # attention dots, layers unrolled (unless remat is on), MLP unchunked; decode loops carry one
+    # cache array per layer.
     cpu_layout: bool
     scan_layers: bool  # lax.scan over the layers (full-sequence passes: unless cpu_layout)
     remat_policy: str
@@ -36,8 +37,11 @@ class ExecutionPlan:
 
     @property
     def scan_full_sequence(self) -> bool:
-        """Whether a pass without a KV cache scans the layers (the CPU layout unrolls them)."""
-        return self.scan_layers and not self.cpu_layout
+        """Whether a pass without a KV cache scans the layers. The CPU layout unrolls them unless a
+        remat policy is set: XLA:CPU schedules an unrolled stack's recomputation early, so remat
+        there saved nothing (SmolLM2-135M, 4 x 512: 6.79 vs 7.13 GiB of temporaries) while the
+        scanned stack keeps only each layer's input (1.38 GiB; docs/scale.md, "CPU memory")."""
+        return self.scan_layers and (not self.cpu_layout or self.remat_policy != "none")
 
 
 def attention_kernel(cfg: ModelConfig, platform: str) -> str:
