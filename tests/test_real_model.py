@@ -126,6 +126,16 @@ def test_chatml_ids_and_masks_equal_apply_chat_template(smollm2_dir: pathlib.Pat
         assert [ids[i] for i in ends] == [2] * sum(m["role"] == "assistant" for m in messages)
 
 
+def test_data_show_defaults_to_the_tokenizer_directorys_own_template(smollm2_dir: pathlib.Path) -> None:
+    """`data show --tokenizer DIR` (no --template) renders DIR's ChatML, as training from DIR does;
+    the masked spans are the assistant turns' content and <|im_end|>."""
+    r = _run(["agentrefine_jax.data", "show", "-i", str(DEMO / "eval.jsonl"), "--tokenizer", str(smollm2_dir),
+              "--row", "0"])  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "<|im_start|>assistant\n⟦" in r.stdout and "<|im_end|>⟧" in r.stdout, r.stdout[:2000]
+    assert "<|start_header_id|>" not in r.stdout  # not the llama3 default
+
+
 def _run(args: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout)
 
@@ -144,7 +154,8 @@ def test_export_from_hf_then_verify_passes(smollm2_dir: pathlib.Path, tmp_path: 
 
 
 def test_our_generate_answers_and_stops_at_im_end(smollm2_dir: pathlib.Path) -> None:
-    r = _run(["agentrefine_jax.inference", "generate", "--checkpoint", str(smollm2_dir), "--template", "hf",
+    # No --template / --tokenizer: an HF directory's own are the default.
+    r = _run(["agentrefine_jax.inference", "generate", "--checkpoint", str(smollm2_dir),
               "--prompt", QUESTION, "--max-new-tokens", "24", "--greedy", "--dtype", "float32",
               "--json"])  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]

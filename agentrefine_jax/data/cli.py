@@ -38,7 +38,7 @@ from agentrefine_jax.data.schema import (
     resolve_field_map,
 )
 from agentrefine_jax.data.sources import RecordSet
-from agentrefine_jax.data.templates import TEMPLATES
+from agentrefine_jax.data.templates import TEMPLATES, hf_chat_template
 from agentrefine_jax.outputs import json_dumps
 
 
@@ -47,7 +47,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--input", "-i", action="append", required=True, help="JSONL/JSON/parquet file, dir or glob"
     )
-    p.add_argument("--template", choices=TEMPLATES, default=d.template)
+    p.add_argument(
+        "--template",
+        choices=TEMPLATES,
+        default=None,
+        help="default: hf (the directory's own) when --tokenizer is a directory that ships a chat "
+        f"template, else {d.template}",
+    )
     p.add_argument(
         "--tokenizer", default=None, help="llama3 | mistral | HF tokenizer dir (default: the template)"
     )
@@ -69,6 +75,14 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _default_template(tokenizer: str | None) -> str:
+    """A tokenizer directory's own chat template when it ships one (as training from that
+    directory would use), else the training default."""
+    if tokenizer and pathlib.Path(tokenizer).is_dir() and hf_chat_template(tokenizer):
+        return "hf"
+    return DataConfig().template
+
+
 def _config(args: argparse.Namespace, pack: bool) -> DataConfig:
     try:
         field_map = json.loads(args.field_map)
@@ -76,12 +90,13 @@ def _config(args: argparse.Namespace, pack: bool) -> DataConfig:
         raise ValueError(f"--field-map is not valid JSON: {e}") from None
     if not isinstance(field_map, dict):
         raise ValueError("--field-map must be a JSON object")
+    template = args.template or _default_template(args.tokenizer)
     cfg = DataConfig(
         train_files=tuple(args.input),
         format=args.format,
         field_map=field_map,
-        tokenizer=args.tokenizer or args.template,
-        template=args.template,
+        tokenizer=args.tokenizer or template,
+        template=template,
         loss_on=tuple(sorted(check_loss_on(args.loss_on))),
         drop_refinement_data=args.drop_refinement_data,
         max_length=args.max_length,

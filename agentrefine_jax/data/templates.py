@@ -22,6 +22,8 @@ headers, [INST] markup, BOS, system or user text.
 from __future__ import annotations
 
 import copy
+import json
+import pathlib
 import re
 import weakref
 from collections.abc import Collection, Mapping, Sequence
@@ -264,6 +266,18 @@ class MistralTemplate(ChatTemplate):
                 "role order", "a Mistral prompt must end with a user turn ([/INST] starts the reply)"
             )
         return []
+
+
+def hf_chat_template(hf_dir: str | pathlib.Path) -> bool:
+    """Whether a directory ships a chat template (chat_template.jinja or tokenizer_config.json's
+    `chat_template`): then `hf`, its own template, is the default wherever it is the tokenizer."""
+    d = pathlib.Path(hf_dir)
+    if (d / "chat_template.jinja").is_file():
+        return True
+    try:
+        return bool(json.loads((d / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 _SENTINEL = re.compile("\ue000(\\d+)\ue001")

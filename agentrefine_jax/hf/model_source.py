@@ -15,7 +15,6 @@ model.<field>` that contradicts the directory is refused naming the field. "auto
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import pathlib
 
@@ -23,17 +22,6 @@ from agentrefine_jax.config import Config
 from agentrefine_jax.config_checks import ConfigError
 from agentrefine_jax.hf.io import read_hf_config
 from agentrefine_jax.models.config import HF_FIELDS, same_value
-
-
-def hf_chat_template(hf_dir: str | pathlib.Path) -> bool:
-    """Whether an HF directory ships a chat template (chat_template.jinja or tokenizer_config.json)."""
-    d = pathlib.Path(hf_dir)
-    if (d / "chat_template.jinja").is_file():
-        return True
-    try:
-        return bool(json.loads((d / "tokenizer_config.json").read_text()).get("chat_template"))
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def resolve_init_from_gguf(cfg: Config) -> Config:
@@ -57,6 +45,8 @@ def resolve(cfg: Config) -> Config:
     """The config with its model taken from `train.init_from_hf` (or `init_from_gguf`, converted)
     where `model_source` says so. Idempotent; a directory that cannot be read is left to the
     trainer's full check (one line)."""
+    from agentrefine_jax.data.templates import hf_chat_template  # transformers: only when needed
+
     cfg = resolve_init_from_gguf(cfg)
     source, hf_dir = cfg.train.model_source, cfg.train.init_from_hf
     if source == "auto":

@@ -44,7 +44,7 @@ def is_hf_dir(path: str | pathlib.Path) -> bool:
 
 def hf_dir_names(path: str | pathlib.Path) -> tuple[str | None, str | None]:
     """The tokenizer and chat template an HF directory ships (absolute dir / "hf"), else None."""
-    from agentrefine_jax.hf.model_source import hf_chat_template
+    from agentrefine_jax.data.templates import hf_chat_template
 
     p = pathlib.Path(path).resolve()
     has_tok = any((p / f).is_file() for f in _TOKENIZER_FILES)
