@@ -288,3 +288,42 @@ def test_dpo_on_data_without_pairs_exits_2_with_one_line(tmp_path):
     lines = [x for x in out.splitlines() if x.strip()]
     assert lines[-1].startswith("[train] error: ") and "needs preference pairs" in lines[-1], out
     assert "Traceback" not in out
+
+
+def _trl_rows() -> list[dict]:
+    """The demo's own error/refinement pairs, written as a TRL user would (no trajectories):
+    conversational, implicit-prompt and standard (text) rows in turn."""
+    from agentrefine_jax.data.preference import PairReport, trajectory_pairs
+
+    rows = []
+    for i, line in enumerate(SMALL_DATA.read_text().splitlines()):
+        for pair in trajectory_pairs(json.loads(line)["messages"], f"row {i}", PairReport()):
+            prompt = [{"role": m["role"], "content": m["content"]} for m in pair.prompt]
+            chosen, rejected = pair.chosen, pair.rejected
+            good, bad = {"role": "assistant", "content": chosen}, {"role": "assistant", "content": rejected}
+            match len(rows) % 3:
+                case 0:
+                    rows.append({"prompt": prompt, "chosen": [good], "rejected": [bad]})
+                case 1:
+                    rows.append({"chosen": [*prompt, good], "rejected": [*prompt, bad]})
+                case _:
+                    rows.append({"prompt": prompt[-1]["content"], "chosen": chosen, "rejected": rejected})
+    return rows
+
+
+def test_a_plain_trl_preference_file_trains_with_dpo(tmp_path):
+    """No trajectories at all: a TRL-layout JSONL is the whole training set of a DPO run."""
+    rows = _trl_rows()
+    assert len(rows) >= 8
+    data = tmp_path / "trl.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    sets = [f"data.train_files={data}", "train.objective=dpo", "data.max_length=512", "train.max_steps=2"]
+    code, out = _finish(_train(run, *[a for s in sets for a in ("--set", s)]), timeout=900)
+    assert code == 0, out
+    assert f"pairs: {len(rows)}" in out, out
+    steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["pairs"] > 0 and np.isfinite(r["loss"]) and np.isfinite(r["margin"]), r
