@@ -68,23 +68,6 @@ SETTINGS: dict[str, tuple[str, ...]] = {
 OPTIONAL_SETTINGS: dict[str, tuple[str, ...]] = {
     "sft_dpo": ("data.loss_on=correct,refinement", "train.objective=sft+dpo"),
 }
-# ModelConfig fields that say how a model runs, not what it is: never taken from config.json.
-RUNTIME_FIELDS = frozenset(
-    {
-        "param_dtype",
-        "dtype",
-        "remat_policy",
-        "scan_layers",
-        "attention_block_size",
-        "mlp_chunk_size",
-        "attention",
-        "splash_block_q",
-        "splash_block_kv",
-        "splash_block_kv_compute",
-        "cpu_layout",
-        "initializer_range",
-    }
-)
 
 
 class MiniPaperError(Exception):
@@ -104,44 +87,19 @@ def available_settings() -> dict[str, tuple[str, ...]]:
     return out
 
 
-def _set_value(value: Any) -> str:
-    """A value as `--set` parses it (agentrefine_jax.config.parse_value)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (tuple, list)):
-        return ",".join(_set_value(v) for v in value)
-    if dataclasses.is_dataclass(value):
-        return json.dumps(dataclasses.asdict(value))  # type: ignore[arg-type]
-    if isinstance(value, float):
-        return repr(value)
-    return str(value)
-
-
 def model_settings(base_dir: str | pathlib.Path) -> list[str]:
-    """The `--set` overrides that make a run train the model of `base_dir` (an HF directory).
-
-    The one place that knows how a run takes its model from an HF directory: today
-    `train.init_from_hf=DIR` plus every architecture field of DIR/config.json (special tokens and context
-    included) as `model.*`, the directory's tokenizer and chat template (`data.template=hf`). When the
-    trainer reads the architecture from the directory itself, this shrinks to `train.init_from_hf=DIR`.
-    """
+    """The `--set` overrides that make a run train the model of `base_dir` (an HF directory): the
+    trainer takes the whole model from it (`train.model_source=init_from_hf`: architecture, special
+    tokens, context, tokenizer and chat template; hf/model_source.py). Checked here first, so a
+    directory the trainer cannot start from fails with one line before any subprocess."""
     from agentrefine_jax.hf.io import read_hf_config
-    from agentrefine_jax.models.config import ModelConfig
 
     d = pathlib.Path(base_dir).resolve()
     try:
-        cfg = read_hf_config(d)
+        read_hf_config(d)
     except (OSError, ValueError) as e:
         raise MiniPaperError(f"--base {d}: not a model directory the trainer can start from ({e})") from None
-    fields = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUNTIME_FIELDS]
-    # `--set` validates each override on its own, so num_heads % num_kv_heads must hold after each:
-    # one KV head first divides any head count (4/2 -> 9/3 fails in both orders otherwise).
-    sets = ["model.num_kv_heads=1"]
-    for name in [f for f in fields if f != "num_kv_heads"] + ["num_kv_heads"]:
-        sets.append(f"model.{name}={_set_value(getattr(cfg, name))}")
-    return sets + [f"train.init_from_hf={d}", f"data.tokenizer={d}", "data.template=hf"]
+    return [f"train.init_from_hf={d}", "train.model_source=init_from_hf"]
 
 
 def train_steps(tokens: int, batch: int, length: int) -> int:

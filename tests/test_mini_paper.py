@@ -117,12 +117,15 @@ def test_mini_paper_end_to_end_and_resume(base_dir, tmp_path):
 
 
 def test_model_settings_give_the_directory_architecture(tmp_path):
-    """SmolLM2-135M-Instruct's shape (9 heads over 3 KV heads, from the demo preset's 4 over 2; a float32
-    round-tripped rms_norm_eps; tied; its own special tokens and context) through `--set` alone."""
+    """SmolLM2-135M-Instruct's shape (9 heads over 3 KV heads, from the tiny preset's 4 over 2; a float32
+    round-tripped rms_norm_eps; tied; its own special tokens and context), its tokenizer and template:
+    all from the directory, as the trainer resolves the recipe's overrides."""
     import dataclasses
 
     from agentrefine_jax.config import apply_overrides, load_config
+    from agentrefine_jax.hf import model_source
     from agentrefine_jax.hf.io import read_hf_config
+    from agentrefine_jax.models.config import HF_FIELDS
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     import mini_paper
@@ -134,12 +137,18 @@ def test_model_settings_give_the_directory_architecture(tmp_path):
               "rope_theta": 100000.0, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
               "hidden_act": "silu"}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
-    cfg = apply_overrides(load_config("tiny"), mini_paper.model_settings(tmp_path))
+    (tmp_path / "tokenizer.json").write_text("{}")  # only its presence is read here
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    sets = mini_paper.model_settings(tmp_path)
+    assert not [s for s in sets if s.startswith("model.")]  # nothing about the model but the directory
+    cfg = model_source.resolve(apply_overrides(load_config("tiny"), sets))
     want = read_hf_config(tmp_path)
     for f in dataclasses.fields(want):
-        if f.name not in mini_paper.RUNTIME_FIELDS:
+        if f.name in HF_FIELDS:
             assert getattr(cfg.model, f.name) == getattr(want, f.name), f.name
-    assert cfg.train.init_from_hf == str(tmp_path.resolve()) and cfg.data.template == "hf"
+    assert (cfg.model.num_heads, cfg.model.num_kv_heads, cfg.model.bos_token_id) == (9, 3, 1)
+    assert cfg.train.init_from_hf == str(tmp_path.resolve())
+    assert (cfg.data.tokenizer, cfg.data.template) == (str(tmp_path.resolve()), "hf")
     assert mini_paper.train_steps(200_000, 4, 512) == 98 and mini_paper.train_steps(1, 4, 512) == 1
 
 
