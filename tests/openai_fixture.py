@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from http.server import BaseHTTPRequestHandler
+
 
 def chat_completion(model: str, content: str) -> dict:
     """A one-choice chat completion in the API's response shape."""
@@ -15,3 +18,13 @@ def chat_completion(model: str, content: str) -> dict:
         ],
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
     }
+
+
+def send_json(handler: BaseHTTPRequestHandler, status: int, payload: dict) -> None:
+    """Answer a request with `payload` as JSON (Content-Length set: clients read it whole)."""
+    data = json.dumps(payload).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)

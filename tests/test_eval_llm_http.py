@@ -14,7 +14,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from openai_fixture import chat_completion
+from openai_fixture import chat_completion, send_json
 
 from agentrefine_jax.eval.react import FORMAT_ERROR
 
@@ -73,12 +73,7 @@ class ScriptedAgent(BaseHTTPRequestHandler):
                 cls.in_flight -= 1
 
     def _send(self, status: int, payload: dict) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, status, payload)
 
 
 @pytest.fixture

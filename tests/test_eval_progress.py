@@ -14,7 +14,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from openai_fixture import chat_completion
+from openai_fixture import chat_completion, send_json
 
 from agentrefine_jax.eval import progress
 from agentrefine_jax.eval.core import run_loop
@@ -32,12 +32,7 @@ class SlowAgent(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         time.sleep(REPLY_S)
         reply = "Thought: I need the options.\nAction: check valid actions"
-        data = json.dumps(chat_completion(body["model"], reply)).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, 200, chat_completion(body["model"], reply))
 
 
 @pytest.fixture
