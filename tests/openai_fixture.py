@@ -20,11 +20,13 @@ def chat_completion(model: str, content: str) -> dict:
     }
 
 
-def send_json(handler: BaseHTTPRequestHandler, status: int, payload: dict) -> None:
+def send_json(
+    handler: BaseHTTPRequestHandler, status: int, payload: object, content_type: str = "application/json"
+) -> None:
     """Answer a request with `payload` as JSON (Content-Length set: clients read it whole)."""
     data = json.dumps(payload).encode()
     handler.send_response(status)
-    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Type", content_type)
     handler.send_header("Content-Length", str(len(data)))
     handler.end_headers()
     handler.wfile.write(data)

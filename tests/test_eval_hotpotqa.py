@@ -21,7 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from openai_fixture import chat_completion
+from openai_fixture import chat_completion, send_json
 
 from agentrefine_jax.eval.hotpotqa import (
     DataError,
@@ -450,12 +450,7 @@ class FakeMediaWiki(BaseHTTPRequestHandler):
         pass
 
     def _send(self, status: int, doc: object) -> None:
-        body = json.dumps(doc).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json; charset=utf-8")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        send_json(self, status, doc, content_type="application/json; charset=utf-8")
 
     def do_GET(self) -> None:
         url = urllib.parse.urlsplit(self.path)
