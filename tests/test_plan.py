@@ -248,3 +248,49 @@ def test_dpo_reference_copy_only_for_full_fine_tuning() -> None:
         lora_dpo = state("llama3_8b_lora", objective)
         assert "reference" not in lora_dpo
         assert lora_dpo == lora_sft
+
+
+@pytest.mark.parametrize("base_dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("n_micro", [1, 2])
+def test_lora_state_is_the_trainers_own(base_dtype: str, n_micro: int) -> None:
+    """A LoRA run holds a frozen base (its own dtype; int8 = values + float32 scales) and trains
+    only the float32 adapters: the planner's params and optimizer bytes equal, per device, the
+    trainer's own state as JAX shards it on a (data=2, fsdp=2, tensor=2) mesh; gradients are the
+    adapters' (twice with accumulation), never the base's."""
+    import math
+
+    import numpy as np
+
+    from agentrefine_jax.models.lora import LoraSpec
+    from agentrefine_jax.train.optimizer import make_optimizer
+    from agentrefine_jax.train.step import build_steps
+
+    sizes = mesh_of(data=2, fsdp=2, tensor=2)
+    lora = ["train.lora.rank=4", f"train.lora.base_dtype={base_dtype}", "train.lora.targets=q,v,down"]
+    cfg = load_config("tiny", [*SMALL, *lora, "model.cpu_layout=false"])
+    mesh = shd.make_mesh(**sizes)
+    optimizer, _ = make_optimizer(cfg.optim, 10)
+    fns = build_steps(cfg.model, optimizer, mesh, cfg.mesh.rules, global_batch=16, micro_batch=16 // n_micro,
+                      loss_chunk=cfg.train.loss_chunk_size, lora_spec=LoraSpec.of(cfg.train.lora),
+                      lora_base_dtype=base_dtype)  # fmt: skip
+
+    def per_device(tree, shardings) -> int:
+        leaves = jax.tree.leaves(tree)
+        shards = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+        assert len(leaves) == len(shards)
+        return sum(
+            math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+            for a, s in zip(leaves, shards, strict=True)
+            if a.ndim  # AdamW's step counters
+        )
+
+    held = per_device(fns.abstract_params, fns.param_shardings)
+    trained = per_device(fns.trainable(fns.abstract_params), fns.trainable(fns.param_shardings))
+    opt = per_device(fns.abstract_opt, fns.opt_shardings)
+    p = P.plan(cfg, sizes, "v5p", global_batch=16, micro_batch=16 // n_micro, seq_len=512)
+    b = p["bytes_per_device"]
+    assert (b["params"], b["optimizer"]) == (held, opt)
+    assert b["grads"] == trained * n_micro and opt == 2 * trained
+    assert p["param_mode"] == ("int8-lora" if base_dtype == "int8" else "lora")
+    full = P.plan(load_config("tiny", SMALL), sizes, "v5p", global_batch=16, seq_len=512)["bytes_per_device"]
+    assert b["optimizer"] < full["optimizer"] / 10 and b["params"] < full["params"]

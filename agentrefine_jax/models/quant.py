@@ -47,6 +47,13 @@ def _channel_axes(name: str, ndim: int) -> tuple[int, ...]:
     return (0, *range(1 + n_in, ndim))
 
 
+def scale_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The scales of projection `name` quantised from `shape` (a global or a per-device shard's
+    shape: the scales shard as W along the axes they keep)."""
+    keep = _channel_axes(name, len(shape))
+    return tuple(d if i in keep else 1 for i, d in enumerate(shape))
+
+
 def quantize_base(base: dict[str, Any]) -> dict[str, Any]:
     """A base's pure-dict params with every projection replaced by an int8 QArray."""
     qwix = _qwix()

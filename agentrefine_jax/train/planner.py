@@ -374,17 +374,57 @@ def activation_model(
 # -------------------------------------------------------------------------------- plan
 
 
-def _state_bytes(cfg: Any, param_bytes: int, n_micro: int) -> tuple[int, int, int]:
-    """Per-device bytes of (gradients, optimizer state, DPO reference copy) beside the params."""
-    # jax.grad returns gradients in the parameter dtype and the step accumulates them in a
-    # zeros_like(params) buffer; with gradient accumulation a micro-batch's fresh gradient
-    # coexists with the accumulator.
-    grad_bytes = param_bytes * (2 if n_micro > 1 else 1)
-    # optax.adamw keeps mu and nu in the parameter dtype, sharded like the parameters.
-    opt_bytes = 2 * param_bytes
+@dataclasses.dataclass(frozen=True)
+class ParamBytes:
+    """What the step holds as parameters, per device, by the run's parameter mode
+    (train/param_mode.py): all of them trained, or a frozen LoRA base (in `train.lora.base_dtype`;
+    int8 = int8 values + float32 scales) beside the float32 adapters that are trained."""
+
+    layout: list[LeafLayout]  # the model's (a LoRA run's base, in its stored dtype)
+    held: int  # every parameter the step holds
+    trained: int  # what is differentiated and optimised: all of it, or the adapters
+    trained_count: int  # parameters, global
+    mode: str  # full | lora | int8-lora
+
+
+def param_bytes(cfg: Any, mesh: Any, rules: Sequence[tuple[str, Any]]) -> ParamBytes:
+    from agentrefine_jax.models import lora, quant
+    from agentrefine_jax.sharding import logical_to_spec
+    from agentrefine_jax.train.param_mode import ParamMode
+
+    mode = ParamMode.of(cfg)
+    layout = param_layout(mode.model_cfg, mesh, rules)
+    held = 0
+    for leaf in layout:
+        name = leaf.path.removeprefix("layers.")
+        if mode.int8 and leaf.path.startswith("layers.") and name in quant.QUANTIZED:
+            held += leaf.shard_size + math.prod(quant.scale_shape(name, leaf.shard_shape)) * 4
+        else:
+            held += leaf.shard_size * _itemsize(leaf.dtype)
+    if mode.lora_spec is None:
+        return ParamBytes(layout, held, held, sum(leaf.size for leaf in layout), mode.name)
+    axes, shapes = lora.logical_axes(mode.lora_spec), lora.shapes(mode.lora_spec, mode.model_cfg)
+    adapters = count = 0
+    for name, pair in shapes.items():
+        for part, shape in pair.items():
+            spec = logical_to_spec(axes[name][part], rules, shape, mesh)
+            adapters += math.prod(shard_shape(shape, spec, mesh)) * _itemsize(lora.ADAPTER_DTYPE)
+            count += math.prod(shape)
+    return ParamBytes(layout, held + adapters, adapters, count, mode.name)
+
+
+def _state_bytes(cfg: Any, trained: int, n_micro: int) -> tuple[int, int, int]:
+    """Per-device bytes of (gradients, optimizer state, DPO reference copy) beside the params,
+    given the bytes of the trained subset (all params, or LoRA's adapters)."""
+    # jax.grad returns gradients in the trained parameters' dtype and the step accumulates them
+    # in a zeros_like buffer; with gradient accumulation a micro-batch's fresh gradient coexists
+    # with the accumulator.
+    grad_bytes = trained * (2 if n_micro > 1 else 1)
+    # optax.adamw keeps mu and nu in the trained parameters' dtype, sharded like them.
+    opt_bytes = 2 * trained
     # DPO on full fine-tuning holds a frozen copy of the starting weights (LoRA: its base, adapters
     # off, is the reference: nothing more); docs/preference.md.
-    ref_bytes = param_bytes if _holds_reference_copy(cfg) else 0
+    ref_bytes = trained if _holds_reference_copy(cfg) else 0
     return grad_bytes, opt_bytes, ref_bytes
 
 
@@ -414,10 +454,10 @@ def plan(
     n_micro = gb // micro
     notes: list[str] = []
 
-    layout = param_layout(model_cfg, mesh, rules)
+    held = param_bytes(cfg, mesh, rules)
+    layout = held.layout
     n_params = sum(leaf.size for leaf in layout)
-    param_bytes = sum(leaf.shard_size * _itemsize(leaf.dtype) for leaf in layout)
-    grad_bytes, opt_bytes, ref_bytes = _state_bytes(cfg, param_bytes, n_micro)
+    grad_bytes, opt_bytes, ref_bytes = _state_bytes(cfg, held.trained, n_micro)
 
     batch_shards, max_batch_shards = _batch_shards(micro, rules, mesh)
     # The trainer refuses a (micro) batch that does not split over the batch shards; memory
@@ -435,7 +475,7 @@ def plan(
     notes += act_notes
     act = act_model.breakdown(per_device_batch)
     act_bytes = act_model.total(per_device_batch)
-    static = param_bytes + grad_bytes + opt_bytes + ref_bytes
+    static = held.held + grad_bytes + opt_bytes + ref_bytes
     total = static + act_bytes
     hbm = HBM_BYTES[chip]
     usable = int(hbm * (1 - headroom))
@@ -449,11 +489,11 @@ def plan(
     if attention_kernel(model_cfg, "tpu") == "splash":
         blocked_cfg = dataclasses.replace(model_cfg, attention="xla")
         sizing, _ = activation_model(blocked_cfg, mesh, rules, seq, cfg.train.loss_chunk_size)
-    max_pdb = sizing.max_batch(usable - (param_bytes + param_bytes + opt_bytes))
+    max_pdb = sizing.max_batch(usable - (held.held + held.trained + opt_bytes))
     max_global = max_pdb * max_batch_shards
     if splits:
         notes += _batch_notes(micro, gb, max_global, max_batch_shards, total, usable,
-                              4 * param_bytes + opt_bytes, sizing)  # fmt: skip
+                              held.held + 3 * held.trained + opt_bytes, sizing)  # fmt: skip
     counted = matmul_params(layout, model_cfg.tie_embeddings)
     fpt = _flops_per_token(model_cfg, counted, seq, notes)
     flops_step = fpt * gb * seq
@@ -467,6 +507,9 @@ def plan(
         "devices": devices,
         "params": n_params,
         "param_dtype": model_cfg.param_dtype,
+        "param_mode": held.mode,  # full | lora | int8-lora: what is held and what is trained
+        "trained_params": held.trained_count,
+        "base_dtype": cfg.train.lora.base_dtype if held.mode != "full" else None,
         "compute_dtype": model_cfg.dtype,
         "remat_policy": model_cfg.remat_policy,
         "attention_block_size": model_cfg.attention_block_size,
@@ -476,7 +519,7 @@ def plan(
         "grad_accum_steps": n_micro,
         "micro_batch_per_device": per_device_batch,
         "bytes_per_device": {
-            "params": param_bytes,
+            "params": held.held,
             "grads": grad_bytes,
             "optimizer": opt_bytes,
             **({"reference": ref_bytes} if ref_bytes else {}),  # only a run that holds one
@@ -577,6 +620,16 @@ def _flops_per_token(model_cfg: Any, counted: int, seq: int, notes: list[str]) -
     return flops.flops_per_token(model_cfg, seq) + 6.0 * (counted - formula)
 
 
+def _params_line(p: dict[str, Any]) -> str:
+    head = f"  parameters          {p['params']:,}"
+    if p.get("param_mode", "full") == "full":
+        return f"{head} ({p['param_dtype']} master, {p['compute_dtype']} compute)"
+    return (
+        f"{head} frozen ({p['base_dtype']} base, {p['param_mode']}) + "
+        f"{p['trained_params']:,} trained (float32 adapters), {p['compute_dtype']} compute"
+    )
+
+
 def _leaf_row(leaf: LeafLayout) -> dict[str, Any]:
     return {
         "path": leaf.path,
@@ -598,7 +651,7 @@ def format_plan(p: dict[str, Any], name: str = "") -> str:
     accum = "no gradient accumulation" if n == 1 else f"{n} gradient accumulation steps"
     lines = [
         f"plan: {name or p['config']} on {p['devices']} x {p['chip']} (mesh {mesh})",
-        f"  parameters          {p['params']:,} ({p['param_dtype']} master, {p['compute_dtype']} compute)",
+        _params_line(p),
         f"  batch               global {p['global_batch']} x {p['seq_len']} tokens; micro {p['micro_batch']} "
         f"({accum}), {p['micro_batch_per_device']} per device",
         f"  remat               {p['remat_policy']}; attention {p['attention']}"
