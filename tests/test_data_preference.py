@@ -127,6 +127,13 @@ def test_packed_rows_keep_each_pair_together(demo_slice, objective):
                 seen += 1
     assert seen == pref.pairs
     assert "preference pairs:" in data.report.summary()
+    # Fill counts every token in the rows against their slots; "one example per row" gives each
+    # example and each pair (chosen + rejected: one unit) a row of its own.
+    rep = data.report
+    assert rep.tokens == int(data.store.lengths.sum())
+    assert rep.packing_efficiency == rep.tokens / (len(data.rows) * cfg.max_length)
+    assert rep.padded_efficiency == rep.tokens / ((n_sft + pref.pairs) * cfg.max_length)
+    assert 0 < rep.padded_efficiency <= rep.packing_efficiency <= 1
 
 
 def test_no_pairs_is_one_error(tmp_path):

@@ -229,6 +229,7 @@ def _build_preference(
     report.lengths = np.concatenate([report.lengths, store.lengths[n_sft:]])
     report.max_length = cfg.max_length
     report.tokens += int(store.lengths[n_sft:].sum())  # rows hold the pairs too (their fill)
+    report.pair_units = preport.pairs
     if cfg.pack:
         rows = [tuple(e for u in r for e in units[u]) for r in pack_best_fit(unit_lengths, cfg.max_length)]
     else:

@@ -33,7 +33,8 @@ class DataReport:
     refinement_turns_removed: int = 0  # drop_refinement_data: erroneous turns + their feedback
     truncated: int = 0
     examples: int = 0
-    tokens: int = 0
+    pair_units: int = 0  # preference pairs in the rows (chosen + rejected share a row)
+    tokens: int = 0  # every row token: examples' and pairs'
     loss_tokens: int = 0
     turns: Counter = dataclasses.field(default_factory=Counter)  # category -> assistant turns kept
     trained_turns: Counter = dataclasses.field(default_factory=Counter)  # category -> turns with loss
@@ -67,9 +68,11 @@ class DataReport:
 
     @property
     def padded_efficiency(self) -> float:
-        """Same fraction if every example were padded to max_length on its own row."""
+        """Same fraction if every example (and every preference pair) were padded to max_length
+        on its own row."""
         tokens = self.tokens + (self.general.tokens if self.general and self.rows else 0)
-        examples = self.examples + (self.general.examples if self.general and self.rows else 0)
+        examples = self.examples + self.pair_units
+        examples += self.general.examples if self.general and self.rows else 0
         return tokens / (examples * self.max_length) if examples and self.max_length else 0.0
 
     def to_dict(self) -> dict[str, Any]:
