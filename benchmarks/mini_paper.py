@@ -40,6 +40,7 @@ import math
 import os
 import pathlib
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -58,6 +59,7 @@ MANIFEST = "mini_paper.json"
 HELD_OUT = ("babyai", "pddl", "sciworld", "textworld")
 DEMO_TASK = "demo_world"
 BASE = "base"
+TERMINATED = 75  # EX_TEMPFAIL: what the trainer and eval exit with after a SIGTERM (work kept)
 # Table 2's settings: name -> the `--set` overrides that make it (the rest of the recipe is shared).
 SETTINGS: dict[str, tuple[str, ...]] = {
     "agentrefine": ("data.loss_on=correct,refinement",),
@@ -72,6 +74,38 @@ OPTIONAL_SETTINGS: dict[str, tuple[str, ...]] = {
 
 class MiniPaperError(Exception):
     """Bad input or a refused --out: one line, exit 2."""
+
+
+class Stopped(Exception):
+    """SIGTERM: the stage running kept its work (the trainer its checkpoint, eval its finished
+    episodes); no later stage starts. Exit 75 (EX_TEMPFAIL, as the trainer and eval): rerun the
+    same command to resume."""
+
+
+class _Sigterm:
+    """While installed, SIGTERM is forwarded to the running training subprocess (which saves
+    and exits 75) and remembered; eval, run in-process, installs its own handler meanwhile and
+    restores this one. `check` raises Stopped once SIGTERM has arrived."""
+
+    def __init__(self) -> None:
+        self.child: subprocess.Popen | None = None
+        self.received = False
+
+    def __enter__(self) -> _Sigterm:
+        self.previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGTERM, self.previous)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = True
+        if self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signal.SIGTERM)
+
+    def check(self, what: str, rc: int = 0) -> None:
+        if self.received or rc == TERMINATED:
+            raise Stopped(f"stopped (SIGTERM) during {what}; rerun the same command to resume")
 
 
 # ------------------------------------------------------------------------------------------- settings
@@ -193,7 +227,7 @@ def prepare_out(out: pathlib.Path, manifest: dict[str, Any]) -> None:
 
 
 def train_setting(
-    args: argparse.Namespace, setting: str, out: pathlib.Path, steps: int, log: Any
+    args: argparse.Namespace, setting: str, out: pathlib.Path, steps: int, log: Any, sigterm: _Sigterm
 ) -> dict[str, Any]:
     """Train one setting (skipped when its `done.json` exists); the record of its run."""
     run_dir = out / "runs" / setting
@@ -206,8 +240,13 @@ def train_setting(
     log(f"{setting}: training {steps} steps ({run_dir})")
     t0 = time.perf_counter()
     with open(run_dir.parent / f"{setting}.log", "a", encoding="utf-8") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False).returncode
+        sigterm.child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            rc = sigterm.child.wait()
+        finally:
+            sigterm.child = None
     seconds = round(time.perf_counter() - t0, 1)
+    sigterm.check(f"{setting}'s training", rc)
     if rc != 0:
         tail = (run_dir.parent / f"{setting}.log").read_text(errors="replace").strip().splitlines()[-3:]
         raise RuntimeError(f"{setting}: training exited {rc} after {seconds}s: " + " | ".join(tail))
@@ -218,7 +257,7 @@ def train_setting(
 
 
 def eval_model(
-    args: argparse.Namespace, label: str, checkpoint: str, out: pathlib.Path, log: Any
+    args: argparse.Namespace, label: str, checkpoint: str, out: pathlib.Path, log: Any, sigterm: _Sigterm
 ) -> pathlib.Path:
     """Evaluate one model on every task (one eval result per task, skipped when it exists) and merge
     them into results/<label>.json, the file `analyze report` reads for this row."""
@@ -244,6 +283,7 @@ def eval_model(
         log(f"{label}/{task}: evaluating {episodes} episodes")
         t0 = time.perf_counter()
         rc = eval_main(argv)
+        sigterm.check(f"{label}/{task}'s evaluation", rc)
         if rc != 0:
             raise RuntimeError(f"{label}/{task}: eval exited {rc}")
         log(f"{label}/{task}: evaluated in {time.perf_counter() - t0:.1f}s")
@@ -417,22 +457,29 @@ def run(args: argparse.Namespace) -> int:
     )
     failures: list[str] = []
     trained: dict[str, dict[str, Any]] = {}
-    for s in settings:
-        try:
-            trained[s] = train_setting(args, s, out, steps, log)
-        except RuntimeError as e:  # one setting failing (e.g. a missing objective) does not lose the rest
-            log(f"error: {e}")
-            failures.append(s)
     results: dict[str, pathlib.Path] = {}
-    models = [(BASE, str(pathlib.Path(args.base).resolve()))] + [
-        (s, r["run_dir"]) for s, r in trained.items()
-    ]
-    for label, checkpoint in models:
-        try:
-            results[label] = eval_model(args, label, checkpoint, out, log)
-        except RuntimeError as e:
-            log(f"error: {e}")
-            failures.append(label)
+    try:
+        with _Sigterm() as sigterm:
+            for s in settings:
+                try:
+                    trained[s] = train_setting(args, s, out, steps, log, sigterm)
+                # One setting failing (e.g. a missing objective) does not lose the rest.
+                except RuntimeError as e:
+                    log(f"error: {e}")
+                    failures.append(s)
+            models = [(BASE, str(pathlib.Path(args.base).resolve()))] + [
+                (s, r["run_dir"]) for s, r in trained.items()
+            ]
+            for label, checkpoint in models:
+                try:
+                    results[label] = eval_model(args, label, checkpoint, out, log, sigterm)
+                except RuntimeError as e:
+                    log(f"error: {e}")
+                    failures.append(label)
+                sigterm.check(f"{label}'s evaluation")
+    except Stopped as e:
+        log(str(e))
+        return TERMINATED
     rows = summary_rows(results)
     table = format_summary(rows)
     rc_report = write_report(results, out) if results else 1

@@ -161,3 +161,32 @@ def test_recipe_remats_new_runs_and_keeps_a_started_runs_policy(tmp_path):
     assert mini_paper.remat_policy(tmp_path / "new") == "full"
     (tmp_path / "config.json").write_text(json.dumps({"model": {"remat_policy": "none"}}))
     assert mini_paper.remat_policy(tmp_path) == "none"
+
+
+def test_sigterm_stops_the_whole_script_with_75(base_dir, tmp_path):
+    """SIGTERM while a setting trains: the trainer gets it (saves, exits 75) and no later stage
+    starts — the script exits 75 with one line saying how to resume, not on to the next setting."""
+    import signal
+    import time
+
+    out = tmp_path / "mini"
+    cmd = [sys.executable, str(SCRIPT), "--base", str(base_dir), "--out", str(out), "--tokens", "8192",
+           "--batch", "1", "--max-length", "512", "--tasks", "babyai", "--episodes", "1", "-q"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    log = out / "runs" / "agentrefine.log"
+    deadline = time.monotonic() + 600
+    while "step 1/" not in (log.read_text() if log.exists() else ""):  # the trainer is stepping
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 75, stdout
+    assert stdout.count(": training") == 1 and "evaluating" not in stdout, stdout
+    assert (
+        stdout.strip()
+        .splitlines()[-1]
+        .endswith("stopped (SIGTERM) during agentrefine's training; rerun the same command to resume")
+    ), stdout
+    assert "Traceback" not in stdout
+    assert any((out / "runs" / "agentrefine" / "checkpoints").iterdir())  # the trainer saved on SIGTERM
