@@ -52,6 +52,7 @@ if str(REPO) not in sys.path:  # run from a checkout without an install
     sys.path.insert(0, str(REPO))
 
 from agentrefine_jax.analyze.tables import wilson_interval  # noqa: E402
+from agentrefine_jax.cli_errors import TERMINATED  # noqa: E402 - the trainer's and eval's exit after SIGTERM
 from agentrefine_jax.outputs import write_json, write_text  # noqa: E402
 
 TOOL = "mini_paper"
@@ -59,7 +60,6 @@ MANIFEST = "mini_paper.json"
 HELD_OUT = ("babyai", "pddl", "sciworld", "textworld")
 DEMO_TASK = "demo_world"
 BASE = "base"
-TERMINATED = 75  # EX_TEMPFAIL: what the trainer and eval exit with after a SIGTERM (work kept)
 # Table 2's settings: name -> the `--set` overrides that make it (the rest of the recipe is shared).
 SETTINGS: dict[str, tuple[str, ...]] = {
     "agentrefine": ("data.loss_on=correct,refinement",),

@@ -20,7 +20,7 @@ import sys
 import tempfile
 
 from agentrefine_jax import logs, outputs
-from agentrefine_jax.cli_errors import OneLineParser, fail
+from agentrefine_jax.cli_errors import TERMINATED, OneLineParser, fail
 from agentrefine_jax.eval import progress
 from agentrefine_jax.eval.journal import Journal, journal_path
 from agentrefine_jax.eval.policies import (
@@ -36,7 +36,6 @@ from agentrefine_jax.eval.registry import SOURCES, default_tasks
 from agentrefine_jax.eval.runner import TASK_NAMES, EvalConfig, format_table, run_eval
 
 BEST_OF_TEMPERATURE = 0.7
-TERMINATED = 75  # EX_TEMPFAIL, as the trainer's preemption: finished episodes kept, rerun to resume
 # --request-timeout's default (seconds). A CPU endpoint is slow: SmolLM2-135M served by our own server
 # on a loaded 2-core machine decodes ~5 tokens/s per sequence, and eight concurrent requests share it,
 # so one 256-token reply can take several minutes; the old 120 s failed such episodes as errors.

@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from agentrefine_jax import logs
-from agentrefine_jax.cli_errors import OneLineParser, fail, float_in, int_in
+from agentrefine_jax.cli_errors import TERMINATED, OneLineParser, fail, float_in, int_in
 from agentrefine_jax.inference.chat import ChatGenerator
 from agentrefine_jax.inference.engine import generate
 from agentrefine_jax.inference.loading import check_chat_names, load_for_inference
@@ -33,7 +33,6 @@ from agentrefine_jax.models.llama import param_count
 from agentrefine_jax.outputs import json_dumps
 
 PROG = "python -m agentrefine_jax.inference"
-EXIT_STOPPED = 75  # EX_TEMPFAIL: SIGTERM's grace period ended with requests unfinished
 log = logging.getLogger(__name__)
 
 
@@ -325,7 +324,7 @@ def run_serve(args: argparse.Namespace) -> int:
         # interpreter under it (that aborted with "terminate called ...", exit 134).
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(EXIT_STOPPED)
+        os._exit(TERMINATED)  # SIGTERM's grace period ended with requests unfinished
     log.info("stopped: every request in flight was answered")
     return 0
 

@@ -137,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from agentrefine_jax.checkpoint import CheckpointSaveError
+    from agentrefine_jax.cli_errors import TERMINATED
     from agentrefine_jax.outputs import OutputError
-    from agentrefine_jax.train.loop import EXIT_PREEMPTED, Preempted, TrainingError, TrainingInputError, train
+    from agentrefine_jax.train.loop import Preempted, TrainingError, TrainingInputError, train
 
     if jax.process_index() != 0:  # one voice per run: the other hosts report only problems
         logging.getLogger(logs.ROOT).setLevel(logging.WARNING)
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         train(cfg)
     except Preempted as e:  # state saved; partial outputs removed
         logging.getLogger("agentrefine_jax.train").info(str(e))
-        return EXIT_PREEMPTED
+        return TERMINATED  # stopped cleanly (checkpoint saved): run the same command again
     except TrainingInputError as e:
         return fail(TOOL, e)
     except (TrainingError, CheckpointSaveError, OutputError) as e:  # OutputError: the end-of-run export

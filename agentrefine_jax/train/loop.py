@@ -54,9 +54,8 @@ from agentrefine_jax.train.run_dir import (
 from agentrefine_jax.train.run_lock import RunLock
 from agentrefine_jax.train.step import StepFns, build_steps
 
-__all__ = ["EXIT_PREEMPTED", "Preempted", "TrainingError", "TrainingInputError", "build_train_step", "train"]
+__all__ = ["Preempted", "TrainingError", "TrainingInputError", "build_train_step", "train"]
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "stopped cleanly, run the same command again"
 log = logging.getLogger("agentrefine_jax.train")
 
 
