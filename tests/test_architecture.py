@@ -40,6 +40,7 @@ MODE_BRANCH_HOMES = {
     "agentrefine_jax/models/quant.py": "the int8 base itself (which leaves are quantised)",
     "agentrefine_jax/models/llama.py:proj": "the forward adds the adapters it is handed",
     "agentrefine_jax/checkpoint/lora_base.py": "a LoRA checkpoint's stored form (int8: re-quantised)",
+    "agentrefine_jax/train/planner.py:param_bytes": "the planner sizes each mode's state without building it",
     "agentrefine_jax/checkpoint/meta.py:to_json": "the meta's optional 'lora' entry, written",
     "agentrefine_jax/checkpoint/meta.py:from_json": "the meta's optional 'lora' entry, read",
     "agentrefine_jax/checkpoint/model.py:load_model": "the stored form: meta.lora -> lora_base",
