@@ -257,3 +257,15 @@ def test_table3_summary_reproduces_the_papers_averages():
             assert round(100 * mean, 1) == row.average[k], (row.model, k)
             if (row.model, k) in (("AgentRefine", 0), ("LLaMA3-8B-Instruct", 1)):
                 assert round(100 * std, 2) == row.std[k], (row.model, k)
+
+
+def test_ablation_names_carry_the_training_objective():
+    from agentrefine_jax.analyze.tables import ablation_name
+
+    sft = {"data.loss_on": ["correct", "refinement"], "data.drop_refinement_data": False}
+    assert ablation_name(sft) == ablation_name({**sft, "train.objective": "sft"}) == "AgentRefine"
+    assert ablation_name({**sft, "train.objective": "sft+dpo"}) == "AgentRefine + DPO"
+    assert ablation_name({**sft, "train.objective": "orpo"}) == "AgentRefine (ORPO)"
+    dpo = {"data.loss_on": ["correct"], "train.objective": "dpo"}
+    assert ablation_name(dpo) == "w/o refinement loss (DPO only)"
+    assert ablation_name({"train.objective": "dpo"}) is None  # no data settings recorded

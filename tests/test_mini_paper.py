@@ -93,6 +93,8 @@ def test_mini_paper_end_to_end_and_resume(base_dir, tmp_path):
              "w/ erroneous loss (erroneous_loss)", "w/o refinement data (no_refinement_data)")  # fmt: skip
     for name in rows2:
         assert f"| {name} |" in t2
+    if "sft_dpo" in settings:  # named by its objective too, not as a second "AgentRefine"
+        assert "| AgentRefine + DPO (sft_dpo) |" in t2 and "AgentRefine (sft_dpo)" not in t2
     assert "Demo world" in t1 and "BabyAI" in t1
     summary = json.loads((out / "summary.json").read_text())
     assert summary["machine"]["cpu_count"] >= 1 and summary["steps"] == 2

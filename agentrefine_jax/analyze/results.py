@@ -27,7 +27,13 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 # The run settings the report groups and plots by (Table 2's ablations, Figure 11's sweeps).
-RUN_KEYS = ("data.loss_on", "data.drop_refinement_data", "data.general_ratio", "data.train_size")
+RUN_KEYS = (
+    "data.loss_on",
+    "data.drop_refinement_data",
+    "train.objective",
+    "data.general_ratio",
+    "data.train_size",
+)
 
 
 class ResultError(ValueError):

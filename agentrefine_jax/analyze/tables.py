@@ -83,12 +83,23 @@ def table1(results: Sequence[RunResult], include_paper: bool = False) -> str | N
     return text
 
 
+# A preference objective changes what a row is (docs/preference.md): named beside the data setting.
+OBJECTIVE_NAMES = {"sft+dpo": "+ DPO", "dpo": "(DPO only)", "orpo": "(ORPO)"}
+
+
 def ablation_name(run_config: Mapping[str, Any]) -> str | None:
-    """Table 2's row name for a run's data settings (None when the run carries no training config)."""
+    """Table 2's row name for a run's data settings and training objective (None when the run
+    carries no training config)."""
     loss_on = run_config.get("data.loss_on")
     drop = run_config.get("data.drop_refinement_data")
     if loss_on is None and drop is None:
         return None
+    name = _data_setting_name(loss_on, drop)
+    objective = run_config.get("train.objective") or "sft"
+    return name if objective == "sft" else f"{name} {OBJECTIVE_NAMES.get(objective, '+ ' + objective)}"
+
+
+def _data_setting_name(loss_on: Any, drop: Any) -> str:
     chosen = set(loss_on or ("correct", "refinement"))
     if drop:
         return "w/o refinement data"
