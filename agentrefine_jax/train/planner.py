@@ -113,28 +113,38 @@ class LeafLayout:
 def param_layout(model_cfg: Any, mesh: Any, rules: Sequence[tuple[str, Any]]) -> list[LeafLayout]:
     """Every parameter of the real model (abstract, no memory) with its per-device shard."""
     from flax import nnx
-    from jax.sharding import PartitionSpec
 
     from agentrefine_jax.models import abstract
-    from agentrefine_jax.sharding import logical_to_spec
 
     state = nnx.state(abstract(model_cfg), nnx.Param)
     out = []
     for path, var in nnx.to_flat_state(state):
         value = var.get_value()
-        names = var.get_metadata().get("axes")
-        spec = logical_to_spec(names, rules, value.shape, mesh) if names else PartitionSpec()
+        path_str = ".".join(str(p) for p in path)
         out.append(
-            LeafLayout(
-                path=".".join(str(p) for p in path),
-                shape=tuple(value.shape),
-                dtype=str(value.dtype),
-                axes=tuple(names) if names else None,
-                spec=tuple(spec),
-                shard_shape=shard_shape(value.shape, spec, mesh),
-            )
+            _leaf_layout(path_str, value.shape, value.dtype, var.get_metadata().get("axes"), mesh, rules)
         )
     return out
+
+
+def _leaf_layout(
+    path: str, shape: Sequence[int], dtype: Any, names: Sequence[str] | None, mesh: Any,
+    rules: Sequence[tuple[str, Any]],
+) -> LeafLayout:  # fmt: skip
+    """One array with logical axes `names`, sharded by `rules` on `mesh`."""
+    from jax.sharding import PartitionSpec
+
+    from agentrefine_jax.sharding import logical_to_spec
+
+    spec = logical_to_spec(names, rules, tuple(shape), mesh) if names else PartitionSpec()
+    return LeafLayout(
+        path=path,
+        shape=tuple(shape),
+        dtype=str(dtype),
+        axes=tuple(names) if names else None,
+        spec=tuple(spec),
+        shard_shape=shard_shape(tuple(shape), spec, mesh),
+    )
 
 
 def matmul_params(layout: list[LeafLayout], tie_embeddings: bool) -> int:
@@ -385,11 +395,13 @@ class ParamBytes:
     trained: int  # what is differentiated and optimised: all of it, or the adapters
     trained_count: int  # parameters, global
     mode: str  # full | lora | int8-lora
+    # DPO on full fine-tuning also holds a frozen copy of the starting weights (LoRA: its base,
+    # adapters off, is the reference: nothing more); docs/preference.md.
+    reference: bool
 
 
 def param_bytes(cfg: Any, mesh: Any, rules: Sequence[tuple[str, Any]]) -> ParamBytes:
     from agentrefine_jax.models import lora, quant
-    from agentrefine_jax.sharding import logical_to_spec
     from agentrefine_jax.train.param_mode import ParamMode
 
     mode = ParamMode.of(cfg)
@@ -402,30 +414,28 @@ def param_bytes(cfg: Any, mesh: Any, rules: Sequence[tuple[str, Any]]) -> ParamB
         else:
             held += leaf.shard_size * _itemsize(leaf.dtype)
     if mode.lora_spec is None:
-        return ParamBytes(layout, held, held, sum(leaf.size for leaf in layout), mode.name)
+        count = sum(leaf.size for leaf in layout)
+        return ParamBytes(layout, held, held, count, mode.name, mode.reference)
     axes, shapes = lora.logical_axes(mode.lora_spec), lora.shapes(mode.lora_spec, mode.model_cfg)
-    adapters = count = 0
-    for name, pair in shapes.items():
-        for part, shape in pair.items():
-            spec = logical_to_spec(axes[name][part], rules, shape, mesh)
-            adapters += math.prod(shard_shape(shape, spec, mesh)) * _itemsize(lora.ADAPTER_DTYPE)
-            count += math.prod(shape)
-    return ParamBytes(layout, held + adapters, adapters, count, mode.name)
+    adapters = [
+        _leaf_layout(f"lora.{name}.{part}", shape, lora.ADAPTER_DTYPE, axes[name][part], mesh, rules)
+        for name, pair in shapes.items()
+        for part, shape in pair.items()
+    ]
+    trained = sum(leaf.shard_size * _itemsize(leaf.dtype) for leaf in adapters)
+    count = sum(leaf.size for leaf in adapters)
+    return ParamBytes(layout, held + trained, trained, count, mode.name, mode.reference)
 
 
-def _state_bytes(cfg: Any, trained: int, n_micro: int) -> tuple[int, int, int]:
-    """Per-device bytes of (gradients, optimizer state, DPO reference copy) beside the params,
-    given the bytes of the trained subset (all params, or LoRA's adapters)."""
+def _state_bytes(held: ParamBytes, n_micro: int) -> tuple[int, int, int]:
+    """Per-device bytes of (gradients, optimizer state, DPO reference copy) beside the params."""
     # jax.grad returns gradients in the trained parameters' dtype and the step accumulates them
     # in a zeros_like buffer; with gradient accumulation a micro-batch's fresh gradient coexists
     # with the accumulator.
-    grad_bytes = trained * (2 if n_micro > 1 else 1)
+    grad_bytes = held.trained * (2 if n_micro > 1 else 1)
     # optax.adamw keeps mu and nu in the trained parameters' dtype, sharded like them.
-    opt_bytes = 2 * trained
-    # DPO on full fine-tuning holds a frozen copy of the starting weights (LoRA: its base, adapters
-    # off, is the reference: nothing more); docs/preference.md.
-    ref_bytes = trained if _holds_reference_copy(cfg) else 0
-    return grad_bytes, opt_bytes, ref_bytes
+    opt_bytes = 2 * held.trained
+    return grad_bytes, opt_bytes, held.trained if held.reference else 0
 
 
 def plan(
@@ -457,7 +467,7 @@ def plan(
     held = param_bytes(cfg, mesh, rules)
     layout = held.layout
     n_params = sum(leaf.size for leaf in layout)
-    grad_bytes, opt_bytes, ref_bytes = _state_bytes(cfg, held.trained, n_micro)
+    grad_bytes, opt_bytes, ref_bytes = _state_bytes(held, n_micro)
 
     batch_shards, max_batch_shards = _batch_shards(micro, rules, mesh)
     # The trainer refuses a (micro) batch that does not split over the batch shards; memory
@@ -545,12 +555,6 @@ def plan(
         "param_leaves": [_leaf_row(leaf) for leaf in layout],
         "notes": notes,
     }
-
-
-def _holds_reference_copy(cfg: Any) -> bool:
-    from agentrefine_jax.train.param_mode import ParamMode
-
-    return ParamMode.of(cfg).reference
 
 
 def _batch_shards(micro: int, rules: Any, mesh: Any) -> tuple[int, int]:
