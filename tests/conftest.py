@@ -1,9 +1,11 @@
-"""Test-wide environment: 8 simulated CPU devices and no writes under $HOME.
+"""Test-wide environment: 8 simulated CPU devices, no writes under $HOME, and nothing left behind.
 
-Both must be set before jax (or any tool that caches under $HOME) is imported.
+All must be set before jax (or any tool that caches under $HOME or $TMPDIR) is imported.
 """
 
+import atexit
 import os
+import shutil
 import signal
 import tempfile
 
@@ -14,11 +16,26 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One sandbox per suite run, shared by pytest-xdist's workers (they inherit the controller's
 # environment): the content-keyed caches under it (the real model's GGUF conversion) are then built
 # once, not once per worker; concurrent builders of one key are safe (the cache's rename protocol).
-_SANDBOX = os.environ.get("AGENTREFINE_TEST_SANDBOX") or tempfile.mkdtemp(prefix="agentrefine-test-home-")
-os.environ["AGENTREFINE_TEST_SANDBOX"] = _SANDBOX
-for _var, _sub in (("HOME", "home"), ("XDG_CACHE_HOME", "cache"), ("MPLCONFIGDIR", "mpl"), ("HF_HOME", "hf")):
+_SANDBOX = os.environ.get("AGENTREFINE_TEST_SANDBOX")
+if _SANDBOX is None:
+    # pytest's own tmp_path root stays in the real temp dir (kept for failed tests, see
+    # pyproject's retention policy); everything else that goes to $TMPDIR goes into the sandbox.
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    _SANDBOX = os.environ["AGENTREFINE_TEST_SANDBOX"] = tempfile.mkdtemp(prefix="agentrefine-test-home-")
+    # The process that made the sandbox removes it: it holds a converted real model (~0.5 GB)
+    # and whatever the code under test keeps in $TMPDIR (a killed eval's workdir, an output
+    # rescued from a full disk). Left behind, every run leaked them; CI once ran out of disk.
+    atexit.register(shutil.rmtree, _SANDBOX, ignore_errors=True)
+for _var, _sub in (
+    ("HOME", "home"),
+    ("XDG_CACHE_HOME", "cache"),
+    ("MPLCONFIGDIR", "mpl"),
+    ("HF_HOME", "hf"),
+    ("TMPDIR", "tmp"),
+):
     os.environ[_var] = os.path.join(_SANDBOX, _sub)
     os.makedirs(os.environ[_var], exist_ok=True)
+tempfile.tempdir = None  # re-read $TMPDIR: something may have asked before this file ran
 # A suite started in the background of a non-interactive shell (`cmd &`, nohup) inherits SIGINT
 # ignored, and an ignored signal stays ignored across exec: the Ctrl-C tests' child processes
 # would never see their SIGINT. Restore Python's handler so children start with the default.
