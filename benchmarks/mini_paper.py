@@ -278,8 +278,6 @@ def eval_model(
         argv += ["--batch-size", str(args.eval_batch)] + (["-q"] if args.quiet else [])
         if args.max_steps:
             argv += ["--max-steps", str(args.max_steps)]
-        if label == BASE:
-            argv += ["--template", "hf"]  # an HF directory's own chat template
         log(f"{label}/{task}: evaluating {episodes} episodes")
         t0 = time.perf_counter()
         rc = eval_main(argv)
