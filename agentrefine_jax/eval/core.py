@@ -1,22 +1,25 @@
-"""What every episode source shares: the step result environments return, and the one episode loop.
+"""What every episode source shares: the step result environments return, and the one episode engine.
 
-The loop is protocol-agnostic: a protocol (our chat layout in `loop.py`, AgentBoard's in
-`agentboard/protocol.py`) says how an episode starts and how a round of replies is obtained and applied
-(prompt assembly, the actor call, parsing, stepping, logging); the loop keeps up to `width` episodes in
-flight so one batched model call answers all of them.
+The engine is protocol-agnostic: a protocol object (our chat layout, `loop.ChatProtocol`; AgentBoard's,
+`agentboard/protocol.AgentBoardProtocol`) says how an episode starts, how a round of replies is obtained
+(prompt assembly, the actor call) and how a reply or a failure is applied (parsing, stepping, logging);
+the engine keeps up to `width` episodes in flight so one batched model call answers all of them, frees
+an actor's per-episode state when an episode ends, and journals every finished episode.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from agentrefine_jax.eval import progress
+from agentrefine_jax.eval.journal import Resume
+from agentrefine_jax.eval.policies import forget
 
 if TYPE_CHECKING:
-    from agentrefine_jax.eval.journal import Resume
+    from agentrefine_jax.eval.journal import Journal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,73 @@ class Running(Protocol):
 
 
 E = TypeVar("E", bound=Running)
+J = TypeVar("J")
+R = TypeVar("R")
+
+
+class EpisodeProtocol(Protocol[J, E, R]):
+    """How one source's episodes run (`run_episodes` does the rest). `J` is a job, `E` a running
+    episode (with `job` and `finished`), `R` a finished episode's record. `key(job)` is the
+    conversation a job is to the actor and its journal key; `start` may return an episode finished
+    already (it failed to start); `answer` runs one round and returns the replies (or the actor's
+    error) of the episodes it asked; one it ended while preparing the prompt is not among them."""
+
+    source: str  # the journal's namespace: one source's records never answer another's jobs
+    width: int  # episodes in flight
+    actor: Any  # told to `forget` an episode's conversation when it ends
+
+    def key(self, job: J) -> tuple[Hashable, ...]: ...
+    def start(self, job: J) -> E: ...
+    def answer(self, active: list[E]) -> list[tuple[E, str | Exception]]: ...
+    def apply(self, ep: E, reply: str) -> None: ...
+    def failed(self, ep: E, error: Exception) -> None: ...
+    def result(self, ep: E) -> R: ...
+    def dump(self, result: R) -> Any: ...
+    def load(self, job: J, record: Any) -> R: ...
+
+
+@dataclasses.dataclass
+class Restored(Generic[R]):
+    """An episode read back from the journal (it finished in an earlier, interrupted run)."""
+
+    result: R
+    finished: bool = True
+
+
+def run_episodes(
+    jobs: Sequence[J],
+    protocol: EpisodeProtocol[J, Any, R],
+    *,
+    on_done: Callable[[R], None] | None = None,
+    journal: Journal | None = None,
+    phase: Sequence[Hashable] = (),
+) -> list[R]:
+    """Run every job to its end under `protocol`; records come back in job order. With a `journal`,
+    episodes it holds (under `phase`) are not run again and every finished one is appended."""
+
+    def respond(active: list[Any]) -> None:
+        for ep, reply in protocol.answer(active):
+            if isinstance(reply, Exception):
+                protocol.failed(ep, reply)
+            else:
+                protocol.apply(ep, reply)
+
+    def report(ep: Any) -> None:
+        forget(protocol.actor, protocol.key(ep.job))  # its cache row goes to the next episode
+        if on_done is not None:
+            on_done(protocol.result(ep))
+
+    resume = None
+    if journal is not None:
+        resume = Resume(
+            journal,
+            [protocol.source, *phase],
+            protocol.key,
+            lambda ep: protocol.dump(protocol.result(ep)),
+            lambda job, record: Restored(protocol.load(job, record)),
+        )
+    done = run_loop(jobs, protocol.start, respond, width=protocol.width, on_done=report, resume=resume)
+    return [ep.result if isinstance(ep, Restored) else protocol.result(ep) for ep in done]
 
 
 def run_loop(

@@ -1,4 +1,4 @@
-"""The chat protocol (our ReAct layout, for built-in episode sources) on the one loop (`core.run_loop`).
+"""The chat protocol (our ReAct layout, for built-in episode sources) on the one engine (`core.run_episodes`).
 
 Up to `batch_size` episodes are in flight; every round each active episode contributes its
 conversation, the policy answers all of them at once (one batched generate call, or concurrent HTTP
@@ -18,9 +18,9 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agentrefine_jax.eval.core import run_loop
+from agentrefine_jax.eval import core
 from agentrefine_jax.eval.envs.base import EvalTask, TextEnv
-from agentrefine_jax.eval.journal import Journal, Resume
+from agentrefine_jax.eval.journal import Journal
 from agentrefine_jax.eval.perturb import variant_name
 from agentrefine_jax.eval.policies import (
     ActRequest,
@@ -28,7 +28,6 @@ from agentrefine_jax.eval.policies import (
     Policy,
     SamplingParams,
     ask,
-    forget,
     is_privileged,
     react_turns,
 )
@@ -173,19 +172,24 @@ def _start(job: EpisodeJob, policy: Policy) -> _Running:
     return run
 
 
-def run_episodes(
-    jobs: Sequence[EpisodeJob],
-    policy: Policy,
-    *,
-    batch_size: int = 8,
-    on_result: Callable[[EpisodeResult], None] | None = None,
-    journal: Journal | None = None,
-    phase: str = "main",
-) -> list[EpisodeResult]:
-    """Run every job to completion (the one loop, `core.run_loop`); results come back in job order. With a
-    `journal`, episodes it holds (under `phase`) are not run again and every finished one is appended."""
+class ChatProtocol:
+    """Our chat protocol for `core.run_episodes`: prompts are the transcript (or AgentBoard's single
+    message), replies are parsed by `react.parse_action`, and every end has its `termination`."""
 
-    def respond(runs: list[_Running]) -> None:
+    source = "builtin"
+
+    def __init__(self, policy: Policy, batch_size: int):
+        self.actor, self.width = policy, batch_size
+        self._asked: Any = policy
+        if getattr(policy, "acts_per_episode", False):  # a per-episode policy (random) as a batch actor
+            self._asked = types.SimpleNamespace(act=functools.partial(react_turns, policy))
+
+    key = staticmethod(job_key)
+
+    def start(self, job: EpisodeJob) -> _Running:
+        return _start(job, self.actor)
+
+    def answer(self, runs: list[_Running]) -> list[tuple[_Running, str | Exception]]:
         requests = [
             ActRequest(
                 r.request_messages(),
@@ -199,47 +203,48 @@ def run_episodes(
             )
             for r in runs
         ]
-        actor: Any = policy
-        if getattr(policy, "acts_per_episode", False):  # a per-episode policy (random) as a batch actor
-            actor = types.SimpleNamespace(act=functools.partial(react_turns, policy))
-        replies = ask(actor, requests)
-        for run, reply in zip(runs, replies, strict=True):
-            if isinstance(reply, ContextOverflow):
-                run.finish("context_overflow", str(reply))
-            elif isinstance(reply, Exception):
-                log.warning(f"{run.job.name} episode {run.job.episode}: policy error: {reply}")
-                run.finish("error", str(reply))
-            else:
-                termination = _advance(run, reply)
-                if termination is not None:
-                    run.finish(termination, run.trace[-1].get("error") if termination == "error" else None)
+        return list(zip(runs, ask(self._asked, requests), strict=True))
 
-    def report(run: _Running) -> None:
-        forget(policy, job_key(run.job))  # its cache row goes to the next episode
-        if on_result is not None and run.result is not None:
-            on_result(run.result)
+    def apply(self, run: _Running, reply: str) -> None:
+        termination = _advance(run, reply)
+        if termination is not None:
+            run.finish(termination, run.trace[-1].get("error") if termination == "error" else None)
 
-    resume = None
-    if journal is not None:
-        resume = Resume(
-            journal,
-            ["builtin", phase],
-            job_key,
-            lambda run: run.result.to_json() if run.result is not None else None,
-            lambda job, rec: _Restored(EpisodeResult(**rec)),
-        )
-    runs = run_loop(
-        jobs, lambda job: _start(job, policy), respond, width=batch_size, on_done=report, resume=resume
-    )
-    return [run.result for run in runs if run.result is not None]
+    def failed(self, run: _Running, error: Exception) -> None:
+        if isinstance(error, ContextOverflow):
+            run.finish("context_overflow", str(error))
+        else:
+            log.warning(f"{run.job.name} episode {run.job.episode}: policy error: {error}")
+            run.finish("error", str(error))
+
+    @staticmethod
+    def result(run: _Running) -> EpisodeResult:
+        assert run.result is not None
+        return run.result
+
+    @staticmethod
+    def dump(result: EpisodeResult) -> dict[str, Any]:
+        return result.to_json()
+
+    @staticmethod
+    def load(job: EpisodeJob, record: dict[str, Any]) -> EpisodeResult:
+        return EpisodeResult(**record)
 
 
-@dataclasses.dataclass
-class _Restored:
-    """An episode read back from the journal (it finished in an earlier, interrupted run)."""
-
-    result: EpisodeResult
-    finished: bool = True
+def run_episodes(
+    jobs: Sequence[EpisodeJob],
+    policy: Policy,
+    *,
+    batch_size: int = 8,
+    on_result: Callable[[EpisodeResult], None] | None = None,
+    journal: Journal | None = None,
+    phase: str = "main",
+) -> list[EpisodeResult]:
+    """Run every job to completion (the one engine, `core.run_episodes`); results come back in job
+    order. With a `journal`, episodes it holds (under `phase`) are not run again and every finished one
+    is appended."""
+    protocol = ChatProtocol(policy, batch_size)
+    return core.run_episodes(jobs, protocol, on_done=on_result, journal=journal, phase=[phase])
 
 
 def _advance(run: _Running, reply: str) -> str | None:

@@ -19,14 +19,12 @@ import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
+from agentrefine_jax.eval import core
 from agentrefine_jax.eval.agentboard.checkout import CLONE, Checkout, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import AgentBoardEnv, EpisodeSpec
-from agentrefine_jax.eval.core import StepResult, run_loop
-from agentrefine_jax.eval.journal import Journal, Resume
-from agentrefine_jax.eval.policies import (
-    RandomPolicy,  # noqa: F401 - the one random policy, re-exported
-    forget,
-)
+from agentrefine_jax.eval.core import StepResult
+from agentrefine_jax.eval.journal import Journal
+from agentrefine_jax.eval.policies import RandomPolicy  # noqa: F401 - the one random policy, re-exported
 from agentrefine_jax.layout import agentboard_head, history_lines
 from agentrefine_jax.layout import agentboard_user as user_prompt
 
@@ -239,6 +237,10 @@ class Episode:
         self.prompt_set: PromptSet | None = None
         self.policy: Any = None  # a privileged policy's per-episode instance
 
+    @property
+    def job(self) -> EpisodeSpec:
+        return self.spec
+
     def start(self) -> None:
         obs = self.env.reset()
         self.log.goal = self.env.goal
@@ -323,8 +325,103 @@ def budget_fits(model: ModelBackend, system: str) -> Callable[[str], bool]:
     return lambda user: model.num_tokens(system, user) <= budget
 
 
-def _prompt_for(ep: Episode, model: ModelBackend, system: str) -> tuple[str, int]:
-    return fit_history(ep.head(), ep.memory, budget_fits(model, system))
+class AgentBoardProtocol:
+    """AgentBoard's loop for `core.run_episodes`: its prompt (fitted to the budget), its parser on
+    every reply, its end reasons. A privileged policy answers one episode at a time from the env."""
+
+    source = "agentboard"
+
+    def __init__(
+        self,
+        task: Any,
+        checkout: Checkout,
+        agent: Agent,
+        max_steps: int,
+        batch_size: int,
+        wrap_env: Callable[[Any], Any] | None,
+        reword_prompt: Callable[[PromptSet], PromptSet] | None,
+    ):
+        self.task, self.checkout, self.agent, self.max_steps = task, checkout, agent, max_steps
+        self.wrap_env, self.reword_prompt = wrap_env, reword_prompt
+        self.actor = agent.model
+        width = max(1, batch_size if agent.model is not None else 1)
+        self.width = min(width, getattr(task, "max_in_flight", width))  # e.g. one JVM per SciWorld episode
+
+    @staticmethod
+    def key(spec: EpisodeSpec) -> tuple[str, int, int]:
+        return (spec.task, spec.index, int(spec.info.get("sample", 0)))
+
+    def start(self, spec: EpisodeSpec) -> Episode:
+        task, agent = self.task, self.agent
+        env = task.make_env(self.checkout, spec)
+        if self.wrap_env is not None:
+            env = self.wrap_env(env)
+        ep = Episode(spec, env, task, self.max_steps)
+        try:
+            if agent.model is not None:
+                ep.prompt_set = load_prompt_set(self.checkout, task.prompt_file, task.examples_key(spec))
+                if self.reword_prompt is not None:
+                    ep.prompt_set = self.reword_prompt(ep.prompt_set)
+            ep.start()
+        except CheckoutError:
+            env.close()
+            raise
+        if agent.policy_for is not None and not ep.finished:
+            try:
+                ep.policy = agent.policy_for(task, env, spec)
+            except (RuntimeError, OSError, ValueError) as e:  # e.g. the planner found no plan: reported
+                ep.fail(f"policy_error: {e}")
+        return ep
+
+    def answer(self, active: list[Episode]) -> list[tuple[Episode, str | Exception]]:
+        model = self.agent.model
+        if model is None:
+            return [(ep, _act(ep)) for ep in active]
+        batch: list[tuple[str, str]] = []
+        for ep in active:
+            assert ep.prompt_set is not None
+            system = ep.prompt_set.system_msg + self.agent.system_suffix
+            try:
+                user, dropped = fit_history(ep.head(), ep.memory, budget_fits(model, system))
+            except PromptTooLong as e:
+                ep.fail(f"prompt_too_long: {e}")
+                user, dropped = "", 0
+            ep.log.dropped_history = max(ep.log.dropped_history, dropped)
+            ep.log.last_prompt = user
+            batch.append((system, user))
+        live = [k for k, ep in enumerate(active) if not ep.finished]
+        keys = [self.key(active[k].spec) for k in live]
+        replies = model.generate([batch[k] for k in live], keys) if live else []
+        return [(active[k], reply) for k, reply in zip(live, replies, strict=True)]
+
+    @staticmethod
+    def apply(ep: Episode, reply: str) -> None:
+        _step(ep, parse_action(reply), reply)
+
+    def failed(self, ep: Episode, error: Exception) -> None:
+        who = "policy" if self.agent.model is None else "model"
+        ep.fail(f"{who}_error: {type(error).__name__}: {error}")
+
+    @staticmethod
+    def result(ep: Episode) -> EpisodeLog:
+        return ep.log
+
+    @staticmethod
+    def dump(log: EpisodeLog) -> dict[str, Any]:
+        return dataclasses.asdict(log) | {"spec": None}
+
+    @staticmethod
+    def load(spec: EpisodeSpec, record: dict[str, Any]) -> EpisodeLog:
+        scores = [(int(s), float(p)) for s, p in record["score_change_record"]]
+        return EpisodeLog(**(record | {"spec": spec, "score_change_record": scores}))
+
+
+def _act(ep: Episode) -> str | Exception:
+    """A privileged policy's reply; its failure ends this episode only, reported."""
+    try:
+        return ep.policy.act(ep.env, ep.history())
+    except Exception as e:  # noqa: BLE001
+        return e
 
 
 def run_episodes(
@@ -341,101 +438,15 @@ def run_episodes(
     journal: Journal | None = None,
     phase: Sequence[Any] = ("main",),
 ) -> list[EpisodeLog]:
-    """Run every episode of `specs` under AgentBoard's loop; results in `specs` order.
+    """Run every episode of `specs` under AgentBoard's loop (the one engine, `core.run_episodes`);
+    results in `specs` order.
 
     With a model backend, up to `batch_size` episodes are in flight and each step is one batched call. Prompts
     (and therefore the prompt file) are only built for a model; a privileged policy sees the env and history.
     `wrap_env` and `reword_prompt` apply a perturbation (reworded actions) to every episode's env and prompt.
     """
-    width = max(1, batch_size if agent.model is not None else 1)
-    width = min(width, getattr(task, "max_in_flight", width))  # e.g. one JVM per ScienceWorld episode
-
-    def start(spec: EpisodeSpec) -> Episode:
-        env = task.make_env(checkout, spec)
-        if wrap_env is not None:
-            env = wrap_env(env)
-        ep = Episode(spec, env, task, max_steps)
-        try:
-            if agent.model is not None:
-                ep.prompt_set = load_prompt_set(checkout, task.prompt_file, task.examples_key(spec))
-                if reword_prompt is not None:
-                    ep.prompt_set = reword_prompt(ep.prompt_set)
-            ep.start()
-        except CheckoutError:
-            env.close()
-            raise
-        if agent.policy_for is not None and not ep.finished:
-            try:
-                ep.policy = agent.policy_for(task, env, spec)
-            except (RuntimeError, OSError, ValueError) as e:  # e.g. the planner found no plan: reported
-                ep.fail(f"policy_error: {e}")
-        return ep
-
-    def respond(active: list[Episode]) -> None:
-        if agent.model is None:
-            for ep in active:
-                try:
-                    reply = ep.policy.act(ep.env, ep.history())
-                except Exception as e:  # noqa: BLE001 - a policy failure ends this episode, reported
-                    ep.fail(f"policy_error: {type(e).__name__}: {e}")
-                    continue
-                _step(ep, parse_action(reply), reply)
-            return
-        batch: list[tuple[str, str]] = []
-        for ep in active:
-            assert ep.prompt_set is not None
-            system = ep.prompt_set.system_msg + agent.system_suffix
-            try:
-                user, dropped = _prompt_for(ep, agent.model, system)
-            except PromptTooLong as e:
-                ep.fail(f"prompt_too_long: {e}")
-                user, dropped = "", 0
-            ep.log.dropped_history = max(ep.log.dropped_history, dropped)
-            ep.log.last_prompt = user
-            batch.append((system, user))
-        live = [k for k, ep in enumerate(active) if not ep.finished]
-        keys = [episode_key(active[k]) for k in live]
-        replies = agent.model.generate([batch[k] for k in live], keys) if live else []
-        for k, reply in zip(live, replies, strict=True):
-            if isinstance(reply, Exception):
-                active[k].fail(f"model_error: {type(reply).__name__}: {reply}")
-            else:
-                _step(active[k], parse_action(reply), reply)
-
-    def report(ep: Episode) -> None:
-        forget(agent.model, episode_key(ep))  # its cache row goes to the next episode
-        if on_done is not None:
-            on_done(ep.log)
-
-    resume = None
-    if journal is not None:
-        resume = Resume(
-            journal,
-            ["agentboard", *phase],
-            lambda spec: [spec.task, spec.index, int(spec.info.get("sample", 0))],
-            lambda ep: dataclasses.asdict(ep.log) | {"spec": None},
-            _restored,
-        )
-    episodes = run_loop(specs, start, respond, width=width, on_done=report, resume=resume)
-    return [ep.log for ep in episodes]
-
-
-@dataclasses.dataclass
-class _Restored:
-    """An episode read back from the journal (it finished in an earlier, interrupted run)."""
-
-    log: EpisodeLog
-    finished: bool = True
-
-
-def _restored(spec: EpisodeSpec, record: dict[str, Any]) -> _Restored:
-    scores = [(int(s), float(p)) for s, p in record["score_change_record"]]
-    return _Restored(EpisodeLog(**(record | {"spec": spec, "score_change_record": scores})))
-
-
-def episode_key(ep: Episode) -> tuple[str, int, int]:
-    """The conversation an episode-sample is to the model (distinct among one run_episodes' episodes)."""
-    return (ep.spec.task, ep.spec.index, int(ep.spec.info.get("sample", 0)))
+    protocol = AgentBoardProtocol(task, checkout, agent, max_steps, batch_size, wrap_env, reword_prompt)
+    return core.run_episodes(specs, protocol, on_done=on_done, journal=journal, phase=phase)
 
 
 def _step(ep: Episode, action: str, reply: str) -> None:
