@@ -22,9 +22,10 @@ from agentrefine_jax.eval.agentboard.protocol import (
     prompt_head,
     user_prompt,
 )
-from agentrefine_jax.eval.agentboard.runner import RunConfig, checkpoint_model, run
+from agentrefine_jax.eval.agentboard.runner import checkpoint_model, run
 from agentrefine_jax.eval.agentboard.tasks.pddl import PddlTask
 from agentrefine_jax.eval.cli import main
+from agentrefine_jax.eval.config import EvalConfig
 from agentrefine_jax.models import llama
 from agentrefine_jax.models.config import preset
 
@@ -65,7 +66,11 @@ def test_prompts_fit_the_context_and_replies_are_the_models(checkpoint, tmp_path
 
     model.generate = recording
     logs = tmp_path / "logs"
-    doc = run(co, RunConfig(tasks=("pddl",), max_steps=2, batch_size=2, log_dir=str(logs)), model=model)
+    doc = run(
+        co,
+        EvalConfig(tasks=("pddl",), source="agentboard", max_steps=2, batch_size=2, log_dir=str(logs)),
+        model=model,
+    )
     assert doc["agent"].startswith("checkpoint:") and doc["tasks"]["pddl"]["episodes"] == 2
     assert len(prompts) == 4 and all(s == system for s, _ in prompts)
     assert prompts[0] == (system, first_prompt)

@@ -13,8 +13,9 @@ from agentboard_fixture import SHARED, make_checkout
 
 from agentrefine_jax.eval.agentboard.checkout import Checkout, CheckoutError
 from agentrefine_jax.eval.agentboard.protocol import Agent, RandomPolicy, run_episodes
-from agentrefine_jax.eval.agentboard.runner import RunConfig, run
+from agentrefine_jax.eval.agentboard.runner import run
 from agentrefine_jax.eval.agentboard.tasks.pddl import PddlTask, fd_compatible
+from agentrefine_jax.eval.config import EvalConfig
 
 pytest.importorskip("pddlgym")
 pytest.importorskip("nltk")
@@ -211,7 +212,7 @@ def test_model_run_without_prompt_file_fails_before_any_episode(tmp_path):
             pass
 
     with pytest.raises(CheckoutError, match="vllm.py: provided by"):
-        run(Checkout(root), RunConfig(tasks=("pddl",)), model=NeverCalled())
+        run(Checkout(root), EvalConfig(tasks=("pddl",), source="agentboard"), model=NeverCalled())
 
 
 # ----------------------------------------------------------------------------------------- real files

@@ -14,7 +14,8 @@ from agentboard_fixture import make_checkout
 from test_eval_checkpoint import CFG, save_random_checkpoint
 
 from agentrefine_jax.eval.agentboard.checkout import Checkout
-from agentrefine_jax.eval.agentboard.runner import RunConfig, checkpoint_model, run
+from agentrefine_jax.eval.agentboard.runner import checkpoint_model, run
+from agentrefine_jax.eval.config import EvalConfig
 
 pytest.importorskip("pddlgym")
 pytest.importorskip("nltk")
@@ -90,7 +91,15 @@ def test_checkpoint_samples_differ_at_temperature_1(tmp_path):
         return generate(batch, keys)
 
     model.generate = recording
-    cfg = RunConfig(tasks=("pddl",), max_steps=1, batch_size=4, limit=1, best_of=3, temperature=1.0)
+    cfg = EvalConfig(
+        tasks=("pddl",),
+        source="agentboard",
+        max_steps=1,
+        batch_size=4,
+        episodes=1,
+        best_of=3,
+        temperature=1.0,
+    )
     doc = run(co, cfg, model=model)
     samples = doc["best_of"]["episodes"]
     assert [e["sample"] for e in samples] == [0, 1, 2] and all(e["steps"] == 1 for e in samples)

@@ -10,10 +10,10 @@ import sys
 import pytest
 
 from agentrefine_jax.data import demo_world as dw
+from agentrefine_jax.eval import EvalConfig, format_table, run_eval
 from agentrefine_jax.eval.envs.demo_world import DemoWorldTask
 from agentrefine_jax.eval.metrics import episode_rates
 from agentrefine_jax.eval.policies import OraclePolicy, RandomPolicy
-from agentrefine_jax.eval.runner import EvalConfig, format_table, run_eval
 
 
 class Scripted:
@@ -76,7 +76,7 @@ def test_perturbed_vocabulary_renames_and_rejects_the_canonical_word(workdir):
     env.reset()
     assert not env.step("look").valid  # renamed to "look around" under perturbation 1
     assert env.step("look around").valid
-    doc = _run(OraclePolicy(), workdir, episodes=2, perturb=True, num_perturbations=2)
+    doc = _run(OraclePolicy(), workdir, episodes=2, perturbations=2)
     assert all(v["tasks"]["demo_world"]["success_rate"] == 1.0 for v in doc["variants"].values())
 
 

@@ -29,8 +29,7 @@ def _run(policy, task: str, workdir: str, perturb: bool) -> dict:
     cfg = EvalConfig(
         tasks=(task,),
         episodes=EPISODES[task],
-        perturb=perturb,
-        num_perturbations=PERTURBATIONS[task],
+        perturbations=PERTURBATIONS[task] if perturb else 0,
         seed=0,
         batch_size=2,
         workdir=workdir,

@@ -6,6 +6,7 @@ See docs/eval.md. Simulator packages (minigrid, scienceworld, pddlgym, textworld
 only when their task runs.
 """
 
+from agentrefine_jax.eval.config import EvalConfig
 from agentrefine_jax.eval.envs.base import EvalTask, StepResult, TextEnv
 from agentrefine_jax.eval.loop import EpisodeJob, EpisodeResult, run_episodes
 from agentrefine_jax.eval.metrics import (
@@ -28,7 +29,8 @@ from agentrefine_jax.eval.policies import (
 )
 from agentrefine_jax.eval.react import parse_action
 from agentrefine_jax.eval.registry import available_tasks, make_task, register_task
-from agentrefine_jax.eval.runner import TASK_NAMES, EvalConfig, format_table, run_eval
+from agentrefine_jax.eval.runner import TASK_NAMES, run_eval
+from agentrefine_jax.eval.tables import format_table
 
 __all__ = [
     "PAPER_WEIGHTS",

@@ -18,10 +18,12 @@ import shutil
 import signal
 import sys
 import tempfile
+from typing import Any
 
 from agentrefine_jax import logs, outputs
 from agentrefine_jax.cli_errors import TERMINATED, OneLineParser, fail
 from agentrefine_jax.eval import progress
+from agentrefine_jax.eval.config import PAPER_PERTURBATIONS, EvalConfig
 from agentrefine_jax.eval.journal import Journal, journal_path
 from agentrefine_jax.eval.policies import (
     DEFAULT_STOP,
@@ -33,7 +35,8 @@ from agentrefine_jax.eval.policies import (
     SamplingParams,
 )
 from agentrefine_jax.eval.registry import SOURCES, default_tasks
-from agentrefine_jax.eval.runner import TASK_NAMES, EvalConfig, format_table, run_eval
+from agentrefine_jax.eval.runner import TASK_NAMES, run_eval
+from agentrefine_jax.eval.tables import format_table
 
 BEST_OF_TEMPERATURE = 0.7
 # --request-timeout's default (seconds). A CPU endpoint is slow: SmolLM2-135M served by our own server
@@ -115,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--num-perturbations",
         type=int,
-        help="reworded variants with --perturb (default 3; AgentBoard protocol: ALFWorld's 5)",
+        help=f"with --perturb: at most P reworded variants per task (default {PAPER_PERTURBATIONS}, the "
+        "paper's Table 3), as many as the task defines (each built-in task: 3; AgentBoard: ALFWorld's 5)",
     )
     _add_run_args(p)
     p.add_argument("--out", help="write the results JSON (metrics + per-episode transcripts) here")
@@ -249,6 +253,35 @@ def task_names(args: argparse.Namespace, source: str) -> tuple[str, ...]:
     return tuple(t.strip() for t in (args.tasks or ",".join(default_tasks(source))).split(",") if t.strip())
 
 
+def eval_config(args: argparse.Namespace, source: str, **extra: Any) -> EvalConfig:
+    """The one config of a run under either source, validated (every bad flag fails before a model loads)."""
+    if args.num_perturbations is not None and not args.perturb:
+        raise ValueError("--num-perturbations needs --perturb")
+    if args.perturb and args.num_perturbations is not None and args.num_perturbations < 1:
+        raise ValueError(f"--num-perturbations must be >= 1, got {args.num_perturbations}")
+    temperature = args.temperature
+    if args.best_of > 1 and temperature is None:
+        temperature = BEST_OF_TEMPERATURE
+    config = EvalConfig(
+        tasks=task_names(args, source),
+        source=source,
+        episodes=args.episodes,
+        best_of=args.best_of,
+        temperature=temperature,
+        top_p=args.top_p,
+        perturbations=(args.num_perturbations or PAPER_PERTURBATIONS) if args.perturb else 0,
+        seed=args.seed,
+        max_steps=args.max_steps,
+        # a policy gains nothing from batching and would start one ScienceWorld JVM per episode
+        batch_size=args.batch_size or (1 if args.policy else 8),
+        prompt_style=args.prompt_style,
+        name=args.name,
+        **extra,
+    )
+    config.validate()
+    return config
+
+
 # Settings that do not change what the episodes do: a journal is resumed across them.
 _NOT_RESULTS = ("quiet", "verbose", "workdir", "progress_every")
 
@@ -307,22 +340,7 @@ def run_builtin(args: argparse.Namespace, journal: Journal | None) -> int:
     own_workdir = args.workdir is None
     # A placeholder until the arguments are known to be good, so a bad call leaves no temp dir behind.
     workdir = args.workdir or "<temporary>"
-    batch_size = args.batch_size or (1 if args.policy else 8)
-    config = EvalConfig(
-        tasks=task_names(args, "builtin"),
-        episodes=10 if args.episodes is None else args.episodes,
-        best_of=args.best_of,
-        perturb=args.perturb,
-        num_perturbations=3 if args.num_perturbations is None else args.num_perturbations,
-        seed=args.seed,
-        max_steps=args.max_steps,
-        batch_size=batch_size,
-        workdir=workdir,
-        task_options=options,
-        prompt_style=args.prompt_style,
-        name=args.name,
-    )
-    config.validate()
+    config = eval_config(args, "builtin", workdir=workdir, task_options=options)
     if args.policy is None and args.best_of > 1:
         _sampling(args)  # fail before loading a model
     log = logging.getLogger("agentrefine_jax.eval").info
@@ -344,31 +362,10 @@ def run_agentboard(args: argparse.Namespace, journal: Journal | None = None) -> 
     """The AgentBoard source: its episodes, prompts and rules, read from the user's checkout."""
     from agentrefine_jax.eval.agentboard import runner as ab
     from agentrefine_jax.eval.agentboard.checkout import Checkout
-    from agentrefine_jax.eval.agentboard.protocol import DEFAULT_MAX_STEPS
 
     if not args.agentboard_dir:
         raise ValueError("the agentboard source needs --agentboard-dir DIR (an AgentBoard checkout)")
-    if args.task_option:
-        raise ValueError("--task-option applies to built-in episode sources only")
-    temperature = args.temperature
-    if args.best_of > 1 and temperature is None:
-        temperature = BEST_OF_TEMPERATURE
-    config = ab.RunConfig(
-        tasks=task_names(args, "agentboard"),
-        max_steps=DEFAULT_MAX_STEPS if args.max_steps is None else args.max_steps,
-        batch_size=args.batch_size or (1 if args.policy else 8),
-        seed=args.seed,
-        log_dir=args.log_dir,
-        limit=args.episodes,
-        perturbations=(5 if args.num_perturbations is None else args.num_perturbations)
-        if args.perturb
-        else 0,
-        best_of=args.best_of,
-        temperature=temperature,
-        top_p=args.top_p,
-        name=args.name,
-    )
-    config.validate()
+    config = eval_config(args, "agentboard", log_dir=args.log_dir)
     checkout = Checkout(args.agentboard_dir)
     log = logging.getLogger("agentrefine_jax.eval").info
     if args.all_checkpoints and not args.checkpoint:
@@ -385,7 +382,7 @@ def run_agentboard(args: argparse.Namespace, journal: Journal | None = None) -> 
             log=log,
             journal=journal,
         )
-        print(ab.format_run_table(doc), flush=True)
+        print(format_table(doc), flush=True)
         _write(args.out, doc, sum(len(r["result"]["episodes"]) for r in doc["checkpoints"]))
         return 0
     model = None
@@ -401,7 +398,7 @@ def run_agentboard(args: argparse.Namespace, journal: Journal | None = None) -> 
     finally:
         if model is not None:
             model.close()
-    print(ab.format_table(doc), flush=True)
+    print(format_table(doc), flush=True)
     _write(args.out, doc, len(doc["episodes"]))
     return 0
 

@@ -244,26 +244,6 @@ def _record(r: Any) -> dict[str, Any]:
     return {k: _get(r, k) for k in ("task", "episode", "sample", "success", "progress")}
 
 
-def best_of_table(bon: dict[str, Any]) -> list[str]:
-    """The paper's Table 4 layout: greedy, Best-of-N and their difference, success / progress per task."""
-    rows = dict(bon["tasks"]) | ({"held-out": bon["held_out"]} if bon.get("held_out") else {})
-    label = f"Best-of-{bon['n']}"
-    temp = "" if bon["temperature"] is None else f" (temperature {bon['temperature']})"
-    out = [
-        f"{label}{temp}: success if any sample succeeds, progress the max; "
-        "greedy = the standard (temperature 0) run",
-        f"{'':<12}" + "".join(f"{registry.display_name(n):>18}" for n in rows),
-    ]
-    for row, title in (("greedy", "greedy"), ("best_of", label), ("delta", "Δ")):
-        sign = "+" if row == "delta" else ""
-        cells = [
-            f"{100 * r[row]['success_rate']:{sign}.1f} / {100 * r[row]['progress_rate']:{sign}.1f}"
-            for r in rows.values()
-        ]
-        out.append(f"{title:<12}" + "".join(f"{c:>18}" for c in cells))
-    return out
-
-
 def best_of_held_out(per_task: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The held-out unweighted mean of each Table 4 row, when the four held-out tasks ran."""
     if any(t not in per_task for t in registry.HELD_OUT_TASKS):

@@ -17,7 +17,6 @@ from typing import Any
 from agentrefine_jax.eval import registry
 from agentrefine_jax.eval.agentboard.checkout import Checkout
 from agentrefine_jax.eval.agentboard.protocol import (
-    DEFAULT_MAX_STEPS,
     MAX_NEW_TOKENS,
     Agent,
     EpisodeLog,
@@ -25,12 +24,12 @@ from agentrefine_jax.eval.agentboard.protocol import (
     run_episodes,
     vllm_system_suffix,
 )
+from agentrefine_jax.eval.config import EvalConfig
 from agentrefine_jax.eval.journal import Journal
 from agentrefine_jax.eval.metrics import (
     SCHEMA,
     best_of_held_out,
     best_of_metrics,
-    best_of_table,
     episode_record,
 )
 from agentrefine_jax.eval.metrics import agentboard_held_out as held_out_summary
@@ -210,47 +209,9 @@ class LogWriter:
 # ----------------------------------------------------------------------------------------- run
 
 
-@dataclasses.dataclass
-class RunConfig:
-    tasks: tuple[str, ...]
-    max_steps: int = DEFAULT_MAX_STEPS
-    batch_size: int = 8
-    seed: int = 0
-    log_dir: str | None = None
-    limit: int | None = None  # first N episodes per task (smoke runs; a full run leaves it None)
-    perturbations: int = 0  # ALFWorld reworded-action variants to run beside the original (Table 3: 5)
-    best_of: int = 1  # Best-of-N samples per episode beside the greedy run (Table 4)
-    temperature: float | None = None  # of the Best-of-N samples
-    top_p: float = 1.0
-    name: str | None = None  # a label for the run, stored in the results
-
-    def validate(self) -> None:
-        if not self.tasks:
-            raise ValueError("--tasks is empty")
-        self.tasks = tuple(registry.lookup(t, "agentboard").name for t in self.tasks)
-        if self.max_steps < 1:
-            raise ValueError("--max-steps must be >= 1")
-        if self.batch_size < 1:
-            raise ValueError("--batch-size must be >= 1")
-        if self.limit is not None and self.limit < 1:
-            raise ValueError("--episodes must be >= 1")
-        if self.perturbations < 0:
-            raise ValueError("--num-perturbations must be >= 0")
-        if self.best_of < 1:
-            raise ValueError("--best-of must be >= 1")
-        if self.best_of > 1 and not (self.temperature and self.temperature > 0):
-            raise ValueError("--best-of > 1 needs --temperature > 0 (greedy samples would all be equal)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("--top-p must be in (0, 1]")
-        if self.perturbations and "alfworld" not in self.tasks:
-            raise ValueError(
-                "AgentBoard perturbations (reworded actions, Table 3) are defined for alfworld only"
-            )
-
-
 def run(
     checkout: Checkout,
-    config: RunConfig,
+    config: EvalConfig,
     *,
     model: ModelBackend | None = None,
     policy: str | None = None,
@@ -260,6 +221,8 @@ def run(
 ) -> dict[str, Any]:
     """Evaluate a model backend, or a policy ("oracle" | "random"), on `config.tasks`. With a `journal`,
     episodes an interrupted run finished (under `phase`, e.g. a checkpoint's step) are taken from it."""
+    if config.source != "agentboard":
+        raise ValueError("agentboard.runner.run needs EvalConfig(source='agentboard')")
     config.validate()
     if (model is None) == (policy is None):
         raise ValueError("give exactly one of a model or a policy")
@@ -281,12 +244,12 @@ def run(
         "agentboard_dir": str(checkout.root),
         "agent": model.name if model is not None else policy,
         "max_steps": config.max_steps,
-        "config": dataclasses.asdict(config),
+        "config": config.to_json(),
         "tasks": {},
         "episodes": [],
     }
     for task in tasks:
-        specs = episodes[task.name][: config.limit] if config.limit else episodes[task.name]
+        specs = episodes[task.name][: config.episodes] if config.episodes else episodes[task.name]
         t0 = time.time()
 
         def report(ep: EpisodeLog, task: Any = task, specs: list = specs) -> None:
@@ -319,8 +282,8 @@ def run(
         finally:
             task.close()
         metrics = task_metrics(logs) | {"seconds": round(time.time() - t0, 1)}
-        if config.limit:
-            metrics["limited_to"] = config.limit
+        if config.episodes:
+            metrics["limited_to"] = config.episodes
         doc["tasks"][task.name] = metrics
         doc["episodes"] += [episode_record(x, task.name) for x in logs]
         if writer is not None:
@@ -339,7 +302,7 @@ def run(
 
 
 def _episodes(
-    task: Any, checkout: Checkout, specs: Sequence[Any], agent: Agent, config: RunConfig, **kw: Any
+    task: Any, checkout: Checkout, specs: Sequence[Any], agent: Agent, config: EvalConfig, **kw: Any
 ) -> list[EpisodeLog]:
     return run_episodes(
         task, checkout, specs, agent, max_steps=config.max_steps, batch_size=config.batch_size, **kw
@@ -369,7 +332,7 @@ def _samples(
     model: ModelBackend | None,
     policy: str | None,
     suffix: str,
-    config: RunConfig,
+    config: EvalConfig,
     log: Callable[[str], None],
     phase: list[Any],
     jr: dict[str, Any],
@@ -411,7 +374,7 @@ def _perturbed(
     checkout: Checkout,
     specs: Sequence[Any],
     agent: Agent,
-    config: RunConfig,
+    config: EvalConfig,
     original: dict[str, Any],
     log: Callable[[str], None],
     phase: list[Any],
@@ -449,44 +412,6 @@ def _perturbed(
     return out
 
 
-def _pct(x: float | None) -> str:
-    return "   -  " if x is None else f"{100 * x:5.1f}%"
-
-
-def format_table(doc: dict[str, Any]) -> str:
-    """A plain-text table of the per-task metrics and the held-out means."""
-    cols = ("success", "progress", "grounding", "SR easy", "SR hard")
-    head = f"{'task':<10} {'n':>4} " + " ".join(f"{c:>9}" for c in cols)
-    lines = [f"AgentBoard protocol — {doc['agent']} (max {doc['max_steps']} steps)", head]
-    for name, m in doc["tasks"].items():
-        keys = ("success_rate", "progress_rate", "grounding_acc", "success_rate_easy", "success_rate_hard")
-        lines.append(f"{name:<10} {m['episodes']:>4} " + " ".join(f"{_pct(m[k]):>9}" for k in keys))
-    held = doc.get("held_out", {})
-    if "unweighted_mean" in held:
-        u, w = held["unweighted_mean"], held["episode_weighted_mean"]
-        lines.append(
-            f"held-out unweighted mean (AgentBoard's convention): success {_pct(u['success_rate'])} "
-            f"progress {_pct(u['progress_rate'])}"
-        )
-        lines.append(
-            f"held-out episode-weighted mean ({registry.weights_label()}; NOT AgentBoard's): "
-            f"success {_pct(w['success_rate'])} progress {_pct(w['progress_rate'])}"
-        )
-    for name, p in doc.get("perturbation", {}).items():
-        for m in ("success_rate", "progress_rate"):
-            r = p[m]
-            lines.append(
-                f"{name} {m} under reworded actions: original {_pct(r['original'])}, "
-                f"{len(r['perturbations'])} variants mean {_pct(r['mean'])} ± {100 * r['std']:.1f}"
-            )
-    bon = doc.get("best_of")
-    if bon:
-        lines += best_of_table(bon)
-    for note in doc.get("checkout_notes", []):
-        lines.append(f"note: {note}")
-    return "\n".join(lines)
-
-
 # ----------------------------------------------------------------------------------------- run directories
 
 
@@ -519,7 +444,7 @@ def selection_score(doc: dict[str, Any]) -> tuple[float, float]:
 
 def run_checkpoints(
     checkout: Checkout,
-    config: RunConfig,
+    config: EvalConfig,
     checkpoints: Sequence[tuple[int, str]],
     make_model: Callable[[str], ModelBackend],
     log: Callable[[str], None] = print,
@@ -546,15 +471,3 @@ def run_checkpoints(
         "best_checkpoint": best["checkpoint"],
         "checkpoints": results,
     }
-
-
-def format_run_table(doc: dict[str, Any]) -> str:
-    parts = []
-    for r in doc["checkpoints"]:
-        mark = "  <- best" if r["step"] == doc["best_step"] else ""
-        parts.append(f"== step {r['step']}: score {r['score'][0]:.3f}/{r['score'][1]:.3f}{mark}")
-        parts.append(format_table(r["result"]))
-    parts.append(
-        f"best checkpoint: step {doc['best_step']} ({doc['best_checkpoint']}); by {doc['selection']}"
-    )
-    return "\n".join(parts)
