@@ -52,7 +52,7 @@ def test_worlds_are_unseen_and_use_the_demo_simulator():
     seeds = [s["seed"] for s in task.episode_specs(5, 0) + task.episode_specs(5, 1)]
     assert len(set(seeds)) == 10 and min(seeds) >= 2_000_000  # past train (0..) and eval (1,000,000..)
     env = task.make_env(task.episode_specs(1, 0)[0], 0)
-    goal, obs = env.reset()
+    obs, goal = env.reset(), env.goal
     world = dw.make_world(__import__("random").Random(seeds[0]))
     assert obs == world.describe() and world.task_object in goal
     for action in env.valid_actions():  # every listed action is valid in the demo's own simulator

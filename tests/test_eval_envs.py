@@ -32,7 +32,7 @@ def _offset(phrase: str) -> tuple[int, int]:
 def test_babyai_rendering_matches_the_grid(workdir, episode):
     task = make_task("babyai", workdir)
     env = task.make_env(task.episode_specs(6, seed=3)[episode], 0)
-    _, obs = env.reset()
+    obs = env.reset()
     for action in ("turn left", "move forward", "turn right", "move forward"):
         me = env._env  # the minigrid environment: ground truth
         lines = [ln for ln in obs.splitlines() if ln.startswith("- ")]
@@ -98,7 +98,7 @@ def test_pddl_bfs_is_optimal_and_progress_counts_goal_atoms(workdir):
 def test_pddl_rejects_inapplicable_and_unknown_actions(workdir):
     task = make_task("pddl", workdir)
     env = task.make_env({"domain": "blocks", "problem": "blocks/problem1.pddl"}, 0)
-    _, obs = env.reset()
+    obs = env.reset()
     assert "the hand is empty" in obs and "Available actions" in env.instruction
     r = env.step("stack a b")
     assert not r.valid and "cannot be applied" in r.observation
@@ -113,7 +113,7 @@ def test_sciworld_feedback_and_blocked_commands(workdir):
     task = make_task("sciworld", workdir, tasks=("find-living-thing",))
     env = task.make_env(task.episode_specs(1, 0)[0], 0)
     try:
-        goal, obs = env.reset()
+        obs, goal = env.reset(), env.goal
         assert "living thing" in goal and "This room is called" in obs
         r = env.step("reset task")
         assert not r.valid and not r.executed

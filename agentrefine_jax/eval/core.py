@@ -1,4 +1,4 @@
-"""What every episode source shares: the step result environments return, and the one episode engine.
+"""What every episode source shares: the environment interface, its step result, and the one episode engine.
 
 The engine is protocol-agnostic: a protocol object (our chat layout, `loop.ChatProtocol`; AgentBoard's,
 `agentboard/protocol.AgentBoardProtocol`) says how an episode starts, how a round of replies is obtained
@@ -36,6 +36,23 @@ class StepResult:
     # The action as the environment parsed it, when it rewrites replies (AgentBoard's ALFWorld `parseAction`,
     # Jericho's cut): AgentBoard records this form, not the raw reply, in the history a model reads next.
     action: str | None = None
+
+
+class Env(Protocol):
+    """One running episode of any task, from either source, as every protocol drives it: `reset` starts the
+    episode and returns the first observation (and sets `goal`); `step` applies one action; `valid_actions`
+    is what "check valid actions" lists now. An env whose task tells success apart from the episode ending
+    (BabyAI's cleared goal, a built-in env's `success`) exposes `success` too."""
+
+    goal: str
+
+    def reset(self) -> str: ...
+
+    def step(self, action: str) -> StepResult: ...
+
+    def valid_actions(self) -> list[str]: ...
+
+    def close(self) -> None: ...
 
 
 class Running(Protocol):

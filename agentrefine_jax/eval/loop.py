@@ -153,7 +153,8 @@ def _start(job: EpisodeJob, policy: Policy) -> _Running:
     try:
         env = job.task.make_env(job.spec, job.perturbation, oracle=policy.needs_oracle)
         try:
-            goal, obs = env.reset()
+            obs = env.reset()
+            goal = env.goal
             actor = policy.for_episode(job.task, env, job.spec, job.seed) if is_privileged(policy) else None
         except BaseException:
             env.close()

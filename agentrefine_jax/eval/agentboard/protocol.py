@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 from agentrefine_jax.eval import core
 from agentrefine_jax.eval.agentboard.checkout import CLONE, Checkout, CheckoutError
-from agentrefine_jax.eval.agentboard.tasks.base import AgentBoardEnv, EpisodeSpec
-from agentrefine_jax.eval.core import StepResult
+from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
+from agentrefine_jax.eval.core import Env, StepResult
 from agentrefine_jax.eval.journal import Journal
 from agentrefine_jax.eval.policies import RandomPolicy  # noqa: F401 - the one random policy, re-exported
 from agentrefine_jax.layout import agentboard_head, history_lines
@@ -229,7 +229,7 @@ class Episode:
     """One running AgentBoard episode: env, memory and log. Drives the loop one step at a time so a model
     backend can answer many episodes in one batched call."""
 
-    def __init__(self, spec: EpisodeSpec, env: AgentBoardEnv, task: Any, max_steps: int):
+    def __init__(self, spec: EpisodeSpec, env: Env, task: Any, max_steps: int):
         self.spec, self.env, self.task, self.max_steps = spec, env, task, max_steps
         self.log = EpisodeLog(spec)
         self.memory: list[tuple[str, str]] = []
@@ -311,7 +311,7 @@ class Agent:
 
     model: ModelBackend | None = None
     # (task, env, spec) -> a per-episode policy: act(env, history: list[tuple[str, str]]) -> str
-    policy_for: Callable[[Any, AgentBoardEnv, EpisodeSpec], Any] | None = None
+    policy_for: Callable[[Any, Env, EpisodeSpec], Any] | None = None
     system_suffix: str = ""  # appended to every system message (AgentBoard's vLLM sentence for open models)
 
     def __post_init__(self) -> None:

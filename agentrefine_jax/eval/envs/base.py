@@ -33,7 +33,7 @@ def rejected(observation: str) -> StepResult:
 
 
 class TextEnv(abc.ABC):
-    """One episode of one task, seen through text."""
+    """One episode of one task, seen through text: a built-in source's `core.Env`."""
 
     task: ClassVar[str]
     # Paragraph describing the world and the rules; the action list is appended from the vocabulary.
@@ -74,14 +74,15 @@ class TextEnv(abc.ABC):
     def instruction(self) -> str:
         return f"{self.intro.strip()}\n\nAvailable actions:\n{self.vocab.describe()}"
 
-    def reset(self) -> tuple[str, str]:
+    def reset(self) -> str:
+        """Start the episode (`core.Env`): the first observation; `goal` is set."""
         self.success = False
         self.done = False
         self.best_progress = 0.0
         goal, obs = self._reset()
         self.goal = goal
         self.best_progress = max(self.best_progress, self._initial_progress())
-        return goal, obs
+        return obs
 
     def _initial_progress(self) -> float:
         return 0.0

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA
-from agentrefine_jax.eval.core import StepResult
+from agentrefine_jax.eval.core import Env
 from agentrefine_jax.layout import CHECK_VALID_ACTIONS as HELP  # AgentBoard's help action, all tasks
 
 
@@ -19,20 +19,6 @@ class EpisodeSpec:
     id: str  # human-readable id, e.g. "BabyAI-GoToRedBall-v0/1234", "gripper/prob01.pddl"
     difficulty: str  # "easy" | "hard" (from test.jsonl)
     info: dict[str, Any] = dataclasses.field(default_factory=dict)  # task-specific (subgoals, paths, seed...)
-
-
-class AgentBoardEnv(Protocol):
-    """One running episode. `reset` returns the initial observation; `goal` is set after reset."""
-
-    goal: str
-
-    def reset(self) -> str: ...
-
-    def step(self, action: str) -> StepResult: ...
-
-    def valid_actions(self) -> list[str]: ...  # what "check valid actions" would list now
-
-    def close(self) -> None: ...
 
 
 class Task:
@@ -59,14 +45,14 @@ class Task:
     def episodes(self, checkout: Any) -> list[EpisodeSpec]:
         raise NotImplementedError
 
-    def make_env(self, checkout: Any, episode: EpisodeSpec) -> AgentBoardEnv:
+    def make_env(self, checkout: Any, episode: EpisodeSpec) -> Env:
         raise NotImplementedError
 
     def examples_key(self, episode: EpisodeSpec) -> str | None:
         """Which prompt example set (alfworld/pddl); None for a task with one."""
         return None
 
-    def oracle(self, env: AgentBoardEnv) -> Any | None:
+    def oracle(self, env: Env) -> Any | None:
         """A policy object with act(env, history: list[tuple[str, str]]) -> str, or None."""
         return None
 

@@ -241,7 +241,7 @@ class PddlEnv:
             literals = [lit for lit in literals if lit not in previous]
         return " ".join(sorted(self.literal_text(lit).capitalize() for lit in literals))
 
-    # ------------------------------------------------------------------ AgentBoardEnv
+    # ------------------------------------------------------------------ Env
 
     def reset(self) -> str:
         obs, _ = self._env.reset()
