@@ -91,15 +91,8 @@ def test_checkpoint_samples_differ_at_temperature_1(tmp_path):
         return generate(batch, keys)
 
     model.generate = recording
-    cfg = EvalConfig(
-        tasks=("pddl",),
-        source="agentboard",
-        max_steps=1,
-        batch_size=4,
-        episodes=1,
-        best_of=3,
-        temperature=1.0,
-    )
+    sampled = {"best_of": 3, "temperature": 1.0}
+    cfg = EvalConfig(tasks=("pddl",), source="agentboard", max_steps=1, batch_size=4, episodes=1, **sampled)
     doc = run(co, cfg, model=model)
     samples = doc["best_of"]["episodes"]
     assert [e["sample"] for e in samples] == [0, 1, 2] and all(e["steps"] == 1 for e in samples)
