@@ -293,23 +293,29 @@ def eval_model(
 
 def merge_results(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One built-in eval result from per-task results of the same agent (metrics recomputed from the
-    episode records, eval's own `summarize`)."""
-    from agentrefine_jax.eval.metrics import summarize
-    from agentrefine_jax.eval.registry import task_weights
+    episode records by eval's own writer, so the merged file has eval's one layout)."""
+    from agentrefine_jax.eval.metrics import task_metrics
+    from agentrefine_jax.eval.results import results_document
 
+    if any("best_of" in d for d in docs):
+        raise ValueError("merge_results: Best-of-N results need their greedy runs merged too (not done here)")
     episodes = [e for d in docs for e in d["episodes"]]
     tasks = [t for d in docs for t in d["config"]["tasks"]]
     config = dict(docs[0]["config"]) | {
         "tasks": tasks,
         "episodes": {t: d["config"]["episodes"] for d in docs for t in d["config"]["tasks"]},
     }
-    keep = {k: v for k, v in docs[0].items() if k not in ("variants", "perturbation_summary", "episodes")}
-    return keep | {
-        "config": config,
-        "seconds": round(sum(float(d.get("seconds", 0)) for d in docs), 1),
-        **summarize(episodes, task_weights()),
-        "episodes": episodes,
-    }
+    variants = task_metrics(episodes)
+    seconds = round(sum(float(d.get("seconds", 0)) for d in docs), 1)
+    return results_document(
+        "builtin",
+        docs[0]["agent"],
+        config,
+        tasks=variants.get("original", {}),
+        variants=variants,
+        episodes=episodes,
+        extra={"policy": docs[0]["agent"], "seconds": seconds},
+    )
 
 
 # ------------------------------------------------------------------------------------------- report

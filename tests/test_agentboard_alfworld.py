@@ -287,3 +287,42 @@ def test_history_holds_agentboards_parsed_action(tmp_path):
     assert "Action: go to countertop 1\nObservation: " in last
     assert "Action: put mug 1 in/on cabinet 1\nObservation: Nothing happens.\nAction: open cabinet 1" in last
     assert "Action: put mug 1 in cabinet 1" not in last and "Action: go to countertop 1." not in last
+
+
+@pytest.mark.timeout(300)
+def test_perturbed_runs_fill_the_shared_variants_and_summary(tmp_path):
+    """`--perturb` on AgentBoard's ALFWorld writes the layout both sources share: each rewording's metrics
+    under `variants.perturbation_k`, Table 3 under `perturbation_summary`, and the table prints it."""
+    from agentrefine_jax.eval.agentboard.runner import run
+    from agentrefine_jax.eval.config import EvalConfig
+    from agentrefine_jax.eval.perturb import rewording
+    from agentrefine_jax.eval.tables import format_table
+
+    cfg = EvalConfig(tasks=("alfworld",), source="agentboard", episodes=2, perturbations=2, max_steps=10)
+    doc = run(write_checkout(tmp_path), cfg, policy="random", log=lambda _m: None)
+    variants = doc["variants"]
+    assert sorted(variants) == ["original", "perturbation_1", "perturbation_2"]
+    assert variants["original"]["tasks"] == doc["tasks"]
+    for k in (1, 2):
+        m = variants[f"perturbation_{k}"]["tasks"]["alfworld"]
+        assert m["rewording"] == rewording(k).name and m["episodes"] == 2
+    s = doc["perturbation_summary"]["alfworld"]["progress_rate"]
+    values = [variants[f"perturbation_{k}"]["tasks"]["alfworld"]["progress_rate"] for k in (1, 2)]
+    assert s["original"] == doc["tasks"]["alfworld"]["progress_rate"]
+    assert s["perturbations"] == {"perturbation_1": values[0], "perturbation_2": values[1]}
+    assert s["mean"] == pytest.approx(sum(values) / 2)
+    assert "alfworld progress_rate under reworded actions" in format_table(doc)
+
+
+def test_loading_a_game_leaves_the_command_line_alone(tmp_path, monkeypatch):
+    """fast-downward's translator, run in-process when TextWorld loads an ALFWorld game, overwrites
+    sys.argv; an evaluation (whose CLI and journal are keyed by its command) must not see that."""
+    import sys
+
+    monkeypatch.setattr(sys, "argv", ["eval", "--tasks", "alfworld"])
+    specs = ALFWorldTask().episodes(write_checkout(tmp_path))
+    env = ALFWorldTask().make_env(None, specs[0])
+    env.reset()
+    env.step("go to countertop 1")
+    env.close()
+    assert sys.argv == ["eval", "--tasks", "alfworld"]

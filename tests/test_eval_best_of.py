@@ -50,7 +50,7 @@ def test_random_best_of_4_through_the_cli_with_a_plugin_task(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     doc = json.loads(out.read_text())
-    assert doc["schema"] == "agentrefine_jax.eval/1"
+    assert doc["schema"] == "agentrefine_jax.eval/2"
     assert (doc["source"], doc["config"]["name"]) == ("agentboard", "bo4")
     bon = doc["best_of"]
     assert (bon["n"], bon["temperature"]) == (4, 1.0)

@@ -1,16 +1,15 @@
 """The one reader of `eval` result JSONs: every layout the eval stage writes becomes a `RunResult`.
 
 `analyze report` and its tables and figures see only `RunResult`; when the eval stage's JSON
-changes, this module is the one place that follows it. The layout is docs/eval.md's "Results JSON"
-(schema `agentrefine_jax.eval/1`, `source` builtin | agentboard); files written before the schema
-field existed are read too. Rates are fractions in [0, 1], as in the files.
-
-* built-in source: `variants.original.tasks.<task>` (Best-of-N rates when `config.best_of > 1`, the
-  first sample's beside them), `variants.perturbation_k`, `held_out_average.weights`;
-* AgentBoard source: `tasks.<task>` (the greedy run), `held_out.episode_weighted_mean`,
-  `best_of.tasks.<task>.{greedy, best_of}` (Table 4), `perturbation.alfworld.variants` (Table 3), and
-  `--all-checkpoints`'s `{checkpoints, best_step}` (the best checkpoint's result is read);
-* tasks scored by exact match / F1 (HotpotQA: EM as success, F1 as progress) go to `qa`, not `tasks`.
+changes, this module is the one place that follows it. It reads one layout, docs/eval.md's "Results
+JSON" (schema `agentrefine_jax.eval/2`, the same for `source` builtin and agentboard): `tasks.<task>`
+(the headline greedy run; `best_of.greedy_run == "sample 0"` marks a policy's first sample), `held_out`
+(the weighted held-out average), `best_of.tasks.<task>.{greedy, best_of}` (Table 4), `variants.<variant>
+.tasks.<task>` (Table 3's original and perturbations), and `--all-checkpoints`'s `{checkpoints,
+best_step}` (the best checkpoint's result is read). Older files (schema /1 of either source, and files
+written before the schema field existed) are upgraded to that layout first, with their own meaning kept:
+a /1 built-in Best-of-N file's headline is its first sample. Rates are fractions in [0, 1], as in the
+files. Tasks scored by exact match / F1 (HotpotQA: EM as success, F1 as progress) go to `qa`.
 """
 
 from __future__ import annotations
@@ -171,41 +170,33 @@ def _agent(doc: Mapping[str, Any]) -> str:
     return str(doc.get("agent") or doc.get("policy") or "?")
 
 
-def _read_builtin(doc: Mapping[str, Any], path: str, label: str) -> RunResult:
-    variants = doc["variants"]
-    if not isinstance(variants, Mapping) or "original" not in variants:
-        raise ResultError(f"{path}: eval result without an 'original' variant")
-    original = variants["original"]
-    best_of = int(doc.get("config", {}).get("best_of", 1) or 1)
-    headline = {t: _score(m) for t, m in original["tasks"].items()}
+def _read(doc: Mapping[str, Any], path: str, label: str) -> RunResult:
+    """A schema-/2 document (either source; older files are upgraded to it first)."""
     agent = _agent(doc)
-    result = RunResult(path, label, agent, "builtin", headline)
-    if best_of > 1:
-        # Today's eval samples every run of a Best-of-N file; its first sample is the single-sample score.
-        result.best_of = best_of
-        result.best_of_tasks = headline
-        result.tasks = {t: _score(m, "first_sample_") for t, m in original["tasks"].items()}
-        result.single_kind = "first sample"
-    weights = {t: w for t, w in ((original.get("held_out_average") or {}).get("weights") or {}).items()}
-    if weights and not all(_is_qa(t) for t in result.tasks):
-        result.held_out = _weighted(result.tasks, weights)
-        result.held_out_note = "paper weights 112/90/60/20 (Jericho's to TextWorld), renormalised"
+    tasks = {t: _score(m) for t, m in doc["tasks"].items()}
+    result = RunResult(path, label, agent, str(doc["source"]), tasks)
+    bon = doc.get("best_of")
+    if isinstance(bon, Mapping) and bon.get("tasks"):
+        result.best_of = int(bon.get("n", 0)) or 2
+        result.best_of_tasks = {
+            t: _score(m["best_of"] | {"episodes": m.get("episodes")}) for t, m in bon["tasks"].items()
+        }
+        for t, m in bon["tasks"].items():  # Table 4's greedy row, where the file has no headline of its own
+            result.tasks.setdefault(t, _score(m["greedy"]))
+        if bon.get("greedy_run") == "sample 0":
+            result.single_kind = "first sample"
+    held = doc.get("held_out") or {}
+    if _num(held.get("success_rate")) is not None or _num(held.get("progress_rate")) is not None:
+        result.held_out = Score(_num(held.get("success_rate")), _num(held.get("progress_rate")))
+        result.held_out_note = str(held.get("label") or "")
+    variants = doc.get("variants") or {}
+    original = (variants.get("original") or {}).get("tasks") or {}
     names = sorted((v for v in variants if v != "original"), key=_variant_index)
-    for t in original["tasks"]:
+    for t, m in original.items():
         if names and all(t in variants[v]["tasks"] for v in names):
-            result.perturbations[t] = [headline[t]] + [_score(variants[v]["tasks"][t]) for v in names]
+            result.perturbations[t] = [_score(m)] + [_score(variants[v]["tasks"][t]) for v in names]
     result.run_config = _run_config(doc, agent)
     return _split_qa(result)
-
-
-def _weighted(tasks: Mapping[str, Score], weights: Mapping[str, float]) -> Score:
-    def mean(field: str) -> float | None:
-        values = [(getattr(tasks[t], field), w) for t, w in weights.items() if t in tasks]
-        if not values or any(v is None for v, _ in values):
-            return None
-        return sum(v * w for v, w in values) / sum(w for _, w in values)
-
-    return Score(mean("success"), mean("progress"))
 
 
 def _variant_index(name: str) -> int:
@@ -213,31 +204,67 @@ def _variant_index(name: str) -> int:
     return int(tail) if tail.isdigit() else 10**6
 
 
-def _read_agentboard(doc: Mapping[str, Any], path: str, label: str) -> RunResult:
-    if "checkpoints" in doc:  # --all-checkpoints: the best checkpoint's result
-        best = [r for r in doc["checkpoints"] if r.get("step") == doc.get("best_step")]
-        if not best:
-            raise ResultError(f"{path}: --all-checkpoints result without its best_step's entry")
-        return _read_agentboard(best[0]["result"], path, label)
-    agent = _agent(doc)
-    result = RunResult(path, label, agent, "agentboard", {t: _score(m) for t, m in doc["tasks"].items()})
-    bon = doc.get("best_of")
-    if isinstance(bon, Mapping) and bon.get("tasks"):
-        result.best_of = int(bon.get("n", 0)) or 2
-        result.best_of_tasks = {t: _score(m["best_of"]) for t, m in bon["tasks"].items()}
-        # the greedy run of a Best-of-N file is its `tasks`; the Table 4 rows repeat it
-        for t, m in bon["tasks"].items():
-            result.tasks.setdefault(t, _score(m["greedy"]))
-    held = doc.get("held_out") or {}
-    weighted = held.get("episode_weighted_mean")
-    if isinstance(weighted, Mapping):
-        result.held_out = Score(_num(weighted.get("success_rate")), _num(weighted.get("progress_rate")))
-        result.held_out_note = "episode-weighted (112/90/60/20)"
+# ----------------------------------------------------------------------------------------- older files
+
+
+def _weighted(tasks: Mapping[str, Mapping[str, Any]], weights: Mapping[str, float]) -> dict[str, Any]:
+    def mean(field: str) -> float | None:
+        values = [(_num(tasks[t].get(field)), w) for t, w in weights.items() if t in tasks]
+        if not values or any(v is None for v, _ in values):
+            return None
+        return sum(v * w for v, w in values) / sum(w for _, w in values)  # type: ignore[operator]
+
+    return {"success_rate": mean("success_rate"), "progress_rate": mean("progress_rate")}
+
+
+def _upgrade_builtin(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """Schema /1 (or older) built-in file -> /2: its headline is `variants.original`, or that variant's
+    first sample under Best-of-N (those files had no greedy run to report)."""
+    variants = doc["variants"]
+    if not isinstance(variants, Mapping) or "original" not in variants:
+        raise ResultError("eval result without an 'original' variant")
+    original = variants["original"]
+    n = int((doc.get("config") or {}).get("best_of", 1) or 1)
+    tasks = dict(original["tasks"])
+    out = dict(doc) | {"source": "builtin", "tasks": tasks}
+    if n > 1:
+        first = ("success_rate", "progress_rate")
+        tasks.update({t: dict(m) | {k: m.get("first_sample_" + k) for k in first} for t, m in tasks.items()})
+        bon = dict(doc.get("best_of") or {"n": n})
+        bon["greedy_run"] = "sample 0"
+        bon["tasks"] = {
+            t: {"greedy": tasks[t], "best_of": m, "episodes": m.get("episodes")}
+            for t, m in original["tasks"].items()
+        }
+        out["best_of"] = bon
+    weights = (original.get("held_out_average") or {}).get("weights") or {}
+    out["held_out"] = _weighted(tasks, weights) | {
+        "label": "paper weights 112/90/60/20 (Jericho's to TextWorld), renormalised"
+    }
+    return out
+
+
+def _upgrade_agentboard(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """Schema /1 (or older) AgentBoard file -> /2: the episode-weighted held-out mean and Table 3's
+    `perturbation.<task>.variants` become `held_out` and `variants`."""
+    out = dict(doc) | {"source": "agentboard"}
+    weighted = (doc.get("held_out") or {}).get("episode_weighted_mean")
+    held = weighted if isinstance(weighted, Mapping) else {}
+    out["held_out"] = {k: held.get(k) for k in ("success_rate", "progress_rate")} | {
+        "label": "episode-weighted (112/90/60/20)"
+    }
+    variants: dict[str, Any] = {"original": {"tasks": dict(doc["tasks"])}}
     for t, p in (doc.get("perturbation") or {}).items():
-        if t in result.tasks:
-            result.perturbations[t] = [result.tasks[t]] + [_score(v) for v in p.get("variants", [])]
-    result.run_config = _run_config(doc, agent)
-    return _split_qa(result)
+        for i, v in enumerate(p.get("variants", []), 1):
+            variants.setdefault(f"perturbation_{v.get('index', i)}", {"tasks": {}})["tasks"][t] = v
+    out["variants"] = variants
+    return out
+
+
+def _upgrade(doc: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
+    if str(doc.get("schema", "")).endswith("/2"):
+        return doc
+    return _upgrade_builtin(doc) if kind == "builtin" else _upgrade_agentboard(doc)
 
 
 def _kind(doc: Any) -> str | None:
@@ -280,7 +307,14 @@ def read_result(path: str | os.PathLike[str], label: str | None = None) -> RunRe
             "--out` writes"
         )
     try:
-        return _read_builtin(doc, path, label) if kind == "builtin" else _read_agentboard(doc, path, label)
+        if "checkpoints" in doc:  # --all-checkpoints: the best checkpoint's result
+            best = [r for r in doc["checkpoints"] if r.get("step") == doc.get("best_step")]
+            if not best:
+                raise ResultError(f"{path}: --all-checkpoints result without its best_step's entry")
+            doc = best[0]["result"]
+        return _read(_upgrade(doc, kind), path, label)
+    except ResultError as e:
+        raise ResultError(f"{path}: {e}" if not str(e).startswith(path) else str(e)) from None
     except (KeyError, TypeError, AttributeError) as e:
         raise ResultError(
             f"{path}: eval result with an unexpected layout ({type(e).__name__}: {e})"

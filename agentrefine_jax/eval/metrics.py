@@ -26,7 +26,7 @@ AGENTBOARD_METRICS = ("success_rate", "progress_rate", "grounding_acc")
 RATES = AGENTBOARD_METRICS[:2]
 # How a model's replies fare, per task (`behaviour_rates`): where a small model shows training's effect.
 BEHAVIOUR = ("valid_action_rate", "format_error_rate")
-SCHEMA = "agentrefine_jax.eval/1"  # the results JSON layout, docs/eval.md ("Results JSON")
+SCHEMA = "agentrefine_jax.eval/2"  # the results JSON layout of both sources, docs/eval.md ("Results JSON")
 
 
 def _get(r: Any, key: str) -> Any:
@@ -114,13 +114,14 @@ def held_out_average(
 
 def perturbation_summary(variants: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per task (and the held-out average): original score, each perturbation, mean and population
-    standard deviation across the perturbed variants (the original is reported beside them)."""
+    standard deviation across the perturbed variants (the original is reported beside them). A task is
+    summarised when every perturbed variant ran it (AgentBoard's source perturbs ALFWorld only)."""
     perturbed = sorted(v for v in variants if v != "original")
     if "original" not in variants or not perturbed:
         return {}
-    keys = list(variants["original"]["tasks"]) + [HELD_OUT]
+    tasks = [t for t in variants["original"]["tasks"] if all(t in variants[v]["tasks"] for v in perturbed)]
     out: dict[str, dict[str, Any]] = {}
-    for key in keys:
+    for key in [*tasks, HELD_OUT]:
         entry: dict[str, Any] = {}
         for metric in ("success_rate", "progress_rate"):
             values = [_metric(variants[v], key, metric) for v in perturbed]
@@ -138,11 +139,40 @@ def _metric(variant: Mapping[str, Any], key: str, metric: str) -> float | None:
 
 def summarize(results: Sequence[Any], weights: Mapping[str, int] = PAPER_WEIGHTS) -> dict[str, Any]:
     """Everything the report needs: per-variant task metrics, held-out averages, perturbation spread."""
-    per_variant = task_metrics(results)
+    return variants_section(task_metrics(results), weights)
+
+
+def variants_section(
+    per_variant: Mapping[str, Mapping[str, Any]], weights: Mapping[str, int]
+) -> dict[str, Any]:
+    """`variants` (each variant's task metrics and weighted held-out average) and `perturbation_summary`."""
     variants = {
-        v: {"tasks": tasks, HELD_OUT: held_out_average(tasks, weights)} for v, tasks in per_variant.items()
+        v: {"tasks": dict(tasks), HELD_OUT: held_out_average(tasks, weights)}
+        for v, tasks in per_variant.items()
     }
     return {"variants": variants, "perturbation_summary": perturbation_summary(variants)}
+
+
+def held_out_summary(
+    per_task: Mapping[str, Mapping[str, Any]], weights: Mapping[str, int], complete_only: bool = False
+) -> dict[str, Any]:
+    """The held-out summary of a run's headline scores, the same for both sources: the paper's weighted
+    average renormalised over the held-out tasks that ran (`held_out_average`), the held-out tasks that
+    did not (`missing`, in the paper's order) and, when all four ran, AgentBoard's unweighted mean.
+    `complete_only` (AgentBoard's source): no average unless all four ran, as AgentBoard's summaries."""
+    missing = [t for t in weights if t not in per_task]
+    if complete_only and missing:
+        out = held_out_average({}, weights) | {"note": "AgentBoard's held-out means need all four tasks"}
+    else:
+        out = held_out_average(per_task, weights)
+        if out["success_rate"] is None:
+            out["note"] = out["missing"]
+    out["tasks"] = [t for t in weights if t in per_task]
+    out["missing"] = missing
+    out["label"] = f"paper weights ({registry.weights_label()}), renormalised over the held-out tasks run"
+    if not missing:
+        out["unweighted_mean"] = {m: _mean_or_none([per_task[t][m] for t in weights]) for m in RATES}
+    return out
 
 
 def _mean(values: Iterable[float]) -> float | None:
@@ -189,26 +219,6 @@ def agentboard_task_metrics(logs: Sequence[EpisodeLog]) -> dict[str, Any]:
     return out
 
 
-def agentboard_held_out(per_task: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Unweighted mean of the four held-out tasks' rates, and the episode-weighted mean (labelled)."""
-    missing = [t for t in registry.HELD_OUT_TASKS if t not in per_task]
-    if missing:
-        return {"missing": missing, "note": "the held-out means need babyai, sciworld, pddl and jericho"}
-    out: dict[str, Any] = {"tasks": list(registry.HELD_OUT_TASKS)}
-    out["unweighted_mean"] = {
-        m: _mean_or_none([per_task[t][m] for t in registry.HELD_OUT_TASKS]) for m in RATES
-    }
-    counts = {t: per_task[t]["episodes"] for t in registry.HELD_OUT_TASKS}
-    total = sum(counts.values())
-    out["episode_weighted_mean"] = {
-        m: sum(per_task[t][m] * counts[t] for t in registry.HELD_OUT_TASKS) / total for m in RATES
-    } | {
-        "weights": counts,
-        "label": f"weighted by episodes ({registry.weights_label()} on full sets); not AgentBoard's mean",
-    }
-    return out
-
-
 def best_of_metrics(greedy: Sequence[Any], samples: Sequence[Any]) -> dict[str, Any]:
     """Table 4 for one task, from episode records (`task`, `episode`, `sample`, `success`, `progress`;
     mappings or objects): greedy, Best-of-N (success if any sample succeeds, progress the max), their
@@ -244,11 +254,12 @@ def _record(r: Any) -> dict[str, Any]:
     return {k: _get(r, k) for k in ("task", "episode", "sample", "success", "progress")}
 
 
-def best_of_held_out(per_task: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The held-out unweighted mean of each Table 4 row, when the four held-out tasks ran."""
-    if any(t not in per_task for t in registry.HELD_OUT_TASKS):
+def best_of_held_out(per_task: Mapping[str, Mapping[str, Any]], names: Sequence[str]) -> dict[str, Any]:
+    """The held-out unweighted mean of each Table 4 row, when the four held-out tasks (`names`, this
+    source's result names) ran."""
+    if any(t not in per_task for t in names):
         return {}
     return {
-        row: {m: _mean_or_none([per_task[t][row][m] for t in registry.HELD_OUT_TASKS]) for m in RATES}
+        row: {m: _mean_or_none([per_task[t][row][m] for t in names]) for m in RATES}
         for row in ("greedy", "best_of", "delta")
     }

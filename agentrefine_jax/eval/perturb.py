@@ -31,13 +31,27 @@ import dataclasses
 import math
 import re
 import textwrap
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 from agentrefine_jax.eval.core import StepResult
 from agentrefine_jax.layout import CHECK_VALID_ACTIONS as HELP
 
 ORIGINAL = 0
+
+
+class Wording(Protocol):
+    """How one perturbation variant writes commands, under either source: `to_surface` rewrites the
+    simulator's command into what the agent sees; `to_canonical` maps the agent's command back (looked up
+    among `candidates`, the commands admissible now, where the wording needs them), None for a command
+    still in the original wording of a renamed action. `Vocabulary` (built-in tasks, phrase by phrase) and
+    `Rewording` (AgentBoard's ALFWorld, whole commands) are the two kinds."""
+
+    name: str
+
+    def to_surface(self, command: str) -> str: ...
+
+    def to_canonical(self, command: str, candidates: Iterable[str] = ()) -> str | None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +119,8 @@ class Vocabulary:
                 return self._surface[c] + low[len(c) :]
         return low
 
-    def to_canonical(self, command: str) -> str | None:
-        """Map an agent command back to the simulator's wording.
+    def to_canonical(self, command: str, candidates: Iterable[str] = ()) -> str | None:
+        """Map an agent command back to the simulator's wording (phrase by phrase: `candidates` unused).
 
         Returns None when the command uses the canonical name of an action this vocabulary renamed.
         Commands that match no known phrase pass through unchanged: the simulator judges them.
@@ -157,7 +171,7 @@ class Rewording:
     name: str
     rules: tuple[str, ...]  # keys of _RULES
 
-    def surface(self, command: str) -> str:
+    def to_surface(self, command: str) -> str:
         """The command as the agent sees it under this rewording."""
         for key in self.rules:
             pattern, template = _RULES[key]
@@ -165,6 +179,18 @@ class Rewording:
             if m:
                 return template.format(**m.groupdict())
         return command
+
+    surface = to_surface
+
+    def to_canonical(self, command: str, candidates: Iterable[str] = ()) -> str | None:
+        """The game's command whose rewording is `command`, among `candidates` (admissible now); None for a
+        command still in the original wording of a reworded action; anything else unchanged (the game
+        judges it). A reworded command cannot be mapped back without the candidates: the rules rewrite
+        whole commands, not phrases."""
+        table = {self.to_surface(c): c for c in candidates}
+        if command in table:
+            return table[command]
+        return None if self.to_surface(command) != command else command
 
 
 REWORDINGS: tuple[Rewording, ...] = (
@@ -184,9 +210,9 @@ def rewording(index: int) -> Rewording:
 
 def reword_prompt(rw: Rewording, instruction: str, examples: Sequence[str]) -> tuple[str, tuple[str, ...]]:
     """The instruction's quoted command templates and the examples' `Action:` lines, reworded."""
-    instruction = re.sub(r"'([^'\n]+)'", lambda m: f"'{rw.surface(m[1])}'", instruction)
+    instruction = re.sub(r"'([^'\n]+)'", lambda m: f"'{rw.to_surface(m[1])}'", instruction)
     reworded = tuple(
-        re.sub(r"(?m)^(Action: )(.+)$", lambda m: m[1] + rw.surface(m[2]), example) for example in examples
+        re.sub(r"(?m)^(Action: )(.+)$", lambda m: m[1] + rw.to_surface(m[2]), example) for example in examples
     )
     return instruction, reworded
 
@@ -198,7 +224,7 @@ class RewordedEnv:
         self.env, self.rw = env, rw
 
     def _table(self) -> dict[str, str]:
-        return {self.rw.surface(c): c for c in self.env.valid_actions()}
+        return {self.rw.to_surface(c): c for c in self.env.valid_actions()}
 
     def valid_actions(self) -> list[str]:
         return list(self._table())
@@ -213,12 +239,9 @@ class RewordedEnv:
             result = self.env.step(HELP)  # progress regexes see the game's own listing
             text = "Choose an action from these valid actions: " + ", ".join(table)
             return StepResult(text, result.done, result.progress, True, action=action)
-        if valid:
-            command = table[action]
-        elif self.rw.surface(action) != action:
+        command = self.rw.to_canonical(action, table.values())
+        if command is None:
             command = action + " [original wording]"  # never admissible: the game says `Nothing happens.`
-        else:
-            command = action
         result = self.env.step(command)
         return StepResult(result.observation, result.done, result.progress, valid, action=action)
 

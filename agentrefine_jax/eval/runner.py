@@ -12,11 +12,7 @@ from agentrefine_jax.eval.config import EvalConfig
 from agentrefine_jax.eval.envs.base import EvalTask
 from agentrefine_jax.eval.journal import Journal
 from agentrefine_jax.eval.loop import EpisodeJob, EpisodeResult, job_seed, run_episodes
-from agentrefine_jax.eval.metrics import (
-    SCHEMA,
-    best_of_metrics,
-    summarize,
-)
+from agentrefine_jax.eval.metrics import best_of_metrics, task_metrics
 from agentrefine_jax.eval.perturb import variant_name
 from agentrefine_jax.eval.policies import Policy, is_privileged
 from agentrefine_jax.eval.registry import (
@@ -26,6 +22,7 @@ from agentrefine_jax.eval.registry import (
     register_task,
     task_weights,
 )
+from agentrefine_jax.eval.results import results_document
 
 TASK_NAMES = default_tasks("builtin")
 
@@ -52,19 +49,19 @@ def run_eval(
                 greedy[name] = _greedy(name, task, policy, config, results, log, journal)
         finally:
             task.close()
-    summary = summarize(results, task_weights())
-    if greedy:
-        summary["best_of"] = _best_of(greedy, results, policy, config)
-    return {
-        "schema": SCHEMA,
-        "source": "builtin",
-        "agent": policy.name,
-        "policy": policy.name,
-        "config": config.to_json(),
-        "seconds": round(time.perf_counter() - t0, 1),
-        **summary,
-        "episodes": [r.to_json() for r in results],
-    }
+    variants = task_metrics(results)
+    # The headline is the greedy run where Best-of-N sampled the variants, else the original variant.
+    headline = task_metrics([r for g in greedy.values() for r in g])["original"] if greedy else None
+    return results_document(
+        "builtin",
+        policy.name,
+        config,
+        tasks=headline or variants.get("original", {}),
+        variants=variants,
+        episodes=[r.to_json() for r in results],
+        best_of=_best_of(greedy, results, policy, config) if greedy else None,
+        extra={"policy": policy.name, "seconds": round(time.perf_counter() - t0, 1)},
+    )
 
 
 def _run_task(
@@ -140,9 +137,13 @@ def _best_of(
 ) -> dict[str, Any]:
     original = [r for r in results if r.variant == "original"]
     tasks = {t: best_of_metrics(g, [r for r in original if r.task == t]) for t, g in greedy.items()}
+    sampling = getattr(policy, "sampling", None)
     return {
         "n": config.best_of,
-        "temperature": getattr(policy, "sampling", None) and policy.sampling.temperature,
+        "temperature": sampling and sampling.temperature,
+        "top_p": sampling and sampling.top_p,
+        # a privileged policy's greedy row is its sample 0 (the same seeds), not a run of its own
+        "greedy_run": "sample 0" if is_privileged(policy) else "temperature 0",
         "tasks": tasks,
         "greedy_episodes": [r.to_json() for g in greedy.values() for r in g],
     }

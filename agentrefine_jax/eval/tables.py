@@ -113,21 +113,26 @@ def agentboard_table(doc: dict[str, Any]) -> str:
         lines.append(f"{name:<10} {m['episodes']:>4} " + " ".join(f"{_pct_sign(m[k]):>9}" for k in keys))
     held = doc.get("held_out", {})
     if "unweighted_mean" in held:
-        u, w = held["unweighted_mean"], held["episode_weighted_mean"]
+        u = held["unweighted_mean"]
         lines.append(
             f"held-out unweighted mean (AgentBoard's convention): success {_pct_sign(u['success_rate'])} "
             f"progress {_pct_sign(u['progress_rate'])}"
         )
+    if held.get("tasks"):
         lines.append(
-            f"held-out episode-weighted mean ({weights_label()}; NOT AgentBoard's): "
-            f"success {_pct_sign(w['success_rate'])} progress {_pct_sign(w['progress_rate'])}"
+            f"held-out weighted mean (paper weights {weights_label()}, over {', '.join(held['tasks'])}; "
+            f"NOT AgentBoard's): success {_pct_sign(held['success_rate'])} "
+            f"progress {_pct_sign(held['progress_rate'])}"
         )
-    for name, p in doc.get("perturbation", {}).items():
+    for name, p in doc.get("perturbation_summary", {}).items():
+        if name == HELD_OUT:
+            continue
         for m in ("success_rate", "progress_rate"):
             r = p[m]
+            spread = "" if r["std"] is None else f" ± {100 * r['std']:.1f}"
             lines.append(
                 f"{name} {m} under reworded actions: original {_pct_sign(r['original'])}, "
-                f"{len(r['perturbations'])} variants mean {_pct_sign(r['mean'])} ± {100 * r['std']:.1f}"
+                f"{len(r['perturbations'])} variants mean {_pct_sign(r['mean'])}{spread}"
             )
     bon = doc.get("best_of")
     if bon:

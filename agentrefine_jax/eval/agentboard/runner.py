@@ -1,9 +1,9 @@
 """Run AgentBoard tasks on a checkout, report AgentBoard's metrics, write logs readable beside AgentBoard's.
 
 Metrics per task (AgentBoard's `evaluate`): success_rate, progress_rate, grounding_acc (episode means) and the
-`_easy`/`_hard` splits by test.jsonl's `difficulty`. Across tasks: the four held-out tasks' unweighted mean
-(AgentBoard's convention for its summaries) and, labelled apart, the episode-weighted mean (the registry's
-weights for BabyAI/ScienceWorld/PDDL/Jericho when complete).
+`_easy`/`_hard` splits by test.jsonl's `difficulty`. Across tasks (`eval/results.py`, the layout both sources
+write): the paper's weighted held-out average and, when the four held-out tasks ran, their unweighted mean
+(AgentBoard's convention for its summaries).
 """
 
 from __future__ import annotations
@@ -26,14 +26,9 @@ from agentrefine_jax.eval.agentboard.protocol import (
 )
 from agentrefine_jax.eval.config import EvalConfig
 from agentrefine_jax.eval.journal import Journal
-from agentrefine_jax.eval.metrics import (
-    SCHEMA,
-    best_of_held_out,
-    best_of_metrics,
-    episode_record,
-)
-from agentrefine_jax.eval.metrics import agentboard_held_out as held_out_summary
 from agentrefine_jax.eval.metrics import agentboard_task_metrics as task_metrics
+from agentrefine_jax.eval.metrics import best_of_metrics, episode_record
+from agentrefine_jax.eval.perturb import variant_name
 from agentrefine_jax.eval.policies import (
     ActRequest,
     CheckpointPolicy,
@@ -43,6 +38,7 @@ from agentrefine_jax.eval.policies import (
     ask,
     forget,
 )
+from agentrefine_jax.eval.results import results_document
 from agentrefine_jax.outputs import json_dumps
 
 # AgentBoard's own task names (its log file names); ours differ only for ScienceWorld.
@@ -237,17 +233,10 @@ def run(
     suffix = vllm_system_suffix(checkout) if model is not None else ""
     agent = _agent(model, policy, config.seed, suffix)
     writer = LogWriter(config.log_dir) if config.log_dir else None
-    doc: dict[str, Any] = {
-        "schema": SCHEMA,
-        "source": "agentboard",
-        "protocol": "agentboard",
-        "agentboard_dir": str(checkout.root),
-        "agent": model.name if model is not None else policy,
-        "max_steps": config.max_steps,
-        "config": config.to_json(),
-        "tasks": {},
-        "episodes": [],
-    }
+    per_task: dict[str, Any] = {}
+    variants: dict[str, dict[str, Any]] = {"original": per_task}
+    records: list[dict[str, Any]] = []
+    bon: dict[str, Any] | None = None
     for task in tasks:
         specs = episodes[task.name][: config.episodes] if config.episodes else episodes[task.name]
         t0 = time.time()
@@ -269,8 +258,14 @@ def run(
                 samples = _samples(
                     task, checkout, specs, logs, model, policy, suffix, config, log, [*phase, "samples"], jr
                 )
-                head = {"n": config.best_of, "temperature": config.temperature, "top_p": config.top_p}
-                bon = doc.setdefault("best_of", head | {"tasks": {}, "episodes": []})
+                bon = bon or {
+                    "n": config.best_of,
+                    "temperature": config.temperature,
+                    "top_p": config.top_p,
+                    "greedy_run": "temperature 0",  # a run of its own, also for a policy (same seeds)
+                    "tasks": {},
+                    "episodes": [],
+                }
                 bon["tasks"][task.name] = best_of_metrics(
                     [_rec(x, task.name) for x in logs], [_rec(x, task.name) for x in samples]
                 )
@@ -284,21 +279,28 @@ def run(
         metrics = task_metrics(logs) | {"seconds": round(time.time() - t0, 1)}
         if config.episodes:
             metrics["limited_to"] = config.episodes
-        doc["tasks"][task.name] = metrics
-        doc["episodes"] += [episode_record(x, task.name) for x in logs]
+        per_task[task.name] = metrics
+        records += [episode_record(x, task.name) for x in logs]
         if writer is not None:
             writer.task(task.name, metrics)
         if config.perturbations and task.name == "alfworld":
-            doc.setdefault("perturbation", {})[task.name] = _perturbed(
-                task, checkout, specs, agent, config, metrics, log, [*phase, "perturb"], journal
-            )
+            for k, m in _perturbed(task, checkout, specs, agent, config, log, [*phase, "perturb"], journal):
+                variants.setdefault(variant_name(k), {})[task.name] = m
+    extra: dict[str, Any] = {"agentboard_dir": str(checkout.root), "max_steps": config.max_steps}
     notes = [n for t in tasks for n in getattr(t, "notes", [])]
     if notes:
-        doc["checkout_notes"] = notes
-    doc["held_out"] = held_out_summary(doc["tasks"])
-    if "best_of" in doc:
-        doc["best_of"]["held_out"] = best_of_held_out(doc["best_of"]["tasks"])
-    return doc
+        extra["checkout_notes"] = notes
+    name = model.name if model is not None else str(policy)
+    return results_document(
+        "agentboard",
+        name,
+        config,
+        tasks=per_task,
+        variants=variants,
+        episodes=records,
+        best_of=bon,
+        extra=extra,
+    )
 
 
 def _episodes(
@@ -375,12 +377,11 @@ def _perturbed(
     specs: Sequence[Any],
     agent: Agent,
     config: EvalConfig,
-    original: dict[str, Any],
     log: Callable[[str], None],
     phase: list[Any],
     journal: Journal | None,
-) -> dict[str, Any]:
-    """The task's episodes again under each reworded-action variant; Table 3's original/mean/std layout."""
+) -> list[tuple[int, dict[str, Any]]]:
+    """(k, metrics) of the task's episodes again under each reworded-action variant k (Table 3)."""
     from agentrefine_jax.eval import perturb
     from agentrefine_jax.eval.agentboard.protocol import PromptSet
 
@@ -405,11 +406,8 @@ def _perturbed(
             phase=[*phase, k],
             journal=journal,
         )
-        variants.append({"index": k, "name": rw.name} | task_metrics(logs))
-    out: dict[str, Any] = {"variants": variants}
-    for m in ("success_rate", "progress_rate"):
-        out[m] = perturb.summary(original[m], [v[m] for v in variants])
-    return out
+        variants.append((k, {"rewording": rw.name} | task_metrics(logs)))
+    return variants
 
 
 # ----------------------------------------------------------------------------------------- run directories

@@ -29,6 +29,7 @@ import io
 import os
 import random
 import re
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -192,7 +193,13 @@ class ALFWorldEnv:
     def reset(self) -> str:
         self.close()
         self.env = self._start()
-        obs, info = self.env.reset()
+        # Loading the game runs fast-downward's translator in this process, and it overwrites sys.argv
+        # (['translate.py', 'domain', 'task']): the caller's command line is given back.
+        argv = sys.argv[:]
+        try:
+            obs, info = self.env.reset()
+        finally:
+            sys.argv[:] = argv
         lines = "\n".join(obs[0].split("\n\n")[1:]).split("\n")
         if len(lines) < 2 or "Your task is to:" not in lines[1]:
             raise ValueError(f"{self.game_file}: unexpected ALFWorld intro text {obs[0][:120]!r}")
@@ -260,7 +267,7 @@ class ExpertOracle:
         if not env.expert_plan:
             return HELP
         rewording = getattr(env, "rw", None)  # a perturbed episode (perturb.RewordedEnv) shows other wording
-        return rewording.surface(env.expert_plan[0]) if rewording else env.expert_plan[0]
+        return rewording.to_surface(env.expert_plan[0]) if rewording else env.expert_plan[0]
 
 
 class ALFWorldTask(Task):
