@@ -105,3 +105,25 @@ def test_reworded_game_accepts_new_wording_only(tmp_path):
         "open cabinet 1",
         "place mug 1 in/on cabinet 1",
     ]
+
+
+def test_both_sources_rewordings_share_one_wording_interface():
+    """`perturb.Wording`: the built-in `Vocabulary` (phrase by phrase) and ALFWorld's `Rewording` (whole
+    commands, mapped back through the admissible ones) both round-trip a command and both refuse the
+    original wording of an action they renamed."""
+    from agentrefine_jax.eval.perturb import ActionWord, Vocabulary, Wording
+
+    vocab = Vocabulary((ActionWord("go to", "{verb} OBJ", "walk", (("move to", "walk"),)),), 1)
+    cases: list[tuple[Wording, str, str]] = [
+        (vocab, "go to cabinet 1", "open cabinet 1"),
+        (rewording(1), "go to cabinet 1", "open cabinet 1"),
+        (rewording(5), "take mug 1 from countertop 1", "look"),
+    ]
+    for wording, renamed, kept in cases:
+        candidates = [renamed, kept]
+        surface = wording.to_surface(renamed)
+        assert surface != renamed and wording.to_canonical(surface, candidates) == renamed
+        assert wording.to_canonical(renamed, candidates) is None  # the original wording: refused
+        assert wording.to_surface(kept) == kept and wording.to_canonical(kept, candidates) == kept
+    # ALFWorld's rules rewrite whole commands: a reworded command not admissible now is left to the game
+    assert rewording(1).to_canonical("move to desk 9", ["go to cabinet 1"]) == "move to desk 9"

@@ -169,7 +169,8 @@ def held_out_summary(
             out["note"] = out["missing"]
     out["tasks"] = [t for t in weights if t in per_task]
     out["missing"] = missing
-    out["label"] = f"paper weights ({registry.weights_label()}), renormalised over the held-out tasks run"
+    stand_in = "; TextWorld takes Jericho's" if registry.JERICHO_STAND_IN in weights else ""
+    out["label"] = f"paper weights ({registry.weights_label()}{stand_in}), renormalised over the tasks run"
     if not missing:
         out["unweighted_mean"] = {m: _mean_or_none([per_task[t][m] for t in weights]) for m in RATES}
     return out

@@ -220,7 +220,7 @@ def reword_prompt(rw: Rewording, instruction: str, examples: Sequence[str]) -> t
 class RewordedEnv:
     """An ALFWorld episode whose commands are shown and accepted in a rewording's wording."""
 
-    def __init__(self, env: Any, rw: Rewording):
+    def __init__(self, env: Any, rw: Wording):
         self.env, self.rw = env, rw
 
     def _table(self) -> dict[str, str]:
