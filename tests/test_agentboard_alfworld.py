@@ -312,6 +312,9 @@ def test_perturbed_runs_fill_the_shared_variants_and_summary(tmp_path):
     assert s["perturbations"] == {"perturbation_1": values[0], "perturbation_2": values[1]}
     assert s["mean"] == pytest.approx(sum(values) / 2)
     assert "alfworld progress_rate under reworded actions" in format_table(doc)
+    # the episode records behind every variant, each saying which (as the built-in source's do)
+    ran = [(e["variant"], e["index"]) for e in doc["episodes"]]
+    assert ran == [(v, i) for v in ("original", "perturbation_1", "perturbation_2") for i in (0, 1)]
 
 
 def test_loading_a_game_leaves_the_command_line_alone(tmp_path, monkeypatch):

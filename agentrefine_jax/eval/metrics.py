@@ -188,10 +188,12 @@ def _mean_or_none(values: Sequence[float]) -> float | None:
 # ----------------------------------------------------------------------------------------- AgentBoard source
 
 
-def episode_record(log: EpisodeLog, task: str | None = None) -> dict[str, Any]:
-    """An AgentBoard-source episode in the results JSON; `task`: the registered name that ran it."""
+def episode_record(log: EpisodeLog, task: str | None = None, variant: str = "original") -> dict[str, Any]:
+    """An AgentBoard-source episode in the results JSON; `task`: the registered name that ran it;
+    `variant`: the perturbation variant it ran under (as the built-in source's records say)."""
     return {
         "task": task or log.spec.task,
+        "variant": variant,
         "index": log.spec.index,
         "id": log.spec.id,
         "difficulty": log.spec.difficulty,

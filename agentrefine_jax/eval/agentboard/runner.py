@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from agentrefine_jax.eval import registry
+from agentrefine_jax.eval import perturb, registry
 from agentrefine_jax.eval.agentboard.checkout import Checkout
 from agentrefine_jax.eval.agentboard.protocol import (
     MAX_NEW_TOKENS,
@@ -284,8 +284,12 @@ def run(
         if writer is not None:
             writer.task(task.name, metrics)
         if config.perturbations and task.name == "alfworld":
-            for k, m in _perturbed(task, checkout, specs, agent, config, log, [*phase, "perturb"], journal):
+            for k, plogs in _perturbed(
+                task, checkout, specs, agent, config, log, [*phase, "perturb"], journal
+            ):
+                m = {"rewording": perturb.rewording(k).name} | task_metrics(plogs)
                 variants.setdefault(variant_name(k), {})[task.name] = m
+                records += [episode_record(x, task.name, variant_name(k)) for x in plogs]
     extra: dict[str, Any] = {"agentboard_dir": str(checkout.root), "max_steps": config.max_steps}
     notes = [n for t in tasks for n in getattr(t, "notes", [])]
     if notes:
@@ -380,9 +384,8 @@ def _perturbed(
     log: Callable[[str], None],
     phase: list[Any],
     journal: Journal | None,
-) -> list[tuple[int, dict[str, Any]]]:
-    """(k, metrics) of the task's episodes again under each reworded-action variant k (Table 3)."""
-    from agentrefine_jax.eval import perturb
+) -> list[tuple[int, list[EpisodeLog]]]:
+    """(k, episodes) of the task's episodes again under each reworded-action variant k (Table 3)."""
     from agentrefine_jax.eval.agentboard.protocol import PromptSet
 
     variants = []
@@ -406,7 +409,7 @@ def _perturbed(
             phase=[*phase, k],
             journal=journal,
         )
-        variants.append((k, {"rewording": rw.name} | task_metrics(logs)))
+        variants.append((k, logs))
     return variants
 
 
