@@ -144,3 +144,30 @@ def test_schema_1_files_keep_their_own_meaning():
         *(v["progress_rate"] for v in p["variants"]),
     ]
     assert r.held_out is None and r.protocol == "agentboard"
+
+
+def test_agentboard_held_out_means_only_over_all_four_tasks():
+    """AgentBoard's source averages the four held-out tasks or none: with all four, the paper-weighted
+    mean (= the episode-weighted one on full sets) and the unweighted one; with a subset, neither is
+    printed (no line of dashes)."""
+    from agentrefine_jax.eval.config import EvalConfig
+    from agentrefine_jax.eval.results import results_document
+    from agentrefine_jax.eval.tables import format_table
+
+    def m(rate: float, n: int) -> dict:
+        splits = {"success_rate_easy": None, "success_rate_hard": None}
+        return {"episodes": n, "success_rate": rate, "progress_rate": rate, "grounding_acc": 1.0} | splits
+
+    full = {"babyai": m(0.5, 112), "sciworld": m(0.0, 90), "pddl": m(1.0, 60), "jericho": m(0.0, 20)}
+    for tasks in (full, {"pddl": full["pddl"]}):
+        cfg = EvalConfig(tasks=tuple(tasks), source="agentboard")
+        cfg.validate()
+        doc = results_document("agentboard", "x", cfg, tasks=tasks, variants={"original": tasks}, episodes=[])
+        lines = [x for x in format_table(doc | {"max_steps": 30}).splitlines() if x.startswith("held-out")]
+        if tasks is full:
+            assert doc["held_out"]["success_rate"] == pytest.approx((56 + 60) / 282)
+            assert doc["held_out"]["unweighted_mean"]["success_rate"] == pytest.approx(1.5 / 4)
+            assert len(lines) == 2 and "41.1%" in lines[1] and "37.5%" in lines[0]
+        else:
+            assert doc["held_out"]["success_rate"] is None and doc["held_out"]["missing"]
+            assert lines == []

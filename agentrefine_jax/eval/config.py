@@ -89,8 +89,8 @@ class EvalConfig:
             raise ValueError("--prompt-style is our harness's layout; AgentBoard's episodes use its prompts")
 
     def to_json(self) -> dict[str, Any]:
-        """The settings a results file records (not the scratch workdir). Schema /1 promises that no field
-        is renamed, so the names the two sources' configs wrote before they became this one are kept."""
+        """The settings a results file records (not the scratch workdir), plus the names the two sources'
+        configs wrote in schema /1, before they became this one (readers of /1 files find them)."""
         out = {k: v for k, v in dataclasses.asdict(self).items() if k != "workdir"}
         if self.source == "agentboard":
             return out | {"limit": self.episodes}

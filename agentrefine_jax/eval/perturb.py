@@ -208,7 +208,7 @@ def rewording(index: int) -> Rewording:
     return REWORDINGS[index - 1]
 
 
-def reword_prompt(rw: Rewording, instruction: str, examples: Sequence[str]) -> tuple[str, tuple[str, ...]]:
+def reword_prompt(rw: Wording, instruction: str, examples: Sequence[str]) -> tuple[str, tuple[str, ...]]:
     """The instruction's quoted command templates and the examples' `Action:` lines, reworded."""
     instruction = re.sub(r"'([^'\n]+)'", lambda m: f"'{rw.to_surface(m[1])}'", instruction)
     reworded = tuple(

@@ -118,7 +118,7 @@ def agentboard_table(doc: dict[str, Any]) -> str:
             f"held-out unweighted mean (AgentBoard's convention): success {_pct_sign(u['success_rate'])} "
             f"progress {_pct_sign(u['progress_rate'])}"
         )
-    if held.get("tasks"):
+    if held.get("success_rate") is not None:  # AgentBoard's source: only when all four held-out tasks ran
         lines.append(
             f"held-out weighted mean (paper weights {weights_label()}, over {', '.join(held['tasks'])}; "
             f"NOT AgentBoard's): success {_pct_sign(held['success_rate'])} "
