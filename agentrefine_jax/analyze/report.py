@@ -51,6 +51,11 @@ def build_report(results: Sequence[RunResult], out_dir: str | pathlib.Path, incl
             "replies, and why episodes ended",
             tables.episodes_table(results),
         ),
+        (
+            "## Recovery: after a rejected turn (invalid or unparseable), the recovery rate % (next turn "
+            "valid) / mean steps to recover / repeated-error rate % (the same rejected action again)",
+            tables.recovery_table(results),
+        ),
         ("## Table 2: ablations", tables.table2(results, include_paper)),
         (
             "## Table 3: perturbations (average and population std over the original and every perturbation)",

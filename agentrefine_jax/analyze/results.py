@@ -52,6 +52,12 @@ class Score:
     format_error_rate: float | None = None
     # Why episodes ended: (termination, count) pairs, e.g. ("max_steps", 3); () when not recorded.
     terminations: tuple[tuple[str, int], ...] = ()
+    # Recovery after a rejected turn (docs/eval.md, "Metrics"): the share of next turns that are valid,
+    # the mean turns from a run of rejections to the valid turn ending it, the share repeating the
+    # rejected action; None when the file lacks them or nothing was rejected.
+    recovery_rate: float | None = None
+    mean_steps_to_recover: float | None = None
+    repeated_error_rate: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +107,9 @@ def _score(m: Mapping[str, Any], prefix: str = "") -> Score:
         _num(m.get("valid_action_rate")),
         _num(m.get("format_error_rate")),
         tuple(sorted((str(k), int(v)) for k, v in ends.items())) if isinstance(ends, Mapping) else (),
+        _num(m.get("recovery_rate")),
+        _num(m.get("mean_steps_to_recover")),
+        _num(m.get("repeated_error_rate")),
     )
 
 

@@ -163,6 +163,24 @@ def episodes_table(results: Sequence[RunResult]) -> str | None:
     return _markdown(["model", *map(display, tasks)], rows)
 
 
+def _recovery_cell(s: Score | None) -> str:
+    if s is None or (s.recovery_rate is None and s.mean_steps_to_recover is None):
+        return DASH
+    steps = DASH if s.mean_steps_to_recover is None else f"{s.mean_steps_to_recover:.2f}"
+    return f"{pct(s.recovery_rate)} / {steps} / {pct(s.repeated_error_rate)}"
+
+
+def recovery_table(results: Sequence[RunResult]) -> str | None:
+    """Per run and task: the recovery rate (%), the mean steps to recover and the repeated-error rate (%)
+    (docs/eval.md, "Metrics"); None when no run recorded them (files written before they existed)."""
+    results = [r for r in results if r.tasks]
+    tasks = task_columns(results)
+    rows = [[r.label, *(_recovery_cell(r.tasks.get(t)) for t in tasks)] for r in results]
+    if all(c == DASH for row in rows for c in row[1:]):
+        return None
+    return _markdown(["model", *map(display, tasks)], rows)
+
+
 def paper_style_summary(values: Sequence[float | None]) -> tuple[float | None, float | None]:
     """Table 3's average and std over the original and every perturbation. Every published average is
     the mean of all six values; the population std of the six gives some published stds (AgentRefine's

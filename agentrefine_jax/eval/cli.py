@@ -7,6 +7,8 @@ python -m agentrefine_jax.eval --policy oracle --tasks babyai,pddl --episodes 5 
 python -m agentrefine_jax.eval --checkpoint runs/demo --episodes 20 --best-of 4 --perturb --out r.json
 python -m agentrefine_jax.eval --agentboard-dir ~/AgentBoard --tasks pddl --policy oracle --max-steps 200
 python -m agentrefine_jax.eval --agentboard-dir ~/AgentBoard --checkpoint runs/x --best-of 4 --temperature 1
+python -m agentrefine_jax.eval onpolicy --checkpoint runs/x --tasks demo_world,babyai,pddl --episodes 64 \
+    --out onpolicy.jsonl   # on-policy refinement data (eval/onpolicy.py; docs/data.md)
 """
 
 from __future__ import annotations
@@ -418,12 +420,106 @@ class _JournalHolder:
 _JOURNAL = _JournalHolder()
 
 
+def build_onpolicy_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(
+        prog="python -m agentrefine_jax.eval onpolicy",
+        description="On-policy refinement data: a checkpoint plays training worlds (never an eval episode); "
+        "the expert answers each rejected turn; canonical trajectory JSONL (docs/data.md).",
+    )
+    p.add_argument("--checkpoint", required=True, help="project checkpoint / run dir or HF model dir")
+    p.add_argument("--template", help="chat template (default: the checkpoint's)")
+    p.add_argument(
+        "--tasks",
+        default="demo_world",
+        help="comma-separated tasks with a training split: demo_world, babyai, pddl (default %(default)s)",
+    )
+    p.add_argument("--episodes", type=int, required=True, help="training episodes per task")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="which training episodes (demo_world: worlds SEED..SEED+N-1 of the demo's training seeds) and "
+        "the sampling seeds (default 0)",
+    )
+    p.add_argument("--max-steps", type=int, help="steps per episode (default: each task's own)")
+    p.add_argument("--batch-size", type=int, default=8, help="episodes in flight (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument(
+        "--no-kv-reuse", dest="kv_reuse", action="store_false", help="prefill every turn's whole prompt"
+    )
+    p.add_argument(
+        "--progress-every",
+        type=float,
+        default=progress.DEFAULT_INTERVAL,
+        metavar="SECONDS",
+        help=f"a progress line every SECONDS (default {progress.DEFAULT_INTERVAL:.0f})",
+    )
+    p.add_argument("--workdir", help="scratch files (default: a temp dir, deleted afterwards)")
+    p.add_argument("--out", required=True, help="the trajectory JSONL (written at the end; a journal beside)")
+    logs.add_flags(p)
+    return p
+
+
+def run_onpolicy(args: argparse.Namespace) -> int:
+    """The collector's command: checks, journal, the episodes, the JSONL, a summary on stdout."""
+    from agentrefine_jax.eval.onpolicy import collect
+
+    outputs.check_file(args.out)
+    if not args.progress_every > 0:
+        raise ValueError(f"--progress-every must be > 0 seconds, got {args.progress_every}")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.max_new_tokens < 1:
+        raise ValueError("need --temperature >= 0, 0 < --top-p <= 1 and --max-new-tokens >= 1")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    log = logging.getLogger("agentrefine_jax.eval").info
+    own_workdir = args.workdir is None
+    workdir = args.workdir or tempfile.mkdtemp(prefix="agentrefine-onpolicy-")
+    journal = _JOURNAL.journal = open_journal(args)
+    policy: Policy | None = None
+    try:
+        with progress.Progress(args.progress_every, log):
+            sampling = SamplingParams(args.temperature, args.top_p, args.max_new_tokens, DEFAULT_STOP)
+            if args.episodes < 1:  # before a model loads
+                raise ValueError(f"--episodes must be >= 1, got {args.episodes}")
+            policy = CheckpointPolicy(
+                args.checkpoint, sampling, template=args.template, kv_reuse=args.kv_reuse
+            )
+            result = collect(
+                policy,
+                tasks,
+                args.episodes,
+                seed=args.seed,
+                workdir=workdir,
+                max_steps=args.max_steps,
+                batch_size=args.batch_size,
+                journal=journal,
+            )
+    finally:
+        if policy is not None:
+            policy.close()
+        if journal is not None:
+            journal.close()
+        if own_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    with outputs.open_atomic(args.out, newline="\n") as f:
+        for row in result.rows:
+            f.write(outputs.json_dumps(row, ensure_ascii=False) + "\n")
+    if journal is not None:
+        journal.remove()  # the rows are written: a rerun starts afresh
+    print(outputs.json_dumps(result.summary(), indent=1), flush=True)
+    log(f"wrote {args.out} ({len(result.rows)} rows from {len(result.episodes)} episodes)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    onpolicy = bool(argv) and argv[0] == "onpolicy"
+    args = build_onpolicy_parser().parse_args(argv[1:]) if onpolicy else build_parser().parse_args(argv)
     logs.setup("eval", args)
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        return run(args)
+        return run_onpolicy(args) if onpolicy else run(args)
     except (ValueError, FileNotFoundError, ImportError) as e:
         return fail("eval", e)
     except Terminated:

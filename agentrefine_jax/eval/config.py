@@ -17,6 +17,9 @@ from agentrefine_jax.eval.perturb import REWORDINGS
 from agentrefine_jax.layout import check_style
 
 BUILTIN_EPISODES = 10
+# Run seeds are in [0, SEED_LIMIT): every built-in task's eval episodes then lie in a range its training
+# episodes (`EvalTask.training_specs`, the on-policy collector's) never reach (docs/eval.md, "On-policy").
+SEED_LIMIT = 2**31
 PAPER_PERTURBATIONS = 5  # Table 3: the original and five action-description perturbations
 
 
@@ -62,6 +65,8 @@ class EvalConfig:
             value = getattr(self, field)
             if value is not None and value < 1:
                 raise ValueError(f"--{field.replace('_', '-')} must be >= 1, got {value}")
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"--seed must be in [0, 2**31), got {self.seed}")
         if self.perturbations < 0:
             raise ValueError(f"--num-perturbations must be >= 0, got {self.perturbations}")
         if not 0 < self.top_p <= 1:

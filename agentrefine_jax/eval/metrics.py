@@ -26,6 +26,8 @@ AGENTBOARD_METRICS = ("success_rate", "progress_rate", "grounding_acc")
 RATES = AGENTBOARD_METRICS[:2]
 # How a model's replies fare, per task (`behaviour_rates`): where a small model shows training's effect.
 BEHAVIOUR = ("valid_action_rate", "format_error_rate")
+# How the agent fares right after a rejected turn, per task (`recovery_rates`; docs/eval.md, "Metrics").
+RECOVERY = ("recovery_rate", "mean_steps_to_recover", "repeated_error_rate")
 SCHEMA = "agentrefine_jax.eval/2"  # the results JSON layout of both sources, docs/eval.md ("Results JSON")
 
 
@@ -57,16 +59,20 @@ def task_metrics(results: Sequence[Any]) -> dict[str, dict[str, dict[str, Any]]]
         first = [r for r in rs if int(_get(r, "sample")) == 0]
         terminations = collections.Counter(_get(r, "termination") for r in rs)
         n = len(best)
-        out[variant][task] = {
-            "success_rate": sum(v["success"] for v in best.values()) / n,
-            "progress_rate": sum(v["progress"] for v in best.values()) / n,
-            "episodes": n,
-            "samples": len(rs),
-            "first_sample_success_rate": _mean(float(bool(_get(r, "success"))) for r in first),
-            "first_sample_progress_rate": _mean(float(_get(r, "progress")) for r in first),
-            "terminations": dict(sorted(terminations.items())),
-            "errors": terminations.get("error", 0),
-        } | behaviour_rates(rs)
+        out[variant][task] = (
+            {
+                "success_rate": sum(v["success"] for v in best.values()) / n,
+                "progress_rate": sum(v["progress"] for v in best.values()) / n,
+                "episodes": n,
+                "samples": len(rs),
+                "first_sample_success_rate": _mean(float(bool(_get(r, "success"))) for r in first),
+                "first_sample_progress_rate": _mean(float(_get(r, "progress")) for r in first),
+                "terminations": dict(sorted(terminations.items())),
+                "errors": terminations.get("error", 0),
+            }
+            | behaviour_rates(rs)
+            | recovery_rates(rs)
+        )
     return dict(out)
 
 
@@ -90,6 +96,73 @@ def behaviour_rates(results: Sequence[Any]) -> dict[str, float | None]:
     counted = [r for r in results if all(_has(r, k) for k in ("steps", "format_errors", "invalid_actions"))]
     per = [episode_rates(r) for r in counted]
     return {k: _mean_or_none([e[k] for e in per if e[k] is not None]) for k in BEHAVIOUR}
+
+
+def episode_turns(r: Any) -> list[tuple[str | None, bool]] | None:
+    """One episode's turns as (action, valid), from either source's record: the built-in `EpisodeResult`
+    (or its JSON) reads its `trace` (a reply the parser could not read has action None and is invalid),
+    AgentBoard's `EpisodeLog` (or its JSON) its `turns`. None when the record keeps no turns (AgentBoard's
+    summary records in a results file)."""
+    for key in ("trace", "turns"):
+        if _has(r, key):
+            steps = _get(r, key)
+            return [(s.get("action"), bool(s.get("valid", False))) for s in steps]
+    return None
+
+
+def _same_action(a: str | None, b: str | None) -> bool:
+    """Two rejected turns repeat each other: the same action (trimmed, case-folded), or two unparseable
+    replies in a row."""
+    if a is None or b is None:
+        return a is None and b is None
+    return a.strip().casefold() == b.strip().casefold()
+
+
+def recovery_counts(turns: Sequence[tuple[str | None, bool]]) -> dict[str, int]:
+    """The counts behind the recovery metrics of one episode's (action, valid) turns: `after_error` (turns
+    right after a rejected one), `recovered_next` (of those, valid), `repeated` (of those, the same rejected
+    action again), `streaks` (runs of consecutive rejected turns), `recovered_streaks` (runs a valid turn
+    ends) and `steps_to_recover` (summed over those: from the run's first rejected turn to the valid one)."""
+    out = dict.fromkeys(
+        ("after_error", "recovered_next", "repeated", "streaks", "recovered_streaks", "steps_to_recover"), 0
+    )
+    start: int | None = None  # the first rejected turn of the run in progress
+    for i, (action, valid) in enumerate(turns):
+        if i > 0 and not turns[i - 1][1]:
+            out["after_error"] += 1
+            out["recovered_next"] += int(valid)
+            out["repeated"] += int(not valid and _same_action(turns[i - 1][0], action))
+        if not valid and start is None:
+            start = i
+            out["streaks"] += 1
+        elif valid and start is not None:
+            out["recovered_streaks"] += 1
+            out["steps_to_recover"] += i - start
+            start = None
+    return out
+
+
+def recovery_rates(results: Sequence[Any]) -> dict[str, Any]:
+    """A task's recovery metrics, pooled over its episodes (every sample): `recovery_rate` (of the turns
+    right after a rejected turn, the share valid), `mean_steps_to_recover` (per run of rejected turns that a
+    valid turn ends, the turns from its first rejection to that valid one; a run the episode ends inside is
+    not counted) and `repeated_error_rate` (of the turns right after a rejected turn, the share repeating
+    it); each None when nothing is counted, and `recovery_counts` with the pooled counts (Wilson intervals,
+    merges). Records without turns give no counts."""
+    total = dict.fromkeys(recovery_counts([]), 0)
+    for r in results:
+        turns = episode_turns(r)
+        for k, v in recovery_counts(turns or []).items():
+            total[k] += v
+    after = total["after_error"]
+    return {
+        "recovery_rate": total["recovered_next"] / after if after else None,
+        "mean_steps_to_recover": (
+            total["steps_to_recover"] / total["recovered_streaks"] if total["recovered_streaks"] else None
+        ),
+        "repeated_error_rate": total["repeated"] / after if after else None,
+        "recovery_counts": total,
+    }
 
 
 def _has(r: Any, key: str) -> bool:
@@ -219,7 +292,7 @@ def agentboard_task_metrics(logs: Sequence[EpisodeLog]) -> dict[str, Any]:
         picked = [x for x in logs if x.spec.difficulty == split]
         out[f"success_rate_{split}"] = _mean_or_none([float(x.success) for x in picked])
         out[f"progress_rate_{split}"] = _mean_or_none([x.progress for x in picked])
-    return out
+    return out | recovery_rates(logs)
 
 
 def best_of_metrics(greedy: Sequence[Any], samples: Sequence[Any]) -> dict[str, Any]:

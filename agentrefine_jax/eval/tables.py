@@ -1,8 +1,8 @@
 """The text tables `eval` prints: one entry point, `format_table`, for every results document it writes.
 
 A built-in run's table is the paper's (success / progress per task and the weighted held-out average,
-every perturbed variant, reply behaviour); an AgentBoard run's is AgentBoard's metrics (grounding, the
-easy/hard splits, its unweighted held-out mean beside ours, labelled); `--all-checkpoints` prints one
+every perturbed variant, reply behaviour, recovery); an AgentBoard run's is AgentBoard's metrics (grounding,
+the easy/hard splits, its unweighted held-out mean beside ours, labelled); `--all-checkpoints` prints one
 AgentBoard table per checkpoint and the best. Both add the paper's Table 4 layout for Best-of-N.
 """
 
@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from agentrefine_jax.eval.metrics import BEHAVIOUR, HELD_OUT
+from agentrefine_jax.eval.metrics import BEHAVIOUR, HELD_OUT, RECOVERY
 from agentrefine_jax.eval.registry import display_name, lookup, weights_label
 
 
@@ -48,7 +48,8 @@ def builtin_table(doc: dict[str, Any]) -> str:
     head = f"{'':<18}" + "".join(f"{c:^{width}}" for c in cols)
     sub = f"{'':<18}" + "".join(f"{_metric_label(t):^{width}}" for t in [*tasks, HELD_OUT])
     lines = [
-        f"policy: {doc['policy']}   (success % / progress %; below each: valid-action % / format-error %)",
+        f"policy: {doc['policy']}   (success % / progress %; below each: valid-action % / format-error %, "
+        "recovery % / repeated-error %)",
         head,
         sub,
     ]
@@ -72,6 +73,12 @@ def builtin_table(doc: dict[str, Any]) -> str:
             for t in tasks
         ]
         lines.append(row("  valid / fmt err", [*rates, (None, None)]))
+        # Recovery after a rejected turn (recovery % / repeated-error %; steps to recover in the file).
+        rates = [
+            tuple(v["tasks"][t].get(k) for k in RECOVERY[::2]) if t in v["tasks"] else (math.nan, math.nan)
+            for t in tasks
+        ]
+        lines.append(row("  recover / repeat", [*rates, (None, None)]))
     summary = doc.get("perturbation_summary") or {}
     if summary:
         keys = tasks + [HELD_OUT]

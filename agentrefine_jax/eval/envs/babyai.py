@@ -327,6 +327,10 @@ def _next_to(pos: Any, obj: Any) -> bool:
     return abs(int(pa[0]) - int(pb[0])) + abs(int(pa[1]) - int(pb[1])) == 1
 
 
+# Level seeds of training episodes start here (2**50 ~ 1.1e15); minigrid takes any seed >= 0.
+TRAIN_SEED_BASE = 2**50
+
+
 class BabyAITask(EvalTask):
     name = "babyai"
     display_name = "BabyAI"
@@ -339,6 +343,19 @@ class BabyAITask(EvalTask):
 
     def episode_specs(self, n: int, seed: int) -> list[dict[str, Any]]:
         return [{"level": self.levels[i % len(self.levels)], "seed": seed * 100_003 + i} for i in range(n)]
+
+    has_training_split = True
+
+    def training_specs(self, n: int, seed: int) -> list[dict[str, Any]]:
+        """Level seeds from TRAIN_SEED_BASE on: eval seeds (run seed < 2**31, so below 100_003 * 2**31 + n
+        ~ 2.1e14 + n) never reach them."""
+        base = TRAIN_SEED_BASE + seed * 100_003
+        if seed < 0 or n > 100_003:
+            raise ValueError("babyai training episodes need --seed >= 0 and at most 100003 episodes per seed")
+        return [{"level": self.levels[i % len(self.levels)], "seed": base + i} for i in range(n)]
+
+    def is_eval_spec(self, spec: dict[str, Any]) -> bool:
+        return int(spec["seed"]) < TRAIN_SEED_BASE
 
     def make_env(self, spec: dict[str, Any], perturbation: int, *, oracle: bool = False) -> TextEnv:
         return BabyAIEnv(spec, self.vocabulary(perturbation))

@@ -141,6 +141,20 @@ class EvalTask(abc.ABC):
     def episode_specs(self, n: int, seed: int) -> list[dict[str, Any]]:
         """n deterministic episode descriptions (JSON-serialisable) for a run seed."""
 
+    # Tasks with a training split (the on-policy collector's worlds, `eval/onpolicy.py`) override both:
+    # `training_specs` never returns a spec `is_eval_spec` accepts, and every spec `episode_specs` returns
+    # for a run seed in [0, config.SEED_LIMIT) is one `is_eval_spec` accepts (tests/test_eval_onpolicy.py).
+    has_training_split: ClassVar[bool] = False
+
+    def training_specs(self, n: int, seed: int) -> list[dict[str, Any]]:
+        """n deterministic training episodes for a collection seed, disjoint from every eval episode."""
+        raise ValueError(f"task {self.name!r} defines no training episodes (the on-policy collector's)")
+
+    def is_eval_spec(self, spec: dict[str, Any]) -> bool:
+        """Whether an eval run (any run seed in [0, SEED_LIMIT)) can play `spec`: True unless the task
+        has a training split that tells them apart."""
+        return True
+
     def prepare(self, specs: Sequence[dict[str, Any]]) -> None:  # noqa: B027 - optional hook
         """Expensive one-off work for a batch of specs (e.g. generating game files)."""
 

@@ -25,6 +25,9 @@ from agentrefine_jax.eval.perturb import Vocabulary, action_words
 # Seeds of the held-out worlds: past both shipped splits (train 0.., eval 1,000,000..).
 SEED_BASE = 2_000_000
 SEED_STRIDE = 10_000
+# Training worlds (the on-policy collector's): the demo generator's training seeds, 0..999,999 (the worlds
+# of `data demo-world --train N`); held-out worlds are >= SEED_BASE for every run seed >= 0.
+TRAIN_SEEDS = range(0, 1_000_000)
 
 WORDS = action_words(
     """
@@ -113,6 +116,20 @@ class DemoWorldTask(EvalTask):
 
     def episode_specs(self, n: int, seed: int) -> list[dict[str, Any]]:
         return [{"seed": SEED_BASE + SEED_STRIDE * seed + i} for i in range(n)]
+
+    has_training_split = True
+
+    def training_specs(self, n: int, seed: int) -> list[dict[str, Any]]:
+        """Worlds seed, seed + 1, ..., seed + n - 1 of the generator's training range."""
+        if seed < TRAIN_SEEDS.start or seed + n > TRAIN_SEEDS.stop:
+            raise ValueError(
+                f"demo_world training worlds are seeds {TRAIN_SEEDS.start}..{TRAIN_SEEDS.stop - 1}: "
+                f"--seed {seed} with {n} episodes leaves them"
+            )
+        return [{"seed": seed + i} for i in range(n)]
+
+    def is_eval_spec(self, spec: dict[str, Any]) -> bool:
+        return int(spec["seed"]) >= SEED_BASE
 
     def make_env(self, spec: dict[str, Any], perturbation: int, *, oracle: bool = False) -> TextEnv:
         return DemoWorldEnv(spec, self.vocabulary(perturbation))

@@ -158,6 +158,13 @@ DEFAULT_PROBLEMS: dict[str, tuple[str, ...]] = {
     "elevator": tuple(f"elevator/problem{i}.pddl" for i in range(1, 5)),
     "hanoi": tuple(f"hanoi/problem{i}.pddl" for i in range(4)),
 }
+# Training problems (the on-policy collector's): pddlgym's shipped problems of these domains that no eval
+# list names and whose breadth-first plan is found in seconds (blocks has none: all ten are eval problems).
+TRAINING_PROBLEMS: dict[str, tuple[str, ...]] = {
+    "elevator": ("elevator/problem5.pddl",),
+    "gripper": ("gripper_test/prob04.pddl",),
+    "hanoi": ("hanoi_test/test_problem5.pddl", "hanoi_test/test_problem4.pddl"),
+}
 _DOMAIN_FILE_FOR_DIR = {
     "tinyonearmedgripper": "tinyonearmedgripper",
     "tinyonearmedgripper_test": "tinyonearmedgripper",
@@ -332,6 +339,21 @@ class PDDLTask(EvalTask):
             probs = self.problems[d]
             specs.append({"domain": d, "problem": probs[(seed + i // len(domains)) % len(probs)]})
         return specs
+
+    has_training_split = True
+
+    def training_specs(self, n: int, seed: int) -> list[dict[str, Any]]:
+        """The training problems in turn (domain by domain, as `episode_specs`), starting at `seed`; never
+        a problem this task's eval list (or the default one) holds."""
+        pool = [(d, p) for d in sorted(TRAINING_PROBLEMS) for p in TRAINING_PROBLEMS[d]]
+        pool = [(d, p) for d, p in pool if not self.is_eval_spec({"domain": d, "problem": p})]
+        if not pool:
+            raise ValueError("pddl: every training problem is in this task's eval list")
+        return [{"domain": d, "problem": p} for d, p in (pool[(seed + i) % len(pool)] for i in range(n))]
+
+    def is_eval_spec(self, spec: dict[str, Any]) -> bool:
+        lists = (*self.problems.values(), *DEFAULT_PROBLEMS.values())
+        return any(spec["problem"] in problems for problems in lists)
 
     def make_env(self, spec: dict[str, Any], perturbation: int, *, oracle: bool = False) -> TextEnv:
         os.makedirs(self._scratch, exist_ok=True)
