@@ -464,42 +464,34 @@ def build_onpolicy_parser() -> argparse.ArgumentParser:
 
 def run_onpolicy(args: argparse.Namespace) -> int:
     """The collector's command: checks, journal, the episodes, the JSONL, a summary on stdout."""
-    from agentrefine_jax.eval.onpolicy import collect
+    from agentrefine_jax.eval.onpolicy import collect, plan
 
     outputs.check_file(args.out)
     if not args.progress_every > 0:
         raise ValueError(f"--progress-every must be > 0 seconds, got {args.progress_every}")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.max_new_tokens < 1:
         raise ValueError("need --temperature >= 0, 0 < --top-p <= 1 and --max-new-tokens >= 1")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     log = logging.getLogger("agentrefine_jax.eval").info
     own_workdir = args.workdir is None
     workdir = args.workdir or tempfile.mkdtemp(prefix="agentrefine-onpolicy-")
-    journal = _JOURNAL.journal = open_journal(args)
-    policy: Policy | None = None
+    episodes = policy = journal = None
     try:
+        # every episode is checked against the eval split before the model loads
+        episodes = plan(tasks, args.episodes, seed=args.seed, workdir=workdir, max_steps=args.max_steps)
+        journal = _JOURNAL.journal = open_journal(args)
         with progress.Progress(args.progress_every, log):
             sampling = SamplingParams(args.temperature, args.top_p, args.max_new_tokens, DEFAULT_STOP)
-            if args.episodes < 1:  # before a model loads
-                raise ValueError(f"--episodes must be >= 1, got {args.episodes}")
             policy = CheckpointPolicy(
                 args.checkpoint, sampling, template=args.template, kv_reuse=args.kv_reuse
             )
-            result = collect(
-                policy,
-                tasks,
-                args.episodes,
-                seed=args.seed,
-                workdir=workdir,
-                max_steps=args.max_steps,
-                batch_size=args.batch_size,
-                journal=journal,
-            )
+            result = collect(policy, episodes, batch_size=args.batch_size, journal=journal)
     finally:
-        if policy is not None:
-            policy.close()
-        if journal is not None:
-            journal.close()
+        for done in (policy, episodes, journal):
+            if done is not None:
+                done.close()
         if own_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     with outputs.open_atomic(args.out, newline="\n") as f:

@@ -224,59 +224,74 @@ class Collection:
         return out
 
 
-def collect(
-    policy: Any,
-    tasks: Sequence[str],
-    episodes: int,
-    *,
-    seed: int = 0,
-    workdir: str,
-    max_steps: int | None = None,
-    batch_size: int = 8,
-    journal: Journal | None = None,
-    log_line: Callable[[str], None] = log.info,
-) -> Collection:
-    """Play `episodes` training episodes of each task with `policy`, the expert refining every rejected
-    turn. Every spec is checked against the task's eval split first: an eval episode is never played."""
+@dataclasses.dataclass
+class Plan:
+    """A collection's episodes, checked before any model loads: the tasks (closed by `close`) and one job
+    per training episode, none of them an eval episode."""
+
+    tasks: dict[str, Any]
+    jobs: list[EpisodeJob]
+
+    def close(self) -> None:
+        for task in self.tasks.values():
+            task.close()
+
+
+def plan(
+    tasks: Sequence[str], episodes: int, *, seed: int = 0, workdir: str, max_steps: int | None = None
+) -> Plan:
+    """`episodes` training episodes of each task (`EvalTask.training_specs`); every spec is checked against
+    the task's eval split (`is_eval_spec`): an eval episode is refused, never played."""
     from agentrefine_jax.eval.config import SEED_LIMIT
 
     if episodes < 1:
         raise ValueError(f"--episodes must be >= 1, got {episodes}")
     if not 0 <= seed < SEED_LIMIT:
         raise ValueError(f"--seed must be in [0, 2**31), got {seed}")
-    if batch_size < 1 or (max_steps is not None and max_steps < 1):
-        raise ValueError("--batch-size and --max-steps must be >= 1")
-    names = [lookup(t, "builtin").result_name("builtin") for t in tasks]
-    made = {}
+    if max_steps is not None and max_steps < 1:
+        raise ValueError(f"--max-steps must be >= 1, got {max_steps}")
+    out = Plan({}, [])
     try:
-        for name in names:  # every task's split is checked before any episode runs
-            task = made[name] = make_task(name, workdir)
+        for name in [lookup(t, "builtin").result_name("builtin") for t in tasks]:
+            task = out.tasks[name] = make_task(name, workdir)
             if not task.has_training_split:
                 raise ValueError(
                     f"task {name!r} has no training split (on-policy data: demo_world, babyai, pddl)"
                 )
-        jobs: list[EpisodeJob] = []
-        for name, task in made.items():
             specs = task.training_specs(episodes, seed)
             held_out = [s for s in specs if task.is_eval_spec(s)]
             if held_out:
                 raise ValueError(f"refusing {name} eval episodes as training data: {held_out[:3]}")
             steps = max_steps or task.default_max_steps
-            jobs += [
+            out.jobs += [
                 EpisodeJob(name, task, s, i, 0, 0, steps, job_seed(seed, name, 0, i, 0))
                 for i, s in enumerate(specs)
             ]
+    except BaseException:
+        out.close()
+        raise
+    return out
 
-        def report(e: dict[str, Any]) -> None:
-            log_line(
-                f"{e['task']} episode {e['episode']}: {e['refinements']} refinement(s) of "
-                f"{e['model_errors']} rejected model turn(s) in {e['steps']} steps, end={e['termination']}"
-            )
 
-        records = core.run_episodes(
-            jobs, OnPolicyProtocol(policy, batch_size), on_done=report, journal=journal, phase=["collect"]
+def collect(
+    policy: Any,
+    episodes: Plan,
+    *,
+    batch_size: int = 8,
+    journal: Journal | None = None,
+    log_line: Callable[[str], None] = log.info,
+) -> Collection:
+    """Play the planned episodes with `policy` (`batch_size` in flight), the expert refining every rejected
+    turn; with a `journal`, episodes it holds are not played again and every finished one is appended."""
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+
+    def report(e: dict[str, Any]) -> None:
+        log_line(
+            f"{e['task']} episode {e['episode']}: {e['refinements']} refinement(s) of "
+            f"{e['model_errors']} rejected model turn(s) in {e['steps']} steps, end={e['termination']}"
         )
-    finally:
-        for task in made.values():
-            task.close()
+
+    protocol = OnPolicyProtocol(policy, batch_size)
+    records = core.run_episodes(episodes.jobs, protocol, on_done=report, journal=journal, phase=["collect"])
     return Collection([r["row"] for r in records if r["row"] is not None], records)
