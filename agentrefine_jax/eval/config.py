@@ -18,7 +18,8 @@ from agentrefine_jax.layout import check_style
 
 BUILTIN_EPISODES = 10
 # Run seeds are in [0, SEED_LIMIT): every built-in task's eval episodes then lie in a range its training
-# episodes (`EvalTask.training_specs`, the on-policy collector's) never reach (docs/eval.md, "On-policy").
+# episodes (`EvalTask.training_specs`, the on-policy collector's) never reach (docs/eval.md, "Training
+# episodes and on-policy refinement data").
 SEED_LIMIT = 2**31
 PAPER_PERTURBATIONS = 5  # Table 3: the original and five action-description perturbations
 
