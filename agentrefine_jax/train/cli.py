@@ -22,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="python -m agentrefine_jax.train",
         description="Refinement tuning (AgentRefine) of a LLaMA/Mistral model.",
+        epilog="example: python -m agentrefine_jax.train --config llama3_8b.py "
+        "--set train.init_from_hf=/ckpt/Meta-Llama-3-8B-Instruct (add --print-config to see the resolved config)",
     )
     p.add_argument("--config", required=True, help=CONFIG_HELP)
     p.add_argument(
