@@ -1,7 +1,7 @@
 """Typed run configuration: plain Python files in `configs/` return a `Config`.
 
-A config file defines `def config() -> Config`. The CLI resolves a bare name inside
-`configs/` only (a path has a `/` or ends in `.py`: `resolve_config_path`), then applies
+A config file defines `def config() -> Config`. The CLI resolves `NAME` or `NAME.py` inside
+`configs/`, a path (with a `/`) as that file (`resolve_config_path`), then applies
 `--set a.b=value` overrides; values are parsed against the field's declared type so a typo
 fails at start-up instead of mid-run. A config file is Python run with the user's privileges;
 `--set` changes a shared config without running new code.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import pathlib
 import types
 import typing
@@ -173,30 +174,58 @@ class Config:
 
 
 def resolve_config_path(name_or_path: str) -> pathlib.Path:
-    """`--config`'s rule, the same for every tool: a bare name (`demo`) is `configs/demo.py` and
-    nothing else (a file called `demo` in the working directory never shadows it); a path is
-    anything with a `/` or ending in `.py` (`./my.py`, `demo.py`, `/abs/x.py`) and must exist.
+    """`--config`'s rule, the same for every tool:
+
+    * `demo` and `demo.py` (no `/`) name the shipped `configs/demo.py` from any directory; a file
+      called `demo` in the working directory never shadows it;
+    * a path (`./my.py`, `dir/my.py`, `/abs/my.py`) names that file, which must exist and end in .py;
+    * a bare `my.py` that is not shipped names `./my.py`; one that is shipped *and* exists in the
+      working directory is refused as ambiguous (say `./my.py` or `my`): a file in the working
+      directory never silently replaces a shipped config, nor the other way round.
 
     A config file is Python that runs with your privileges: run only files you trust, and change a
     shared config with `--set key=value` (data, parsed and validated) instead of a copy with edits.
     """
     available = sorted(q.stem for q in CONFIGS_DIR.glob("*.py") if not q.stem.startswith("_"))
-    if "/" in name_or_path or name_or_path.endswith(".py"):
-        p = pathlib.Path(name_or_path)
-        if p.is_file() and p.suffix == ".py":
-            return p
-        if p.is_file():
-            raise ConfigNotFoundError(f"config file {name_or_path!r} must be a Python file ending in .py")
-        shipped = p.stem in available and "/" not in name_or_path
-        hint = f"; the shipped config is --config {p.stem}" if shipped else ""
-        raise ConfigNotFoundError(f"no config file {name_or_path!r} (a path to a .py file must exist){hint}")
-    candidate = CONFIGS_DIR / f"{name_or_path}.py"
-    if name_or_path and candidate.is_file():
-        return candidate
+    if "/" in name_or_path or os.sep in name_or_path:
+        return _config_file(pathlib.Path(name_or_path), name_or_path)
+    stem = name_or_path.removesuffix(".py")
+    shipped = CONFIGS_DIR / f"{stem}.py" if stem in available else None
+    if name_or_path.endswith(".py"):
+        local = pathlib.Path(name_or_path)
+        if shipped is None:
+            return _config_file(local, name_or_path)
+        if local.exists() and not _same_file(local, shipped):
+            raise ConfigNotFoundError(
+                f"--config {name_or_path} is ambiguous: the shipped {shipped} and {local.resolve()} in the "
+                f"working directory; say --config {stem} for the shipped one or --config ./{name_or_path} "
+                "for yours"
+            )
+        return shipped
+    if shipped is not None:
+        return shipped
     raise ConfigNotFoundError(
         f"no config {name_or_path!r} in configs/ (one of {available}); a config file of your own is "
         "given as a path (with a / or ending in .py)"
     )
+
+
+def _config_file(p: pathlib.Path, given: str) -> pathlib.Path:
+    if p.is_file() and p.suffix == ".py":
+        return p
+    if p.is_file():
+        raise ConfigNotFoundError(f"config file {given!r} must be a Python file ending in .py")
+    shipped = (CONFIGS_DIR / p.name).is_file() and p.suffix == ".py"
+    hint = f"; the shipped config is --config {p.stem}" if shipped else ""
+    raise ConfigNotFoundError(f"no config file {given!r} (a path to a .py file must exist){hint}")
+
+
+def _same_file(a: pathlib.Path, b: pathlib.Path) -> bool:
+    """`cd configs && --config demo.py`: the shipped file itself, not a second one."""
+    try:
+        return a.samefile(b)
+    except OSError:
+        return False
 
 
 def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Config:

@@ -23,8 +23,9 @@ from typing import Any
 
 # `--config`'s help, the same for every tool (the rule: agentrefine_jax.config.resolve_config_path).
 CONFIG_HELP = (
-    "a name in configs/ (e.g. demo), or a path to your own config (with a / or ending in .py; "
-    "it is Python and runs with your privileges: change a shared config with --set instead)"
+    "a shipped config in configs/, by name with or without .py (llama3_8b or llama3_8b.py), or a "
+    "path to your own (./mine.py, dir/mine.py; it is Python and runs with your privileges: change a "
+    "shared config with --set instead)"
 )
 
 

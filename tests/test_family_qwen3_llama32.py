@@ -130,6 +130,8 @@ def _train_sets(name: str, hf_dir: pathlib.Path) -> tuple[str, list[str]]:
             "train.checkpoint_every=2", "train.eval_every=0"]  # fmt: skip
     if name != "llama3.2":  # the directory's own tokenizer and chat template
         sets += [f"data.tokenizer={hf_dir}", "data.template=hf"]
+    else:  # no tokenizer files (Llama-3's vocabulary): the tokenizer is named, never implied
+        sets += ["data.tokenizer=llama3"]
     return "tiny", sets
 
 

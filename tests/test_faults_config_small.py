@@ -1,8 +1,8 @@
 """Configs and the small validations of issue 32 (items 6 and 7): real CLI processes, real files.
 
 * `--config NAME` resolves inside configs/ only: a file called `llama3_8b` / `demo` in the working
-  directory does not shadow it (a bare AssertionError traceback before); `--config demo.py` is a
-  path and must exist (it silently ran configs/demo.py when ./demo.py was absent);
+  directory does not shadow it (a bare AssertionError traceback before); a path (`./demo.py`) must
+  exist; `--config NAME.py` is the shipped config again since issue 44 (tests/test_config_names.py);
 * `train.lora.targets=q,q,v` is refused (accepted silently);
 * `export verify --seq-lens` above the model's context is refused before any model is loaded
   (it ran to 11 GB);
@@ -42,7 +42,8 @@ def test_duplicate_lora_targets_are_refused_and_demo_resolves_in_configs(tmp_pat
 
 
 def test_a_config_path_must_exist_and_end_in_py(tmp_path):
-    res = _in(tmp_path, "plan", "--config", "demo.py", "--chip", "v5p")  # no ./demo.py here
+    # `demo.py` alone names the shipped config (issue 44); `./demo.py` is a path and must exist.
+    res = _in(tmp_path, "plan", "--config", "./demo.py", "--chip", "v5p")  # no ./demo.py here
     one_line(res, "plan", 2, "demo.py", "--config demo")
     (tmp_path / "mine").write_text("def config(): pass\n")
     one_line(_in(tmp_path, "plan", "--config", "./mine", "--chip", "v5p"), "plan", 2, ".py")

@@ -256,6 +256,7 @@ def test_train_names_a_nan_weight_found_while_loading_the_base(tmp_path, capsys)
     run = tmp_path / "run"
     argv = ["--config", "tiny", "-q", "--set", f"train.run_dir={run}", "--set", f"train.init_from_hf={d}"]
     argv += ["--set", "mesh.fsdp=2", "--set", "mesh.tensor=4", "--set", "train.export_hf_at_end=none"]
+    argv += ["--set", "data.tokenizer=llama3"]  # the directory has no tokenizer files: named, never implied
     rows = tmp_path / "rows.jsonl"  # four unpacked rows: one global batch, little tokenizing
     rows.write_text((json.dumps(GOOD) + "\n") * 4)
     argv += ["--set", f"data.train_files={rows}", "--set", "data.pack=false"]

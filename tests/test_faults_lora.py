@@ -31,7 +31,8 @@ def _cfg(tmp: pathlib.Path, hf_dir: pathlib.Path | None, *extra: str):
             f"train.run_dir={tmp / 'run'}",
             "train.export_hf_at_end=none",
             "train.lora.rank=4",
-            *([f"train.init_from_hf={hf_dir}"] if hf_dir else []),
+            # The directory has no tokenizer files (Llama-3's vocabulary): named, never implied.
+            *([f"train.init_from_hf={hf_dir}", "data.tokenizer=llama3"] if hf_dir else []),
             *extra,
         ],
     )

@@ -244,6 +244,7 @@ def test_init_from_hf_starts_from_the_transformers_weights(tmp_path):
             "mesh.tensor=4",
             f"train.run_dir={tmp_path / 'run'}",
             f"train.init_from_hf={hf_dir}",
+            "data.tokenizer=llama3",  # the directory has none (Llama-3's vocabulary): named, never implied
             "train.export_hf_at_end=none",
         ],
     )

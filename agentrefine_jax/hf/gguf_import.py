@@ -209,6 +209,7 @@ def read_gguf(path: str | pathlib.Path, *, param_dtype: str = "float32") -> GGUF
         eos_token_ids=tuple(dict.fromkeys(eos)),
         pad_token_id=special.get("pad"),
     )
+    _check_tensor_set(p, r, cfg)
     return GGUFModel(
         path=p,
         reader=r,
@@ -250,6 +251,28 @@ def hf_name(gguf_name: str) -> str:
     if len(parts) == 1 and parts[0] in _TOP_NAMES:
         return f"{_TOP_NAMES[parts[0]]}.{suffix}"
     raise GGUFError(f"tensor {gguf_name!r} has no transformers Llama counterpart")
+
+
+def _check_tensor_set(p: pathlib.Path, r: Any, cfg: Any) -> None:
+    """Every tensor the metadata implies, present once with its shape, and nothing else: a missing
+    or misshapen tensor would otherwise be written into a directory that only fails when loaded."""
+    from agentrefine_jax.models import params
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    unknown = []
+    for t in r.tensors:
+        try:
+            name = hf_name(t.name)
+        except GGUFError:
+            unknown.append(t.name)
+            continue
+        if name in shapes:
+            raise GGUFError(f"{p}: tensor {t.name} appears twice")
+        shapes[name] = tuple(int(n) for n in reversed(t.shape))  # ggml lists dimensions innermost first
+    problems = params.hf_set_problems(shapes, cfg, "the file's metadata")
+    if unknown or problems:
+        known = f"tensors with no transformers Llama counterpart: {unknown[:8]}" if unknown else ""
+        raise GGUFError(f"{p}: " + "; ".join(x for x in (known, problems) if x))
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:

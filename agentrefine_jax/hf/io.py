@@ -90,17 +90,23 @@ _MAX_JSON_BYTES = 64 * 2**20  # config / index files are kilobytes; /dev/zero or
 
 
 def _load_json(path: pathlib.Path) -> dict[str, Any]:
+    """A JSON object from a model directory's small file (config, generation config, index)."""
     try:
         st = path.stat()
         if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_JSON_BYTES:
             raise ValueError(f"{path} is not a regular JSON file of at most {_MAX_JSON_BYTES} bytes")
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
+    except NotADirectoryError:  # `path`'s directory is a file
+        raise ValueError(f"{path.parent} is a file, not a Hugging Face model directory") from None
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} not found: not a Hugging Face model directory?") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
     except RecursionError:
         raise ValueError(f"{path} is JSON nested deeper than the parser allows") from None
+    if not isinstance(value, dict):  # e.g. a list: every reader below looks keys up
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def _rope_from_hf(c: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -169,6 +175,8 @@ def read_hf_config(
     lists <|eot_id|> only in the latter). Unsupported features fail here, not mid-load.
     """
     d = pathlib.Path(hf_dir)
+    if d.exists() and not d.is_dir():
+        raise ValueError(f"{d} is a file, not a Hugging Face model directory")
     c = _load_json(d / "config.json")
     family = c.get("model_type")
     if family not in families.FAMILIES:
@@ -336,6 +344,8 @@ def hf_weight_files(hf_dir: str | pathlib.Path) -> dict[pathlib.Path, list[str]]
 
     Every file must lie inside `hf_dir` (see `_inside`) and pass the header check."""
     d = pathlib.Path(hf_dir)
+    if d.exists() and not d.is_dir():
+        raise ValueError(f"{d} is a file, not a Hugging Face model directory")
     if not d.is_dir():
         raise FileNotFoundError(f"{d} is not a directory")
     index = d / SAFE_INDEX
@@ -441,14 +451,23 @@ def check_hf_dir(hf_dir: str | pathlib.Path) -> ModelConfig:
     expected tensor names, float dtypes and shapes. Raises a one-line ValueError/FileNotFoundError.
     `load_hf_model` checks the same while it reads; this lets a trainer fail before its data work."""
     cfg = read_hf_config(hf_dir)
-    seen: set[str] = set()
+    check_tensor_set(hf_dir, cfg)
+    return cfg
+
+
+def check_tensor_set(hf_dir: str | pathlib.Path, cfg: ModelConfig) -> None:
+    """The directory's whole tensor set against `cfg`, from the headers: every missing, extra
+    (unknown, or a layer past num_layers) and misshapen tensor named in one ValueError."""
+    shapes: dict[str, tuple[int, ...]] = {}
     for _, _, name, sl in _iter_slices(hf_dir):
         if _RECOMPUTED_RE.match(name) or (name == "lm_head.weight" and cfg.tie_embeddings):
             continue
-        _check_shape(name, tuple(sl.get_shape()), cfg, hf_dir)
-        seen.add(name)
-    _check_complete(params.expected_hf_names(cfg) - seen, hf_dir)
-    return cfg
+        if name in shapes:
+            raise ValueError(f"tensor {name} appears twice in {hf_dir}")
+        shapes[name] = tuple(sl.get_shape())
+    problems = params.hf_set_problems(shapes, cfg, "config.json")
+    if problems:
+        raise ValueError(f"{hf_dir}: {problems}")
 
 
 def _check_shape(name: str, shape: tuple[int, ...], cfg: ModelConfig, hf_dir: Any) -> None:
@@ -514,6 +533,7 @@ def load_hf_model(
     cfg = read_hf_config(hf_dir, param_dtype=param_dtype)
     if overrides:
         cfg = dataclasses.replace(cfg, **overrides)
+    check_tensor_set(hf_dir, cfg)  # the whole set first: nothing half-loaded, dropped or overwritten
     graphdef, abs_params = abstract_params(cfg)
     shardings = param_shardings(abs_params, mesh, rules)
     pdt = NP_DTYPES[cfg.param_dtype]

@@ -144,12 +144,53 @@ def lookup_hf(name: str) -> tuple[Param, int | None]:
 
 def hf_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
     """The HF shape a tensor named `name` must have under `cfg` (KeyError for names that are not
-    tensors of a model under `cfg`: unknown ones, and rows its family does not hold, e.g. a
-    q_norm in a Llama checkpoint)."""
-    p, _ = lookup_hf(name)
+    tensors of a model under `cfg`: unknown ones, rows its family does not hold, e.g. a q_norm in
+    a Llama checkpoint, and layers past `num_layers`, which would be dropped or overwrite one)."""
+    p, layer = lookup_hf(name)
     if not holds(p, cfg):
         raise KeyError(f"unexpected tensor in HF checkpoint: {name}")
+    if layer is not None and layer >= cfg.num_layers:
+        raise KeyError(f"unexpected tensor in HF checkpoint: {name} (the config has {cfg.num_layers} layers)")
     return hf_shape_of(p, cfg)
+
+
+def _more(items: list[str], what: str, limit: int = 8) -> str:
+    """`; 5 more <what>: [...]` for the items after the first one named in full."""
+    rest = items[1:]
+    if not rest:
+        return ""
+    tail = f" (+{len(rest) - limit} more)" if len(rest) > limit else ""
+    return f"; {len(rest)} more {what}: {rest[:limit]}{tail}"
+
+
+def hf_set_problems(shapes: dict[str, tuple[int, ...]], cfg: ModelConfig, source: str) -> str | None:
+    """What is wrong with a whole set of HF tensors {name: shape} against `cfg`, in one line (None
+    when it is exactly the model's): missing tensors, extra ones (unknown, not held by the family, or
+    layers past num_layers) and misshapen ones, each named; `source` says where `cfg` came from
+    ("config.json"). Every import checks this before it writes or trains anything, so nothing is
+    dropped, left at zero or overwritten silently."""
+    extra, misshapen = [], []
+    for name, got in sorted(shapes.items()):
+        try:
+            want = hf_shape(name, cfg)
+        except KeyError:
+            extra.append(name)
+            continue
+        if tuple(got) != want:
+            misshapen.append(f"{name} has shape {tuple(got)}, {source} implies {want}")
+    missing = sorted(expected_hf_names(cfg) - set(shapes))
+    parts = []
+    if missing:
+        more = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
+        parts.append(f"lacks {len(missing)} tensors: {missing[:10]}{more}")
+    if extra:
+        m = _HF_LAYER_RE.match(extra[0])
+        past = m is not None and int(m.group(1)) >= cfg.num_layers
+        why = f"{source} says {cfg.num_layers} layers" if past else f"not part of a {cfg.family} model"
+        parts.append(f"unexpected tensor in HF checkpoint: {extra[0]} ({why}){_more(extra, 'unexpected')}")
+    if misshapen:
+        parts.append(misshapen[0] + _more(misshapen, "misshapen"))
+    return "; ".join(parts) or None
 
 
 def expected_hf_names(cfg: ModelConfig) -> set[str]:

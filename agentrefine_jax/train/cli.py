@@ -22,6 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="python -m agentrefine_jax.train",
         description="Refinement tuning (AgentRefine) of a LLaMA/Mistral model.",
+        epilog="example: python -m agentrefine_jax.train --config llama3_8b.py "
+        "--set train.init_from_hf=/ckpt/Meta-Llama-3-8B-Instruct "
+        "(add --print-config to see the resolved config)",
     )
     p.add_argument("--config", required=True, help=CONFIG_HELP)
     p.add_argument(
@@ -124,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         from agentrefine_jax.hf import model_source
 
         cfg = model_source.resolve(cfg)  # train.model_source: the model from init_from_hf's config.json
+        # The run's own checks of its model (weights' headers, tokenizer files and vocabulary),
+        # here too, so --print-config fails exactly as the run would.
+        model_source.check(cfg)
     except ConfigError as e:
         return fail(TOOL, e)
     if args.print_config:

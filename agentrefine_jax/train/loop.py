@@ -153,8 +153,7 @@ def _train(cfg: Config, paths: RunPaths) -> dict[str, Any]:
     tc = cfg.train
     mesh = _mesh(cfg)
     check_resume_config(paths, cfg)
-    if tc.init_from_hf:
-        check_init_from_hf(cfg)
+    check_model(cfg)
     pipeline, batch_rows, total_steps = _train_pipeline(cfg, mesh)
     fns, schedule = build_train_step(cfg, mesh, total_steps)
     try:
@@ -403,27 +402,10 @@ def evaluate(fns: StepFns, params: Any, pipeline: Any, global_batch: int) -> flo
     return total / max(count, 1.0)
 
 
-def check_init_from_hf(cfg: Config) -> None:
-    """`train.init_from_hf` checked from its headers before any data work: a pickle-only or foreign
-    directory, files outside it, corrupt files, wrong names, dtypes or shapes fail in one line."""
-    from agentrefine_jax.hf.io import check_hf_dir
-
-    where = f"train.init_from_hf={cfg.train.init_from_hf}"
+def check_model(cfg: Config) -> None:
+    """The model's inputs checked before any data work (hf/model_source.check: `train.init_from_hf`
+    from its headers, its tokenizer files, the tokenizer against the vocabulary), as exit 2."""
     try:
-        hf_cfg = check_hf_dir(cfg.train.init_from_hf)
-    except (ValueError, FileNotFoundError) as e:
-        raise TrainingInputError(f"{where}: {e}") from None
-    bad = [
-        f"{f}: config {getattr(cfg.model, f)!r} vs checkpoint {getattr(hf_cfg, f)!r}"
-        for f in cfg.model.hf_diff(hf_cfg)
-    ]
-    if bad:
-        raise TrainingInputError(
-            f"{where} does not match model config: {bad} "
-            "(train.model_source=init_from_hf takes the model from the directory)"
-        )
-    if cfg.data.max_length > hf_cfg.max_position_embeddings:
-        raise TrainingInputError(
-            f"data.max_length={cfg.data.max_length} exceeds the context of {where} "
-            f"(max_position_embeddings={hf_cfg.max_position_embeddings})"
-        )
+        model_source.check(cfg)
+    except ConfigError as e:
+        raise TrainingInputError(str(e)) from None
