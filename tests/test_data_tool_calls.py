@@ -14,7 +14,7 @@ import json
 
 import pytest
 import transformers
-from hf_fixtures import QWEN3_TEMPLATE, QWEN25_TEMPLATE, demo_conversations, qwen_tokenizer
+from hf_fixtures import DEMO, QWEN3_TEMPLATE, QWEN25_TEMPLATE, demo_conversations, qwen_tokenizer
 from llama_models.datatypes import RawMessage, StopReason, ToolCall, ToolPromptFormat
 from llama_models.llama3.chat_format import ChatFormat
 from llama_models.llama3.tokenizer import Tokenizer as MetaTokenizer
@@ -30,6 +30,10 @@ from mistral_common.protocol.instruct.tool_calls import ToolCall as MistralToolC
 from mistral_common.protocol.instruct.validator import ValidationMode
 from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 
+from agentrefine_jax.data.examples import build_examples
+from agentrefine_jax.data.preference import CHOSEN, REJECTED, PairReport, build_pairs, trajectory_pairs
+from agentrefine_jax.data.react_tools import ACT_TOOL, react_to_tool_row, tool_row_to_react
+from agentrefine_jax.data.report import DataReport
 from agentrefine_jax.data.schema import RowError, normalize_row, resolve_field_map
 from agentrefine_jax.data.templates import get_template, llama3_tools_system
 from agentrefine_jax.data.tokenizers import load_tokenizer, mistral_v3_model_path
@@ -101,7 +105,7 @@ def llama():
     return get_template("llama3", load_tokenizer("llama3"))
 
 
-def _meta_reference(messages, loss_on):
+def _meta_reference(messages, loss_on, cats=CATEGORIES):
     cf = ChatFormat(MetaTokenizer.get_instance())
     ids, mask = [cf.tokenizer.special_tokens["<|begin_of_text|>"]], [0]
     for i, m in enumerate(messages):
@@ -115,7 +119,7 @@ def _meta_reference(messages, loss_on):
         toks, _ = cf.encode_message(raw, ToolPromptFormat.json)
         header = len(cf._encode_header(m["role"]))
         ids += toks
-        mask += [0] * header + [int(CATEGORIES.get(i) in loss_on)] * (len(toks) - header)
+        mask += [0] * header + [int(cats.get(i) in loss_on)] * (len(toks) - header)
     return ids, mask
 
 
@@ -132,6 +136,21 @@ def test_llama31_tool_calls_match_chat_format_with_masks(llama, mode):
     # The prompt after a tool result is what training saw before the next turn.
     prompt = llama.encode_prompt(row()[:4])
     assert prompt == want_ids[: len(prompt)]
+
+
+def test_preference_pairs_on_tool_rows(llama):
+    """The erroneous call against the refined one, each after the same prompt (the call and its
+    error result are not in it): exactly the vendor's encoding of prompt + reply."""
+    report = PairReport()
+    pairs = trajectory_pairs(row(), "r", report)
+    assert len(pairs) == 1 and pairs[0].prompt == row()[:4]
+    assert pairs[0].rejected_extra["tool_calls"][0]["function"]["arguments"] == {"command": "grab mug"}
+    store = build_pairs(pairs, llama, 4096, report)
+    for example, reply, bit in ((0, 6, CHOSEN), (1, 4, REJECTED)):
+        ids, mask = store.example(example)
+        want_ids, want_mask = _meta_reference(TRAJ[:4] + [TRAJ[reply]], ("correct",), {4: "correct"})
+        assert ids.tolist() == want_ids
+        assert mask.tolist() == [bit * b for b in want_mask]
 
 
 # ------------------------------------------------------------------ Mistral v3
@@ -406,3 +425,60 @@ def test_bad_tool_rows(messages, reason):
     with pytest.raises(RowError) as e:
         normalize_row({"messages": messages}, None, "r")
     assert e.value.reason == reason
+
+
+# ------------------------------------------------------------------ ReAct <-> tool-call rows
+
+
+def test_react_rows_convert_to_tool_rows_and_back():
+    rows = [json.loads(line) for line in DEMO.read_text().splitlines()]
+    for raw in rows:
+        tool_row = react_to_tool_row(raw)
+        assert tool_row["tools"] == [ACT_TOOL]
+        assert tool_row_to_react(tool_row) == normalize_row(raw, None, "x")  # byte for byte
+    raw = next(r for r in rows if any(m.get("loss") is False for m in r["messages"]))
+    tool_row = react_to_tool_row(raw)
+    msgs = tool_row["messages"]
+    assert [m["role"] for m in msgs] == [
+        "system",
+        "user",
+        *["assistant", "tool"] * ((len(msgs) - 3) // 2),
+        "assistant",
+    ]
+    for before, after in zip(raw["messages"], msgs, strict=True):
+        if before["role"] == "assistant":
+            thought, _, command = before["content"].rpartition("\nAction: ")
+            assert after["content"] == thought and after["loss"] == before["loss"]
+            assert after["tool_calls"][0]["function"] == {"name": "act", "arguments": {"command": command}}
+        else:
+            assert after["content"] == before["content"]
+    # A turn that is not exactly "Thought\nAction: command" stays text, and so does its answer.
+    odd = {
+        "messages": [
+            {"role": "user", "content": "t"},
+            {"role": "assistant", "content": "Action: a\nmore"},
+            {"role": "user", "content": "o"},
+            {"role": "assistant", "content": "Action: b"},
+        ]
+    }
+    converted = react_to_tool_row(odd)["messages"]
+    assert [m["role"] for m in converted] == ["user", "assistant", "user", "assistant"]
+    assert "tool_calls" not in converted[1] and converted[3]["tool_calls"][0]["function"]["arguments"] == {
+        "command": "b"
+    }
+    assert tool_row_to_react(react_to_tool_row(odd)) == normalize_row(odd, None, "row")
+
+
+def test_converted_rows_train_the_calls(llama, qwen25_dir):
+    """Converted rows go through the pipeline: the trained tokens of a turn are its thought and call."""
+    raw = json.loads(DEMO.read_text().splitlines()[0])
+    tool_row = react_to_tool_row(raw)
+    for template in (llama, get_template("hf", load_tokenizer(str(qwen25_dir)))):
+        report = DataReport()
+        store = build_examples(
+            [("r", tool_row)], template, loss_on=MODES["eq1"], max_length=4096, report=report
+        )
+        ids, mask = store.example(0)
+        trained = template.decode([t for t, b in zip(ids, mask, strict=True) if b], skip_special_tokens=False)
+        assert '"command": "go to kitchen"' in trained and "Observation" not in trained
+        assert report.turns["correct"] == sum(m["role"] == "assistant" for m in raw["messages"])
