@@ -482,3 +482,36 @@ def test_converted_rows_train_the_calls(llama, qwen25_dir):
         trained = template.decode([t for t, b in zip(ids, mask, strict=True) if b], skip_special_tokens=False)
         assert '"command": "go to kitchen"' in trained and "Observation" not in trained
         assert report.turns["correct"] == sum(m["role"] == "assistant" for m in raw["messages"])
+
+
+def test_pipeline_and_show_expand_thinking_rows(qwen3_dir, tmp_path, capsys):
+    """A row the template does not render append-only becomes one example per render context;
+    each turn is counted once, in the example that trains it."""
+    from agentrefine_jax.data import cli
+
+    tpl = get_template("hf", load_tokenizer(str(qwen3_dir)))
+    report = DataReport()
+    store = build_examples(
+        [("r", {"messages": THINKING})], tpl, loss_on=MODES["eq1"], max_length=4096, report=report
+    )
+    want = tpl.encode_contexts(THINKING, MODES["eq1"])
+    assert len(store) == len(want) == 3  # turns 2, 6 and 8, each after the prompt inference renders
+    for i, (ids, mask) in enumerate(want):
+        assert [x.tolist() for x in store.example(i)] == [ids, mask]
+    assert dict(report.turns) == {"correct": 2, "erroneous": 1, "refinement": 1}
+    path = tmp_path / "thinking.jsonl"
+    path.write_text(json.dumps({"messages": THINKING}) + "\n")
+    argv = [
+        "show",
+        "--input",
+        str(path),
+        "--tokenizer",
+        str(qwen3_dir),
+        "--template",
+        "hf",
+        "--color",
+        "never",
+    ]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("== example") == 3 and "context (trained in an earlier example)" in out

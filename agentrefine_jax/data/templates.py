@@ -488,6 +488,8 @@ class HFDirTemplate(ChatTemplate):
         self._control_texts = [t for t in tokenizer.all_special_tokens if t]
         self._backend = tokenizer.backend_tokenizer
         self.enable_thinking = enable_thinking
+        self._shown: dict[tuple[int, int, bool], tuple[Mapping[str, Any], dict[str, Any]]] = {}
+        self._spans: dict[tuple[Any, ...], tuple[str, str]] = {}
 
     def _markup(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=False).ids if text else []
@@ -496,12 +498,16 @@ class HFDirTemplate(ChatTemplate):
     def _template_messages(self, messages: Sequence[Mapping[str, Any]], marked: bool) -> list[dict[str, Any]]:
         out = []
         for k, m in enumerate(messages):
-            msg = {key: m[key] for key in _TEMPLATE_KEYS if key in m}
-            if marked:
-                for f, field in enumerate(_FIELDS):
-                    if msg.get(field):  # empty text stays empty: templates test it (`if content`)
-                        msg[field] = f"\ue000{2 * k + f}\ue001"
-            out.append(msg)
+            # A row's prefixes are rendered many times: each message is converted once per call.
+            memo = self._shown.get((id(m), k, marked))
+            if memo is None or memo[0] is not m:
+                msg = {key: m[key] for key in _TEMPLATE_KEYS if key in m}
+                if marked:
+                    for f, field in enumerate(_FIELDS):
+                        if msg.get(field):  # empty text stays empty: templates test it (`if content`)
+                            msg[field] = f"\ue000{2 * k + f}\ue001"
+                memo = self._shown[(id(m), k, marked)] = (m, msg)
+            out.append(memo[1])
         return out
 
     def _jinja_render(self, messages: Sequence[Mapping[str, Any]], gen: bool, marked: bool) -> str:
@@ -524,14 +530,14 @@ class HFDirTemplate(ChatTemplate):
                 "chat template", f"the directory's chat_template refused the conversation: {e}"
             ) from None
 
-    def _render_text(self, messages: Sequence[Mapping[str, Any]], gen: bool) -> str:
-        """The render with sentinels, checked: each sentinel at most once and in order, and the
-        text filled in equals the template's render of the real text."""
+    def _render_text(self, messages: Sequence[Mapping[str, Any]], gen: bool, check: bool = True) -> str:
+        """The render with sentinels, checked: each sentinel at most once and in order, and (with
+        `check`) the text filled in equals the template's render of the real text."""
         text = self._jinja_render(messages, gen, marked=True)
         found = [int(i) for i in _SENTINEL.findall(text)]
-        real = self._jinja_render(messages, gen, marked=False)
         in_order = [n // 2 for n in found] == sorted(n // 2 for n in found)  # thinking precedes content
-        if len(set(found)) != len(found) or not in_order or _fill(text, messages) != real:
+        faithful = not check or _fill(text, messages) == self._jinja_render(messages, gen, marked=False)
+        if len(set(found)) != len(found) or not in_order or not faithful:
             raise RowError(
                 "chat template",
                 "the directory's chat_template transforms message text (strips, rewrites or repeats "
@@ -541,8 +547,21 @@ class HFDirTemplate(ChatTemplate):
 
     def _turn_span(self, messages: Sequence[Mapping[str, Any]], k: int) -> tuple[str, str]:
         """(prompt, completion) of assistant turn k in its own render context: the prompt inference
-        feeds, and what the turn adds after it up to its end token (sentinel text)."""
-        prompt = self._render_text(messages[:k], True)
+        feeds, and what the turn adds after it up to its end token (sentinel text).
+
+        Remembered per conversation prefix: the pipeline asks `contexts` first and renders the
+        examples later, and the three renders per turn are most of the hf template's cost."""
+        key = _prefix_key(messages, k + 1)
+        hit = self._spans.get(key)
+        if hit is None:
+            if len(self._spans) >= 1 << 14:  # a few chunks of rows (pipeline: 256 at a time)
+                self._spans.clear()
+            hit = self._spans[key] = self._compute_turn_span(messages, k)
+        return hit
+
+    def _compute_turn_span(self, messages: Sequence[Mapping[str, Any]], k: int) -> tuple[str, str]:
+        # The prompt is the start of `upto`, whose real text is checked: no second check for it.
+        prompt = self._render_text(messages[:k], True, check=False)
         upto = self._render_text(messages[: k + 1], False)
         if not upto.startswith(prompt):
             if self.enable_thinking is False and messages[k].get("reasoning_content"):
@@ -573,6 +592,7 @@ class HFDirTemplate(ChatTemplate):
         self, messages: Sequence[Mapping[str, Any]], loss_on: Collection[str] = DEFAULT_LOSS_ON
     ) -> list[list[dict[str, Any]]]:
         msgs = validate_messages(messages)
+        self._shown.clear()
         train = check_loss_on(loss_on)
         trained = self._trained(msgs, train)
         if not trained:
@@ -608,6 +628,7 @@ class HFDirTemplate(ChatTemplate):
                     "chat template", f"message {i} contains the private-use characters U+E000/U+E001"
                 )
         self._check_tool_text(messages)
+        self._shown.clear()
         text = self._render_text(messages, gen)
         trained = self._trained(messages, train) if not gen else []
         intervals = []
@@ -627,9 +648,15 @@ class HFDirTemplate(ChatTemplate):
         for mt in _SENTINEL.finditer(text):
             cuts |= {mt.start(), mt.end()}
         points = sorted(cuts)
+        ending: dict[int, list[int]] = {}
+        for k, e in enumerate(ends):
+            ending.setdefault(e, []).append(k)
         parts: list[Part] = []
+        inside = sorted(intervals)
         for a, b in zip(points, points[1:], strict=False):
-            bit = int(any(lo <= a and b <= hi for lo, hi, _ in intervals))
+            while inside and inside[0][1] <= a:
+                inside.pop(0)
+            bit = int(bool(inside) and inside[0][0] <= a and b <= inside[0][1])
             seg = text[a:b]
             mt = _SENTINEL.fullmatch(seg)
             if mt:
@@ -637,7 +664,7 @@ class HFDirTemplate(ChatTemplate):
                 parts.append(("text", [messages[n // 2][_FIELDS[n % 2]]], bit, -1))
             else:
                 parts.append(("ids", self._markup(seg), bit, -1))
-            parts.extend(("ids", [], 0, k) for k, e in enumerate(ends) if e == b)
+            parts.extend(("ids", [], 0, k) for k in ending.get(b, ()))
         return parts
 
     def _message_ends(
@@ -683,6 +710,25 @@ class HFDirTemplate(ChatTemplate):
         inference feeds it."""
         msgs = _validate_prompt(messages)
         return self._assemble([self._render(msgs, None, gen=True)], [len(msgs)])[0][0]
+
+
+def _prefix_key(messages: Sequence[Mapping[str, Any]], n: int) -> tuple[Any, ...]:
+    """What the template sees of messages[:n], hashable (strings hash once; calls and tools as JSON)."""
+
+    def part(m: Mapping[str, Any]) -> tuple[Any, ...]:
+        calls = json.dumps(m["tool_calls"], sort_keys=True) if m.get("tool_calls") else None
+        tools = json.dumps(m["tools"], sort_keys=True) if m.get("tools") else None
+        return (
+            m["role"],
+            m["content"],
+            m.get("reasoning_content"),
+            calls,
+            m.get("tool_call_id"),
+            m.get("name"),
+            tools,
+        )
+
+    return tuple(part(m) for m in messages[:n])
 
 
 def _fill(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
