@@ -515,3 +515,16 @@ def test_pipeline_and_show_expand_thinking_rows(qwen3_dir, tmp_path, capsys):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("== example") == 3 and "context (trained in an earlier example)" in out
+
+
+def test_train_size_counts_examples_of_split_rows(qwen3_dir, tmp_path):
+    """data.train_size is a number of examples, also when the template splits rows into several."""
+    from agentrefine_jax.config import DataConfig
+    from agentrefine_jax.data.pipeline import build_data
+
+    path = tmp_path / "thinking.jsonl"
+    path.write_text("".join(json.dumps({"id": f"t{i}", "messages": THINKING}) + "\n" for i in range(3)))
+    common = dict(train_files=[str(path)], tokenizer=str(qwen3_dir), template="hf", max_length=1024)
+    assert len(build_data(DataConfig(**common), "train").store) == 9  # 3 trained turns a row
+    built = build_data(DataConfig(**common, train_size=4), "train")
+    assert len(built.store) == built.report.examples == 4

@@ -247,10 +247,13 @@ def build_examples(
     field_map: FieldMap | None = None,
     report: DataReport,
     seen_ids: dict[str, str] | None = None,
+    max_examples: int | None = None,
 ) -> TokenStore:
     """Examples of `records`, in order; `report` accumulates (call again for more records).
 
     `seen_ids` (id -> first location) carries duplicate-id detection across calls.
+    `max_examples` stops at that many examples (`data.train_size`: a row the template splits into
+    several examples can otherwise pass it).
     """
     if overlength not in OVERLENGTH_MODES:
         raise ValueError(f"overlength must be one of {OVERLENGTH_MODES}, got {overlength!r}")
@@ -281,6 +284,8 @@ def build_examples(
 
     def flush() -> None:
         for where, messages, (ids, mask, ends) in encode_pending():
+            if max_examples is not None and len(lengths) >= max_examples:
+                break
             fitted = fit_length(ids, mask, ends, messages, max_length, overlength)
             if fitted is None:
                 first = next(k for k, m in enumerate(messages) if m["role"] == "assistant")

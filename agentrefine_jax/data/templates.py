@@ -536,28 +536,39 @@ class HFDirTemplate(ChatTemplate):
         text = self._jinja_render(messages, gen, marked=True)
         found = [int(i) for i in _SENTINEL.findall(text)]
         in_order = [n // 2 for n in found] == sorted(n // 2 for n in found)  # thinking precedes content
+        # Every message's content is shown; only thoughts may be left out (Qwen3 drops old ones).
+        shown = {2 * k for k, m in enumerate(messages) if m.get("content")} <= set(found)
         faithful = not check or _fill(text, messages) == self._jinja_render(messages, gen, marked=False)
-        if len(set(found)) != len(found) or not in_order or not faithful:
+        if len(set(found)) != len(found) or not in_order or not shown or not faithful:
             raise RowError(
                 "chat template",
-                "the directory's chat_template transforms message text (strips, rewrites or repeats "
-                "it); it cannot be used for training",
+                "the directory's chat_template transforms message text (drops, strips, rewrites or "
+                "repeats it); it cannot be used for training",
             )
         return text
 
-    def _turn_span(self, messages: Sequence[Mapping[str, Any]], k: int) -> tuple[str, str]:
-        """(prompt, completion) of assistant turn k in its own render context: the prompt inference
-        feeds, and what the turn adds after it up to its end token (sentinel text).
+    def _turn_span(self, messages: Sequence[Mapping[str, Any]], k: int) -> tuple[int, int, str]:
+        """Assistant turn k in its own render context: (length and hash of the prompt inference
+        feeds, what the turn adds after it up to its end token), in sentinel text.
 
         Remembered per conversation prefix: the pipeline asks `contexts` first and renders the
-        examples later, and the three renders per turn are most of the hf template's cost."""
+        examples later, and the three renders per turn are most of the hf template's cost (the
+        prompt is kept as its hash only: it is the whole conversation so far)."""
         key = _prefix_key(messages, k + 1)
         hit = self._spans.get(key)
         if hit is None:
-            if len(self._spans) >= 1 << 14:  # a few chunks of rows (pipeline: 256 at a time)
+            if len(self._spans) >= 1 << 16:  # many chunks of rows (the pipeline encodes 256 at a time)
                 self._spans.clear()
-            hit = self._spans[key] = self._compute_turn_span(messages, k)
+            prompt, completion = self._compute_turn_span(messages, k)
+            hit = self._spans[key] = (len(prompt), hash(prompt), completion)
         return hit
+
+    @staticmethod
+    def _fits(text: str, span: tuple[int, int, str]) -> bool:
+        """Whether `text` renders the turn of `span` as its own context does: the same prompt
+        before it, the same completion."""
+        n, digest, completion = span
+        return text[n : n + len(completion)] == completion and hash(text[:n]) == digest
 
     def _compute_turn_span(self, messages: Sequence[Mapping[str, Any]], k: int) -> tuple[str, str]:
         # The prompt is the start of `upto`, whose real text is checked: no second check for it.
@@ -597,8 +608,8 @@ class HFDirTemplate(ChatTemplate):
         trained = self._trained(msgs, train)
         if not trained:
             return [msgs]
-        spans = {k: "".join(self._turn_span(msgs, k)) for k in trained}
-        if all(self._render_text(msgs, False).startswith(spans[k]) for k in trained):
+        spans = {k: self._turn_span(msgs, k) for k in trained}
+        if all(self._fits(self._render_text(msgs, False), spans[k]) for k in trained):
             return [msgs]  # append-only here: one example, as always
         # Greedy: a group of trained turns shares an example while each turn's own context and
         # completion are a prefix of the render up to the group's last turn.
@@ -606,7 +617,7 @@ class HFDirTemplate(ChatTemplate):
         for k in trained:
             if groups:
                 text = self._render_text(msgs[: k + 1], False)
-                if all(text.startswith(spans[j]) for j in (*groups[-1], k)):
+                if all(self._fits(text, spans[j]) for j in (*groups[-1], k)):
                     groups[-1].append(k)
                     continue
             groups.append([k])
@@ -633,14 +644,14 @@ class HFDirTemplate(ChatTemplate):
         trained = self._trained(messages, train) if not gen else []
         intervals = []
         for k in trained:
-            prompt, completion = self._turn_span(messages, k)
-            if not text.startswith(prompt + completion):
+            span = self._turn_span(messages, k)
+            if not self._fits(text, span):
                 raise RowError(
                     "chat template",
                     f"message {k} renders differently later in the conversation (the template is not "
                     "append-only): split it with ChatTemplate.contexts",
                 )
-            intervals.append((len(prompt), len(prompt) + len(completion), k))
+            intervals.append((span[0], span[0] + len(span[2]), k))
         ends = self._message_ends(text, messages, intervals)
         cuts = {0, len(text)} | {e for e in ends if e >= 0}
         for a, b, _ in intervals:
