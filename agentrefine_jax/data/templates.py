@@ -144,8 +144,9 @@ class ChatTemplate:
         """The conversation as the examples it trains: each a prefix of it in which some turns are
         trained and earlier ones are context (`_context`). Append-only templates give the
         conversation itself; `hf` splits where the template renders a turn differently later on
-        (Qwen3 drops earlier thoughts), so every turn is trained in the context inference sees."""
-        return [validate_messages(messages)]
+        (Qwen3 drops earlier thoughts), so every turn is trained in the context inference sees.
+        (Here the conversation as given: encoding validates it.)"""
+        return [list(messages)]
 
     def encode_contexts(
         self, messages: Sequence[Mapping[str, Any]], loss_on: Collection[str] = DEFAULT_LOSS_ON
