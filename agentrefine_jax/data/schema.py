@@ -11,7 +11,7 @@ of `content`, each call is answered by a `tool` message (`tool_call_id`), and th
 list (function definitions) travels on the conversation's FIRST message under the key `tools`
 (so every layer that passes message lists carries it). ShareGPT's `function_call` turns become
 assistant tool calls and `observation` turns tool messages. An assistant message may also carry
-`reasoning_content` (its thinking); `<think>...</think>` at the start of content is split into it.
+`reasoning_content` (its thinking); a `<think>...</think>` block in content is split into it.
 
 `loss` matters only on assistant messages (default true); `loss: false` marks an *erroneous*
 turn. An assistant message may instead carry `"train": false`: a turn that is context only
