@@ -425,3 +425,112 @@ def chatml_llama_dir(out: str | pathlib.Path, texts: list[str], **config_overrid
     kw.update(config_overrides)
     save_checkpoint(build_model(llama_config(**kw), seed=3), out)
     return out
+
+
+# ------------------------------------------------------------------ Qwen3's tool and thinking format
+# Qwen3's chat template rules, written here (not copied): tools in the system turn (Hermes
+# <tools>), calls as <tool_call> JSON after the content, tool results in one user turn as
+# <tool_response> blocks, and thinking kept only for the turns after the last real user query
+# (the last turn always shows its <think> block, empty or not); `enable_thinking=false` puts an
+# empty think block into the generation prompt. Qwen2.5's template is the same without thinking.
+QWEN3_TEMPLATE = (
+    "{%- set ns = namespace(query=messages|length - 1) %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' and not (m.content.startswith('<tool_response>')"
+    " and m.content.endswith('</tool_response>')) %}{%- set ns.query = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for t in tools %}{{- '\\n' + (t | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, '
+    '"arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'assistant' %}"
+    "{%- set text = m.content %}{%- set thought = '' %}"
+    "{%- if m.reasoning_content is defined and m.reasoning_content is not none %}"
+    "{%- set thought = m.reasoning_content %}"
+    "{%- elif '</think>' in text %}"
+    "{%- set thought = text.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set text = text.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if loop.index0 > ns.query and (loop.last or thought) %}"
+    "{{- '<think>\\n' + thought.strip('\\n') + '\\n</think>\\n\\n' + text.lstrip('\\n') }}"
+    "{%- else %}{{- text }}{%- endif %}"
+    "{%- for call in m.tool_calls or [] %}"
+    "{%- set fn = call.function if call.function else call %}"
+    "{%- if text or not loop.first %}{{- '\\n' }}{%- endif %}"
+    '{{- \'<tool_call>\\n{"name": "\' + fn.name + \'", "arguments": \' }}'
+    "{{- fn.arguments if fn.arguments is string else fn.arguments | tojson }}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+# Qwen2.5's rules (no thinking; a default system prompt): the assistant header, then "\n" + content
+# when there is content, then each call as "\n<tool_call>...</tool_call>".
+QWEN25_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}{%- set sys = messages[0].content %}"
+    "{%- else %}{%- set sys = 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' %}"
+    "{%- endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' + sys + '\\n\\n# Tools\\n\\nYou may call one or more functions to assist "
+    "with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML "
+    "tags:\\n<tools>' }}"
+    "{%- for t in tools %}{{- '\\n' + (t | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, '
+    '"arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
+    "{%- else %}{{- '<|im_start|>system\\n' + sys + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}{%- if m.content %}{{- '\\n' + m.content }}{%- endif %}"
+    "{%- for call in m.tool_calls or [] %}"
+    "{%- set fn = call.function if call.function else call %}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' + fn.name + \'", "arguments": \' + (fn.arguments | tojson) }}'
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+QWEN_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+
+def qwen_tokenizer(
+    out: pathlib.Path, texts: list[str], template: str = QWEN3_TEMPLATE
+) -> transformers.PreTrainedTokenizerFast:
+    """A small byte-level BPE with ChatML specials, Qwen's added (non-special) tool and think
+    tokens, and a Qwen template, saved into `out`."""
+    from tokenizers import AddedToken
+
+    fast = chatml_tokenizer(out, texts, vocab_size=600)
+    fast.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_ADDED])
+    fast.chat_template = template
+    fast.save_pretrained(out)
+    return fast

@@ -5,6 +5,7 @@ Public entry points (import the submodules directly; this package import stays l
 
 * `agentrefine_jax.data.tokenizers.load_tokenizer(name_or_path)`
 * `agentrefine_jax.data.templates.get_template(name, tokenizer)`
+* `agentrefine_jax.data.react_tools.react_to_tool_row(row)` / `tool_row_to_react(row)`
 * `agentrefine_jax.data.pipeline.make_pipeline(cfg, split=..., global_batch_size=..., num_epochs=...)`
 """
 

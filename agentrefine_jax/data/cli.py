@@ -219,6 +219,8 @@ def render_conversation(
         end = ends[k]
         cat = cats[k]
         tag = m["role"] + (f" · {cat} · {'TRAINED' if cat in cfg.loss_on else 'no loss'}" if cat else "")
+        if m.get("_context"):
+            tag = f"{m['role']} · context (trained in an earlier example)"
         head = f"{_BOLD}── {tag} ──{_RESET}" if color else f"── {tag} ──"
         parts.append(head + "\n" + span(start, end, cat))
         start = end
@@ -244,8 +246,18 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"{where}: skipped by the pipeline: {e}", file=sys.stderr)
         return 1
     color = sys.stdout.isatty() if args.color == "auto" else args.color == "always"
-    text, n, n_loss = render_conversation(messages, cfg, color=color)
-    print(text)
+    try:
+        # One example per render context (ChatTemplate.contexts: Qwen3's thinking splits a row).
+        pieces = build_template(cfg).contexts(messages, cfg.loss_on)
+        rendered = [render_conversation(piece, cfg, color=color) for piece in pieces]
+    except RowError as e:
+        print(f"{where}: skipped by the pipeline: {e}", file=sys.stderr)
+        return 1
+    for j, (text, _, _) in enumerate(rendered):
+        if len(rendered) > 1:
+            print(f"== example {j + 1} of {len(rendered)}: turns trained in the context inference renders ==")
+        print(text)
+    n, n_loss = sum(r[1] for r in rendered), sum(r[2] for r in rendered)
     legend = (
         f"{_GREEN}trained{_RESET}  {_DIM}not trained{_RESET}  {_RED}erroneous (no loss){_RESET}"
         if color

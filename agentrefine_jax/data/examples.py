@@ -247,10 +247,13 @@ def build_examples(
     field_map: FieldMap | None = None,
     report: DataReport,
     seen_ids: dict[str, str] | None = None,
+    max_examples: int | None = None,
 ) -> TokenStore:
     """Examples of `records`, in order; `report` accumulates (call again for more records).
 
     `seen_ids` (id -> first location) carries duplicate-id detection across calls.
+    `max_examples` stops at that many examples (`data.train_size`: a row the template splits into
+    several examples can otherwise pass it).
     """
     if overlength not in OVERLENGTH_MODES:
         raise ValueError(f"overlength must be one of {OVERLENGTH_MODES}, got {overlength!r}")
@@ -266,9 +269,23 @@ def build_examples(
 
     pending: list[tuple[str, list[dict[str, Any]]]] = []
 
+    def encode_pending() -> list[tuple[str, list[dict[str, Any]], tuple[list[int], list[int], list[int]]]]:
+        try:
+            encoded = template.encode_batch([m for _, m in pending], train)
+            return [(w, m, e) for (w, m), e in zip(pending, encoded, strict=True)]
+        except RowError:  # a row the template refuses (e.g. reasoning for llama3): find it, skip it
+            out = []
+            for where, messages in pending:
+                try:
+                    out.append((where, messages, template.encode_batch([messages], train)[0]))
+                except RowError as e:
+                    report.skip(where, e.reason, e.detail)
+            return out
+
     def flush() -> None:
-        encoded = template.encode_batch([m for _, m in pending], train)
-        for (where, messages), (ids, mask, ends) in zip(pending, encoded, strict=True):
+        for where, messages, (ids, mask, ends) in encode_pending():
+            if max_examples is not None and len(lengths) >= max_examples:
+                break
             fitted = fit_length(ids, mask, ends, messages, max_length, overlength)
             if fitted is None:
                 first = next(k for k, m in enumerate(messages) if m["role"] == "assistant")
@@ -291,8 +308,8 @@ def build_examples(
             if n_loss == 0:
                 report.skip(where, "no loss tokens", f"no assistant turn in loss_on={sorted(train)}")
                 continue
-            for cat in assistant_categories(messages):
-                if cat is not None:
+            for m, cat in zip(messages, assistant_categories(messages), strict=True):
+                if cat is not None and not m.get("_context"):  # counted in the example that trains it
                     report.turns[cat] += 1
                     report.trained_turns[cat] += int(cat in train)
             ids_parts.append(np.asarray(ids, dtype=np.int32))
@@ -317,7 +334,14 @@ def build_examples(
             report.duplicate(where, rid)
         else:
             seen_ids[rid] = where
-        pending.append((where, messages))
+        try:
+            # One example per render context: the conversation itself unless the template is not
+            # append-only for it (hf, e.g. Qwen3's thinking), see ChatTemplate.contexts.
+            pieces = template.contexts(messages, train)
+        except RowError as e:
+            report.skip(where, e.reason, e.detail)
+            continue
+        pending.extend((where, piece) for piece in pieces)
         if len(pending) >= _ENCODE_CHUNK:
             flush()
     if pending:

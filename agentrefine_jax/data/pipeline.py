@@ -94,8 +94,9 @@ def _examples(
 
     Records are parsed `_READ_CHUNK` at a time (never the whole file at once: a parsed row
     costs several times its bytes), and with `limit` never more than are still missing (a
-    record yields at most one example), so the examples and the report cover exactly the
-    records consumed: the shortest prefix of `order` holding `limit` valid examples.
+    record yields at most one example, or several when the template splits it: then the examples
+    stop at `limit`), so the examples and the report cover exactly the records consumed: the
+    shortest prefix of `order` holding `limit` valid examples.
     """
     kwargs = dict(
         loss_on=check_loss_on(cfg.loss_on),
@@ -111,7 +112,8 @@ def _examples(
         want = _READ_CHUNK if limit is None else min(_READ_CHUNK, limit - len(builder))
         chunk = order[pos : pos + want]
         pos += len(chunk)
-        builder.add(build_examples(records.read(chunk.tolist()), template, **kwargs))
+        missing = None if limit is None else limit - len(builder)
+        builder.add(build_examples(records.read(chunk.tolist()), template, max_examples=missing, **kwargs))
     report.records_in_shard = pos
     return builder.finish()
 

@@ -57,9 +57,33 @@ Message = dict[str, Any]
 @dataclasses.dataclass(frozen=True)
 class Pair:
     prompt: list[Message]
-    chosen: str
+    chosen: str  # the reply's content
     rejected: str
     where: str
+    # The reply's other parts (tool_calls, reasoning_content) where it has them: a tool-call
+    # row's pair is the erroneous call against the refined one.
+    chosen_extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    rejected_extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+_REPLY_KEYS = ("tool_calls", "reasoning_content")
+
+
+def _extra(m: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: m[k] for k in _REPLY_KEYS if k in m}
+
+
+def _same_reply(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Equal content, thinking and calls (call ids aside: they only number the calls)."""
+
+    def calls(m: Mapping[str, Any]) -> list[Any]:
+        return [c["function"] for c in m.get("tool_calls", [])]
+
+    return (a["content"], a.get("reasoning_content"), calls(a)) == (
+        b["content"],
+        b.get("reasoning_content"),
+        calls(b),
+    )
 
 
 @dataclasses.dataclass
@@ -105,7 +129,7 @@ def trajectory_pairs(messages: Sequence[Message], where: str, report: PairReport
             continue
         report.erroneous_turns += 1
         at = f"{where}#turn{i}"
-        if i + 1 >= len(messages) or messages[i + 1]["role"] != "user":
+        if i + 1 >= len(messages) or messages[i + 1]["role"] not in ("user", "tool"):
             report.skip(at, NO_FEEDBACK)
             continue
         # The refinement: the first trained turn after the run of errors (untrained turns between
@@ -116,11 +140,19 @@ def trajectory_pairs(messages: Sequence[Message], where: str, report: PairReport
         if j >= len(messages) or cats[j] != "refinement":
             report.skip(at, NO_REFINEMENT)
             continue
-        chosen, rejected = messages[j]["content"], messages[i]["content"]
-        if chosen == rejected:
+        if _same_reply(messages[j], messages[i]):
             report.skip(at, SAME_REPLY)
             continue
-        pairs.append(Pair(list(messages[:i]), chosen, rejected, at))
+        pairs.append(
+            Pair(
+                list(messages[:i]),
+                messages[j]["content"],
+                messages[i]["content"],
+                at,
+                _extra(messages[j]),
+                _extra(messages[i]),
+            )
+        )
     return pairs
 
 
@@ -196,32 +228,48 @@ def plain_pair(row: Mapping[str, Any], where: str) -> Pair:
 
 
 def render_reply(
-    template: ChatTemplate, prompt: Sequence[Message], reply: str
+    template: ChatTemplate, prompt: Sequence[Message], reply: str | Mapping[str, Any]
 ) -> tuple[list[int], list[int]]:
-    """(ids, mask) of prompt + reply: mask 1 on the reply's tokens and end token only."""
+    """(ids, mask) of prompt + reply (its content, or the assistant message): mask 1 on the
+    reply's tokens and end token only."""
     return _render(template, [(prompt, reply)])[0]
 
 
+def _reply_message(reply: str | Mapping[str, Any], extra: Mapping[str, Any] | None = None) -> Message:
+    if isinstance(reply, str):
+        return {"role": "assistant", "content": reply, **(extra or {})}
+    return {"role": "assistant", "content": reply["content"], **_extra(reply)}
+
+
 def _render(
-    template: ChatTemplate, items: Sequence[tuple[Sequence[Message], str]]
+    template: ChatTemplate, items: Sequence[tuple[Sequence[Message], str | Mapping[str, Any]]]
 ) -> list[tuple[list[int], list[int]]]:
-    convs = [
-        [*(_untrained(m) for m in prompt), {"role": "assistant", "content": reply}] for prompt, reply in items
-    ]
+    convs = [[*(_untrained(m) for m in prompt), _reply_message(reply)] for prompt, reply in items]
     return [(ids, mask) for ids, mask, _ in template.encode_batch(convs, ("correct",))]
 
 
 def _untrained(m: Mapping[str, Any]) -> Message:
-    if m["role"] != "assistant":
-        return {"role": m["role"], "content": m["content"]}
-    return {"role": "assistant", "content": m["content"], "train": False}
+    """A prompt turn as context: its tool calls, results and tools stay; its flags go."""
+    out = {k: v for k, v in m.items() if k not in ("loss", "train", "_context")}
+    if m["role"] == "assistant":
+        out["train"] = False
+    return out
+
+
+def _exchange_starts(prompt: list[Message]) -> list[int]:
+    """Index of each assistant turn after the first user turn (which holds the task): an exchange
+    is that turn with the user / tool turns that answer it."""
+    head = 2 if prompt[0]["role"] == "system" else 1
+    return [k for k in range(head, len(prompt)) if prompt[k]["role"] == "assistant"]
 
 
 def _shorten(prompt: list[Message], drop: int) -> list[Message]:
-    """The prompt without its `drop` oldest (assistant, user) exchanges after the first user
-    turn (which holds the task): roles still alternate and the task stays."""
+    """The prompt without its `drop` oldest exchanges after the first user turn (which holds the
+    task, and the row's tools): roles still alternate, every call keeps its answer."""
+    starts = _exchange_starts(prompt)
     head = 2 if prompt[0]["role"] == "system" else 1
-    return prompt[:head] + prompt[head + 2 * drop :]
+    cut = starts[drop] if drop < len(starts) else len(prompt)
+    return prompt[:head] + prompt[cut:]
 
 
 def pairs_of_rows(
@@ -256,11 +304,13 @@ def build_pairs(
     where: list[str] = []
     for pair in pairs:
         prompt = pair.prompt
-        n_exchanges = (len(prompt) - (2 if prompt[0]["role"] == "system" else 1)) // 2
+        n_exchanges = len(_exchange_starts(prompt))
+        chosen = _reply_message(pair.chosen, pair.chosen_extra)
+        rejected = _reply_message(pair.rejected, pair.rejected_extra)
         fitted = None
         for drop in range(n_exchanges + 1):
             p = _shorten(prompt, drop) if drop else prompt
-            (c_ids, c_mask), (r_ids, r_mask) = _render(template, [(p, pair.chosen), (p, pair.rejected)])
+            (c_ids, c_mask), (r_ids, r_mask) = _render(template, [(p, chosen), (p, rejected)])
             if len(c_ids) + len(r_ids) <= max_length:
                 fitted = (c_ids, c_mask, r_ids, r_mask)
                 report.prompts_shortened += int(drop > 0)
