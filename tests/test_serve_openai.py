@@ -6,6 +6,7 @@ which is itself checked against transformers in test_generate_hf_parity.py.
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import socket
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 
+import jax
 import openai
 import pytest
 from test_generate_chat import CFG, CONVERSATION, numpy_model
@@ -221,3 +223,31 @@ def test_cli_server_answers_openai_client(checkpoint, generator):
     # Before the fix each idle connection held a thread (60 connections: +60 threads).
     assert tasks_after <= tasks_before + 2, (tasks_before, tasks_after)
     assert [m.id for m in again.data] == ["demo-model"]
+
+
+def test_compiled_programs_are_bounded_by_request_shapes(generator):
+    """Issue 44: RSS grew 0.9 -> 1.4 GB over ~350 requests of varied shapes, one compiled prefill and
+    decode program kept per shape for good. With max_program_shapes=2, a third shape clears them
+    (jax's caches: the executables are freed), and replies are still the generator's. RSS over
+    1,000 varied requests: benchmarks/serve_memory.py (docs/inference.md)."""
+    from agentrefine_jax.inference import engine
+
+    service = ChatService(generator, log=lambda _: None, max_program_shapes=2)
+    jax.clear_caches()
+    held = []
+    for max_tokens, n in ((3, 1), (3, 2), (20, 1), (3, 1)):
+        body = {
+            "model": "demo-model",
+            "messages": MESSAGES,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "n": n,
+        }
+        reply = service.complete(service.parse(json.dumps(body).encode()))
+        expected = generator.chat([MESSAGES] * n, max_new_tokens=max_tokens)
+        assert [c["message"]["content"] for c in reply["choices"]] == expected
+        held.append(sum(f._cache_size() for f in engine._compiled()))  # jit's own count (private)
+    assert service.program_clears == 1 and len(service.shapes) == 2
+    # Two programs (prefill, decode) per shape: 2, 4; the third shape finds both shapes' programs
+    # cleared (2); the first shape again is compiled again (4). Never more than 2 shapes' worth.
+    assert held == [2, 4, 2, 4], held
