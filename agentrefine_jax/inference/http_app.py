@@ -1,7 +1,8 @@
 """The server's ASGI app (Starlette): routes, request bodies, the key check, and the model's thread.
 
-Routes: `POST /v1/chat/completions`, `GET /v1/models`, `GET /health` (a trailing slash or a query
-string does not matter); anything else is 404 in OpenAI's error format.
+Routes: `POST /v1/chat/completions` (`stream: true`: server-sent events, `_EventStream`),
+`GET /v1/models`, `GET /health` (a trailing slash or a query string does not matter); anything else
+is 404 in OpenAI's error format.
 
 The event loop never runs the model or parses a large body. Each chat request is read here (counted
 as it arrives: a body over `max_body_bytes` is refused at once), parsed and validated on one
@@ -224,6 +225,10 @@ class ChatApp:
             traceback.print_exception(e, file=sys.stderr)
             return _error(APIError(500, f"internal error: {type(e).__name__}: {e}"))
 
+    def finished(self, cancel: threading.Event) -> None:
+        """A streamed request has ended (it stays in flight, for the drain, until its last event)."""
+        self._jobs.discard(cancel)
+
     def _gone(self, request: Request) -> None:
         client = request.client
         self.service.log(f"{client.host if client else '-'}: client went away; generation cancelled")
@@ -278,7 +283,7 @@ class _EventStream:
             raise
         finally:
             self._watch.cancel()
-            self._app._jobs.discard(self._cancel)
+            self._app.finished(self._cancel)
 
     async def _send_all(self, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.headers})

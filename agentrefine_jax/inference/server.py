@@ -136,14 +136,14 @@ def parse_chat_request(
             code="model_not_found",
         )
     stream = body.get("stream")
-    if stream not in (None, True, False):
+    if stream is not None and not isinstance(stream, bool):
         raise APIError(400, f"'stream' must be a boolean, got {stream!r}", param="stream")
     options = body.get("stream_options")
     if options is not None and (
         not stream
         or not isinstance(options, dict)
         or set(options) - {"include_usage"}
-        or options.get("include_usage") not in (None, True, False)
+        or not isinstance(options.get("include_usage", False), bool)
     ):
         raise APIError(
             400, "'stream_options' is {'include_usage': bool}, with stream=true only", param="stream_options"
