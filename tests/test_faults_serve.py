@@ -276,6 +276,33 @@ def test_a_client_that_leaves_cancels_its_generation(served):
 
 
 @pytest.mark.timeout(300)
+def test_a_stream_whose_client_leaves_is_cancelled(served):
+    """Issue 44: a streamed reply stops being generated when its reader goes away."""
+    assert chat(served.port, LONG)[0] == 200  # the long programs compiled (also by the test above)
+    before = served.stderr()
+    with socket.create_connection(("127.0.0.1", served.port)) as s:
+        data = json.dumps({**LONG, "stream": True}).encode()
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(data), data)
+        )
+        head = b""
+        while b"data: {" not in head:  # the first event: generation is under way
+            more = s.recv(4096)
+            assert more, head
+            head += more
+        assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head, head
+    status, _ = chat(served.port, SHORT)  # served after the cancelled one, not after 400 tokens
+    assert status == 200
+    log = served.stderr()[len(before) :]
+    assert "client went away; generation cancelled" in log, log
+    cancelled = [line for line in log.splitlines() if "generation cancelled after" in line]
+    assert len(cancelled) == 1 and 0 < int(cancelled[0].split("after ")[1].split()[0]) < 400, log
+    assert '" 500' not in log and "Traceback" not in log and "Error" not in log, log
+    assert log.count("completion=400") == 0, log  # the abandoned reply was never finished
+
+
+@pytest.mark.timeout(300)
 def test_sigterm_drains_in_flight_requests_and_exits_0(served):
     out, threads = concurrently(served.port, [QUEUED] * 24)
     first_answer(out)

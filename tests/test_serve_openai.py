@@ -6,6 +6,7 @@ which is itself checked against transformers in test_generate_hf_parity.py.
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import socket
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 
+import jax
 import openai
 import pytest
 from test_generate_chat import CFG, CONVERSATION, numpy_model
@@ -80,13 +82,83 @@ def test_n_samples_are_seeded_and_distinct(server):
     assert a.usage.completion_tokens == 3 * 8
 
 
+def _streamed(stream) -> tuple[list, dict[int, str], dict[int, str]]:
+    """(chunks, text per choice, finish_reason per choice) of an openai stream."""
+    chunks = list(stream)
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    for ch in chunks:
+        assert ch.object == "chat.completion.chunk" and ch.model == "demo-model"
+        for choice in ch.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason is not None:
+                assert choice.index not in reasons  # once per choice
+                reasons[choice.index] = choice.finish_reason
+    return chunks, texts, reasons
+
+
+def test_stream_deltas_concatenate_to_the_non_stream_reply(server):
+    """Issue 44: stream=True was refused (400); OpenAI's clients and chat front ends stream."""
+    c = client(server)
+    kw = dict(model="demo-model", messages=MESSAGES, max_tokens=64, temperature=0)
+    whole = c.chat.completions.create(**kw)
+    chunks, texts, reasons = _streamed(
+        c.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({ch.id for ch in chunks}) == 1
+    assert texts == {0: whole.choices[0].message.content}
+    assert reasons == {0: whole.choices[0].finish_reason}
+    # Streamed as it is generated (16-token decode chunks), not as one piece at the end.
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) >= 2, chunks
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    # A stop string is cut from the stream as from the reply, even when it spans two deltas.
+    stop = whole.choices[0].message.content[20:23]
+    cut = c.chat.completions.create(**kw, stop=[stop])
+    _, texts, reasons = _streamed(c.chat.completions.create(**kw, stop=[stop], stream=True))
+    assert cut.choices[0].finish_reason == "stop"
+    assert texts == {0: cut.choices[0].message.content} and reasons == {0: "stop"}
+
+
+def test_stream_of_n_samples_equals_their_replies(server):
+    c = client(server)
+    kw = dict(model="demo-model", messages=MESSAGES, max_tokens=24, temperature=1.0, n=2, seed=3)
+    whole = c.chat.completions.create(**kw)
+    _, texts, reasons = _streamed(c.chat.completions.create(**kw, stream=True))
+    assert texts == {ch.index: ch.message.content for ch in whole.choices}
+    assert reasons == {ch.index: ch.finish_reason for ch in whole.choices}
+
+
+def test_stream_wire_format_is_server_sent_events(server):
+    """What any SSE client reads: `data: {json}` events, the last one `data: [DONE]`."""
+    import http.client
+    import json
+
+    port = int(server.rsplit(":", 1)[1].split("/")[0])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    body = {"model": "demo-model", "messages": MESSAGES, "max_tokens": 20, "temperature": 0, "stream": True}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Authorization": f"Bearer {KEY}"})
+    resp = conn.getresponse()
+    raw = resp.read().decode()
+    conn.close()
+    assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]", raw[-200:]
+    assert all(e.startswith("data: {") for e in events[:-2]), raw
+    last = json.loads(events[-3][len("data: ") :])
+    assert last["choices"][0]["finish_reason"] in ("stop", "length") and last["choices"][0]["delta"] == {}
+
+
 def test_models_and_errors(server):
     c = client(server)
     assert [m.id for m in c.models.list().data] == ["demo-model"]
     with pytest.raises(openai.NotFoundError, match="not served here"):
         c.chat.completions.create(model="gpt-4o", messages=MESSAGES)
-    with pytest.raises(openai.BadRequestError, match="streaming is not supported"):
-        c.chat.completions.create(model="demo-model", messages=MESSAGES, stream=True)
+    # (Streaming is served since issue 44: see the stream tests; its options are checked.)
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        c.chat.completions.create(
+            model="demo-model", messages=MESSAGES, stream_options={"include_usage": True}
+        )
     with pytest.raises(openai.BadRequestError, match="role order"):
         c.chat.completions.create(
             model="demo-model", messages=MESSAGES[:1] + [{"role": "assistant", "content": "x"}]
@@ -151,3 +223,31 @@ def test_cli_server_answers_openai_client(checkpoint, generator):
     # Before the fix each idle connection held a thread (60 connections: +60 threads).
     assert tasks_after <= tasks_before + 2, (tasks_before, tasks_after)
     assert [m.id for m in again.data] == ["demo-model"]
+
+
+def test_compiled_programs_are_bounded_by_request_shapes(generator):
+    """Issue 44: RSS grew 0.9 -> 1.4 GB over ~350 requests of varied shapes, one compiled prefill and
+    decode program kept per shape for good. With max_program_shapes=2, a third shape clears them
+    (jax's caches: the executables are freed), and replies are still the generator's. RSS over
+    1,000 varied requests: benchmarks/serve_memory.py (docs/inference.md)."""
+    from agentrefine_jax.inference import engine
+
+    service = ChatService(generator, log=lambda _: None, max_program_shapes=2)
+    jax.clear_caches()
+    held = []
+    for max_tokens, n in ((3, 1), (3, 2), (20, 1), (3, 1)):
+        body = {
+            "model": "demo-model",
+            "messages": MESSAGES,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "n": n,
+        }
+        reply = service.complete(service.parse(json.dumps(body).encode()))
+        expected = generator.chat([MESSAGES] * n, max_new_tokens=max_tokens)
+        assert [c["message"]["content"] for c in reply["choices"]] == expected
+        held.append(sum(f._cache_size() for f in engine._compiled()))  # jit's own count (private)
+    assert service.program_clears == 1 and len(service.shapes) == 2
+    # Two programs (prefill, decode) per shape: 2, 4; the third shape finds both shapes' programs
+    # cleared (2); the first shape again is compiled again (4). Never more than 2 shapes' worth.
+    assert held == [2, 4, 2, 4], held

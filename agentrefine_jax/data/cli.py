@@ -18,6 +18,7 @@ import logging
 import os
 import pathlib
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,7 +29,8 @@ from agentrefine_jax.cli_errors import OneLineParser, fail
 from agentrefine_jax.config import Config, DataConfig, validate
 from agentrefine_jax.data.examples import prepare_messages
 from agentrefine_jax.data.packing import materialize, padding_efficiency
-from agentrefine_jax.data.pipeline import build_data, build_template, pair_counts
+from agentrefine_jax.data.pipeline import build_data, build_template
+from agentrefine_jax.data.preference import PairReport, build_pairs, pairs_of_rows
 from agentrefine_jax.data.report import DataReport
 from agentrefine_jax.data.schema import (
     FORMATS,
@@ -154,21 +156,145 @@ def cmd_dump(args: argparse.Namespace) -> int:
     return 0
 
 
+PROGRESS_EVERY_S = 30.0  # `data stats`: seconds between progress lines
+
+
+class _Progress:
+    """Rows done, rate and ETA on stderr (logging), at most every `every` seconds."""
+
+    def __init__(self, total: int, every: float):
+        self.total, self.every, self.done = total, every, 0
+        self.start = self.last = time.monotonic()
+
+    def add(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self.last < self.every or self.done >= self.total:
+            return
+        self.last = now
+        rate = self.done / max(now - self.start, 1e-9)
+        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+        log.info(
+            f"stats: {self.done:,} of {self.total:,} rows ({self.done / self.total:.0%}), "
+            f"{rate:,.0f} rows/s, about {_duration(eta)} left"
+        )
+
+    def finish(self) -> None:
+        took = time.monotonic() - self.start
+        log.info(
+            f"stats: {self.done:,} rows in {_duration(took)} ({self.done / max(took, 1e-9):,.0f} rows/s)"
+        )
+
+
+def _duration(seconds: float) -> str:
+    if seconds == float("inf"):
+        return "?"
+    s = round(seconds)
+    return f"{s // 60} min {s % 60:02d} s" if s >= 60 else f"{s} s"
+
+
+class _StatsRecords:
+    """The records `data stats` reads, in one pass: `build_data` reads them chunk by chunk through
+    this, and each chunk is also counted as preference pairs here, after its examples (the report
+    used to read, parse and tokenize the whole input a second time for them, each pair's prompt
+    -- its trajectory's prefix -- re-tokenized pair by pair). Encodings of equal texts are shared
+    within a chunk (`_share_encodings`), so a pair costs no tokenizing: its texts are its row's.
+    With `sample`, only those record indices exist."""
+
+    def __init__(
+        self,
+        records: RecordSet,
+        cfg: DataConfig,
+        template: Any,
+        pairs: Any,
+        sample: np.ndarray | None,
+        every: float,
+    ):
+        self.records, self.cfg, self.template, self.pairs = records, cfg, template, pairs
+        self.sample = sample
+        self.sources = records.sources
+        self.field_map = resolve_field_map(cfg.format, cfg.field_map)
+        self.encodings = _share_encodings(template)
+        self.progress = _Progress(len(self), every)
+        self.pending: list[tuple[str, Any]] = []
+
+    def __len__(self) -> int:
+        return len(self.records) if self.sample is None else len(self.sample)
+
+    def describe(self) -> str:
+        if self.sample is None:
+            return self.records.describe()
+        return f"{self.records.describe()}; a sample of {len(self.sample)} of {len(self.records)} records"
+
+    def read(self, indices: Sequence[int]) -> list[tuple[str, Any]]:
+        self.count_pairs()  # the previous chunk's, now that its examples are encoded
+        wanted = indices if self.sample is None else self.sample[np.asarray(indices, np.int64)].tolist()
+        self.pending = self.records.read(wanted)
+        self.progress.add(len(self.pending))
+        return self.pending
+
+    def count_pairs(self) -> None:
+        """Pairs of the chunk read last: their texts are its examples' (already encoded, shared),
+        so this tokenizes next to nothing; then the shared encodings go (memory: one chunk's)."""
+        if self.pending:
+            build_pairs(
+                pairs_of_rows(self.pending, self.field_map, self.pairs),
+                self.template,
+                self.cfg.max_length,
+                self.pairs,
+            )
+        self.pending = []
+        self.encodings.clear()
+
+
+def _share_encodings(template: Any) -> dict[str, list[int]]:
+    """Make `template.encode_text` encode each distinct text once (until the returned dict is
+    cleared). Exact: every text is encoded on its own, whatever else is in the batch."""
+    encode = template.encode_text
+    known: dict[str, list[int]] = {}
+
+    def encode_text(texts: Sequence[str]) -> list[list[int]]:
+        new = [t for t in dict.fromkeys(texts) if t not in known]
+        if new:
+            known.update(zip(new, encode(new), strict=True))
+        return [known[t] for t in texts]
+
+    template.encode_text = encode_text
+    return known
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     cfg = _config(args, pack=True)
-    local = build_data(cfg, "train")
+    if args.sample is not None and args.sample < 1:
+        raise ValueError(f"--sample must be >= 1, got {args.sample}")
+    records = RecordSet(cfg.train_files)
+    sample = None
+    if args.sample is not None and args.sample < len(records):
+        # A uniform sample without replacement, read in file order (seeded: the same rows each run).
+        sample = np.sort(np.random.default_rng(args.seed).choice(len(records), args.sample, replace=False))
+    template = build_template(cfg)
+    pairs = PairReport()  # preference pairs (docs/preference.md): only the counts are kept
+    reading = _StatsRecords(records, cfg, template, pairs, sample, args.progress_every)
+    local = build_data(cfg, "train", template=template, records=reading)  # type: ignore[arg-type]
+    reading.count_pairs()
+    reading.progress.finish()
     rep = local.report
     lengths = local.store.lengths
     stats = rep.to_dict()
     stats["per_batch_padding_efficiency"] = padding_efficiency(lengths, args.batch_size)
     stats["batch_size_for_padding"] = args.batch_size
     stats.pop("skipped_at", None)
-    # Preference pairs (docs/preference.md), counted chunk by chunk: only the counts are kept.
-    pairs = pair_counts(cfg, build_template(cfg), RecordSet(cfg.train_files))
     stats["preference"] = pairs.to_dict()
+    if sample is not None:
+        stats["sample"] = {"records": len(sample), "of": len(records), "seed": args.seed}
     if args.json:
         print(json_dumps(stats, indent=2, default=str))
         return 0
+    if sample is not None:
+        print(
+            f"SAMPLE: {len(sample)} of {len(records)} records (uniform, --seed {args.seed}); "
+            "every count below is of the sample"
+        )
     print(rep.summary())
     print(pairs.summary())
     if len(lengths):
@@ -274,8 +400,6 @@ def cmd_show(args: argparse.Namespace) -> int:
 def show_pair(cfg: DataConfig, k: int, color_opt: str) -> int:
     """Pair `k` (0-based, in file order) as the trainer renders it: prompt, then each reply's
     trained tokens (the reply and its end token)."""
-    from agentrefine_jax.data.preference import PairReport, pairs_of_rows
-
     if k < 0:
         raise ValueError(f"--pair {k} must be >= 0")
     records, report = RecordSet(cfg.train_files), PairReport()
@@ -291,8 +415,6 @@ def show_pair(cfg: DataConfig, k: int, color_opt: str) -> int:
 
 
 def _print_pair(cfg: DataConfig, pair: Any, color_opt: str) -> int:
-    from agentrefine_jax.data.preference import PairReport, build_pairs
-
     template = build_template(cfg)
     color = sys.stdout.isatty() if color_opt == "auto" else color_opt == "always"
     store = build_pairs([pair], template, cfg.max_length, report := PairReport())
@@ -346,6 +468,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-size", type=int, default=8, help="batch size for the per-batch padding comparison"
     )
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--sample",
+        type=int,
+        default=None,
+        metavar="N",
+        help="statistics of N records drawn uniformly (stated in the output); default: every record",
+    )
+    p.add_argument("--seed", type=int, default=0, help="the --sample draw's seed (default %(default)s)")
+    p.add_argument(
+        "--progress-every",
+        type=float,
+        default=PROGRESS_EVERY_S,
+        metavar="S",
+        help="seconds between progress lines on stderr (default %(default)s)",
+    )
     p.set_defaults(fn=cmd_stats)
     p = sub.add_parser("show", help="render one conversation with trained spans coloured")
     _common(p)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 from agentrefine_jax.inference.engine import CANCELLED, CancelFn, generate
@@ -160,12 +160,15 @@ class ChatGenerator:
         seed: int = 0,
         keys: Sequence[Hashable] | None = None,
         cancelled: CancelFn | None = None,
+        on_text: Callable[[int, str], None] | None = None,
     ) -> list[Completion]:
         """One reply per conversation (batched). max_new_tokens is reduced to fit the context.
 
         `keys` (one distinct key per conversation) keeps each conversation's KV cache for its next call;
         `forget(key)` frees it once the conversation is over. Greedy replies are the same either way.
         `cancelled()` is asked between decode chunks; once True the call raises GenerationCancelled.
+        `on_text(i, text)` gets conversation i's reply so far (cut at a stop string) after each decode
+        chunk while it runs (streaming); a reply's last text is its Completion's.
         """
         for i, c in enumerate(conversations):
             self.check_fits(c, i)
@@ -188,8 +191,12 @@ class ChatGenerator:
                 ids = ids[:-1]
             return self.template.decode(ids)
 
-        def should_stop(_row: int, ids: list[int]) -> bool:
-            return first_stop(reply_text(ids), stops) is not None
+        def should_stop(row: int, ids: list[int]) -> bool:
+            text = reply_text(ids)
+            cut = first_stop(text, stops)
+            if on_text is not None:
+                on_text(row, text if cut is None else text[:cut])
+            return cut is not None
 
         run = dict(
             max_new_tokens=min(max_new_tokens, room),
@@ -197,7 +204,7 @@ class ChatGenerator:
             top_p=top_p,
             stop_token_ids=self.stop_token_ids,
             seed=seed,
-            should_stop=should_stop if stops else None,
+            should_stop=should_stop if stops or on_text is not None else None,
             cancelled=cancelled,
         )
         if keys is None:

@@ -27,7 +27,7 @@ from agentrefine_jax.cli_errors import TERMINATED, OneLineParser, fail, float_in
 from agentrefine_jax.inference.chat import ChatGenerator
 from agentrefine_jax.inference.engine import generate
 from agentrefine_jax.inference.loading import check_chat_names, load_for_inference
-from agentrefine_jax.inference.server import ChatService, ServerLimits, make_server
+from agentrefine_jax.inference.server import MAX_PROGRAM_SHAPES, ChatService, ServerLimits, make_server
 from agentrefine_jax.models.config import DTYPES
 from agentrefine_jax.models.llama import param_count
 from agentrefine_jax.outputs import json_dumps
@@ -236,6 +236,13 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         help="env var holding the key clients must send; unset or empty = no authentication",
     )
     p.add_argument("--warmup", action="store_true", help="compile for a short request before serving")
+    p.add_argument(
+        "--max-program-shapes",
+        type=int_in(1),
+        default=MAX_PROGRAM_SHAPES,
+        help="request shapes whose compiled programs are kept; one more clears them (bounds memory; "
+        "default %(default)s)",
+    )
     d = ServerLimits()
     p.add_argument(
         "--max-connections",
@@ -293,6 +300,7 @@ def run_serve(args: argparse.Namespace) -> int:
             max_n=args.max_n,
             api_key=api_key,
             log=log.info,
+            max_program_shapes=args.max_program_shapes,
         )
         if args.warmup:
             t0 = time.perf_counter()

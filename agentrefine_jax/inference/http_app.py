@@ -1,7 +1,8 @@
 """The server's ASGI app (Starlette): routes, request bodies, the key check, and the model's thread.
 
-Routes: `POST /v1/chat/completions`, `GET /v1/models`, `GET /health` (a trailing slash or a query
-string does not matter); anything else is 404 in OpenAI's error format.
+Routes: `POST /v1/chat/completions` (`stream: true`: server-sent events, `_EventStream`),
+`GET /v1/models`, `GET /health` (a trailing slash or a query string does not matter); anything else
+is 404 in OpenAI's error format.
 
 The event loop never runs the model or parses a large body. Each chat request is read here (counted
 as it arrives: a body over `max_body_bytes` is refused at once), parsed and validated on one
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import sys
 import threading
 import traceback
@@ -134,7 +136,7 @@ class ChatApp:
             body += chunk
         return body
 
-    async def _chat(self, request: Request) -> Response:
+    async def _chat(self, request: Request) -> Response | _EventStream:
         if refused := self._refused(request):
             return refused  # an unread body is read away by uvicorn (the connection stays in step)
         if "transfer-encoding" in request.headers and "content-length" in request.headers:
@@ -150,13 +152,19 @@ class ChatApp:
             return _error(e, _CLOSE if e.status == 413 else None)
         cancel = threading.Event()
         self._jobs.add(cancel)
+        streaming = False
         try:
+            if request_.stream:
+                response = await self._stream(request, request_, cancel)
+                streaming = isinstance(response, _EventStream)  # it lets the job go when it ends
+                return response
             return await self._generate(request, request_, cancel)
         except asyncio.CancelledError:  # the loop is closing (Ctrl-C): the client is gone already
             cancel.set()
             return Response(status_code=GONE)
         finally:
-            self._jobs.discard(cancel)
+            if not streaming:
+                self._jobs.discard(cancel)
 
     async def _generate(self, request: Request, chat_request: Any, cancel: threading.Event) -> Response:
         if self.stopping:
@@ -172,9 +180,41 @@ class ChatApp:
             watch.cancel()
         if not job.done():
             cancel.set()  # the model thread stops at its next decode chunk
-            client = request.client
-            self.service.log(f"{client.host if client else '-'}: client went away; generation cancelled")
+            self._gone(request)
             return Response(status_code=GONE)
+        return self._answer(job)
+
+    async def _stream(
+        self, request: Request, chat_request: Any, cancel: threading.Event
+    ) -> Response | _EventStream:
+        """`stream: true`: the chunks as server-sent events (`_EventStream`). An error before the
+        first chunk (a malformed conversation, a prompt that leaves no room) is answered as without
+        streaming: a status and OpenAI's error body."""
+        if self.stopping:
+            return self._shutting_down()
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue = asyncio.Queue()
+
+        def emit(chunk: dict) -> None:  # on the model thread
+            with contextlib.suppress(RuntimeError):  # the loop is closed (Ctrl-C): nobody listens
+                loop.call_soon_threadsafe(chunks.put_nowait, chunk)
+
+        job = loop.run_in_executor(self._model, self.service.stream, chat_request, cancel.is_set, emit)
+        job.add_done_callback(lambda f: f.cancelled() or f.exception())
+        job.add_done_callback(lambda _: chunks.put_nowait(_END))  # after every chunk it emitted
+        watch = asyncio.ensure_future(request.receive())  # completes only when the client goes away
+        first = await _next(chunks, watch)
+        if first is None:
+            cancel.set()
+            self._gone(request)
+            return Response(status_code=GONE)
+        if first is _END:
+            watch.cancel()
+            return self._answer(job)
+        return _EventStream(self, request, cancel, first, chunks, watch, job)
+
+    def _answer(self, job: asyncio.Future) -> Response:
+        """The response for a finished job (its body, or the error it raised)."""
         try:
             return _json(200, job.result())
         except GenerationCancelled:
@@ -185,6 +225,93 @@ class ChatApp:
             traceback.print_exception(e, file=sys.stderr)
             return _error(APIError(500, f"internal error: {type(e).__name__}: {e}"))
 
+    def finished(self, cancel: threading.Event) -> None:
+        """A streamed request has ended (it stays in flight, for the drain, until its last event)."""
+        self._jobs.discard(cancel)
+
+    def _gone(self, request: Request) -> None:
+        client = request.client
+        self.service.log(f"{client.host if client else '-'}: client went away; generation cancelled")
+
     def _shutting_down(self) -> Response:
         err = APIError(503, "server is shutting down; retry", code="server_shutting_down")
         return _error(err, {"retry-after": "1", **_CLOSE})
+
+
+_END = object()  # the stream's job has ended (after every chunk it emitted)
+
+
+async def _next(chunks: asyncio.Queue, watch: asyncio.Future) -> Any:
+    """The next chunk (or _END), or None when the client went away first."""
+    get = asyncio.ensure_future(chunks.get())
+    await asyncio.wait((get, watch), return_when=asyncio.FIRST_COMPLETED)
+    if get.done():
+        return get.result()
+    get.cancel()
+    return None
+
+
+class _EventStream:
+    """Chunks as server-sent events, as OpenAI streams: `data: {chunk}` each, `data: [DONE]` last.
+    A client that goes away cancels the generation (at its next decode chunk); an error after the
+    first chunk is one `data: {"error": ...}` event (what OpenAI's clients raise), then the end."""
+
+    headers = [
+        (b"content-type", b"text/event-stream; charset=utf-8"),
+        (b"cache-control", b"no-cache"),
+        (b"x-accel-buffering", b"no"),  # a proxy in front must not hold the events back
+    ]
+
+    def __init__(
+        self,
+        app: ChatApp,
+        request: Request,
+        cancel: threading.Event,
+        first: dict,
+        chunks: asyncio.Queue,
+        watch: asyncio.Future,
+        job: asyncio.Future,
+    ):
+        self._app, self._request, self._cancel = app, request, cancel
+        self._first, self._chunks, self._watch, self._job = first, chunks, watch, job
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        try:
+            await self._send_all(send)
+        except (asyncio.CancelledError, OSError):  # the loop is closing (Ctrl-C), or the socket failed
+            self._cancel.set()
+            raise
+        finally:
+            self._watch.cancel()
+            self._app.finished(self._cancel)
+
+    async def _send_all(self, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        chunk = self._first
+        while chunk is not _END:
+            await send({"type": "http.response.body", "body": _event(chunk), "more_body": True})
+            chunk = await _next(self._chunks, self._watch)
+            if chunk is None:
+                self._cancel.set()
+                self._app._gone(self._request)
+                return
+        error = self._error()
+        if error is not None:
+            await send({"type": "http.response.body", "body": _event(error.body()), "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    def _error(self) -> APIError | None:
+        try:
+            self._job.result()
+        except GenerationCancelled:
+            return APIError(503, "server is shutting down; retry", code="server_shutting_down")
+        except APIError as e:
+            return e
+        except Exception as e:  # noqa: BLE001 - report, keep serving
+            traceback.print_exception(e, file=sys.stderr)
+            return APIError(500, f"internal error: {type(e).__name__}: {e}")
+        return None
+
+
+def _event(payload: Any) -> bytes:
+    return b"data: " + json_bytes(payload) + b"\n\n"

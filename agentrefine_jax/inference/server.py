@@ -27,8 +27,16 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 from agentrefine_jax.inference.api_errors import APIError
-from agentrefine_jax.inference.chat import ChatGenerator, ContextOverflowError, GenerationCancelled
+from agentrefine_jax.inference.chat import (
+    ChatGenerator,
+    Completion,
+    ContextOverflowError,
+    GenerationCancelled,
+)
+from agentrefine_jax.inference.engine import batch_bucket, bucket
 from agentrefine_jax.inference.http_app import ChatApp
 from agentrefine_jax.inference.http_transport import Drained, HTTPServer, ServerLimits
 from agentrefine_jax.unicode_text import lone_surrogate
@@ -36,6 +44,8 @@ from agentrefine_jax.unicode_text import lone_surrogate
 __all__ = ["APIError", "ChatService", "Drained", "ServerLimits", "make_server", "parse_chat_request"]
 
 MAX_BODY_BYTES = 16 * 2**20
+# Request shapes whose compiled programs are kept at once (see ChatService.programs_for).
+MAX_PROGRAM_SHAPES = 32
 MAX_STOP_STRINGS = 4  # as the OpenAI API
 # Accepted but without effect here (bookkeeping fields of the OpenAI API).
 _IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
@@ -50,6 +60,8 @@ class ChatRequest:
     n: int
     stop: list[str]
     seed: int
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
 
 
 def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
@@ -123,8 +135,19 @@ def parse_chat_request(
             param="model",
             code="model_not_found",
         )
-    if body.get("stream"):
-        raise APIError(400, "streaming is not supported; send stream=false", param="stream")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise APIError(400, f"'stream' must be a boolean, got {stream!r}", param="stream")
+    options = body.get("stream_options")
+    if options is not None and (
+        not stream
+        or not isinstance(options, dict)
+        or set(options) - {"include_usage"}
+        or not isinstance(options.get("include_usage", False), bool)
+    ):
+        raise APIError(
+            400, "'stream_options' is {'include_usage': bool}, with stream=true only", param="stream_options"
+        )
     if body.get("logprobs") or body.get("top_logprobs"):
         raise APIError(400, "logprobs are not supported", param="logprobs")
     if body.get("tools") or body.get("functions") or body.get("tool_choice") not in (None, "none"):
@@ -139,7 +162,7 @@ def parse_chat_request(
         raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
     known = {
         "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
-        "seed", "stream", "logprobs", "top_logprobs", "tools", "functions", "tool_choice",
+        "seed", "stream", "stream_options", "logprobs", "top_logprobs", "tools", "functions", "tool_choice",
         "frequency_penalty", "presence_penalty", "logit_bias", "response_format",
     }  # fmt: skip
     unknown = sorted(set(body) - known - _IGNORED_FIELDS)
@@ -171,6 +194,8 @@ def parse_chat_request(
         n=n,
         stop=stops,
         seed=rng.randrange(2**31) if seed is None else seed % 2**31,
+        stream=bool(stream),
+        include_usage=bool(options and options.get("include_usage")),
     )
 
 
@@ -187,8 +212,14 @@ class ChatService:
         max_n: int = 16,
         api_key: str | None = None,
         log: Any = None,
+        max_program_shapes: int = MAX_PROGRAM_SHAPES,
     ):
+        if max_program_shapes < 1:
+            raise ValueError(f"max_program_shapes must be >= 1, got {max_program_shapes}")
         self.generator = generator
+        self.max_program_shapes = max_program_shapes
+        self.shapes: set[tuple[int, int, int, bool]] = set()  # those compiled since the last clear
+        self.program_clears = 0
         self.model_name = model_name or generator.name
         self.default_max_tokens = default_max_tokens
         self.max_n = max_n
@@ -236,14 +267,20 @@ class ChatService:
             raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
         return req
 
-    def complete(self, req: ChatRequest, cancelled: Callable[[], bool] | None = None) -> dict[str, Any]:
-        """Generate (on the caller's thread) and build the response body; `cancelled()` is asked
+    def _generate(
+        self,
+        req: ChatRequest,
+        cancelled: Callable[[], bool] | None,
+        on_text: Callable[[int, str], None] | None = None,
+    ) -> tuple[list[Completion], dict[str, int]]:
+        """Generate (on the caller's thread): the completions and the usage; `cancelled()` is asked
         before and during generation (raises chat.GenerationCancelled)."""
         if cancelled is not None and cancelled():
             self.log("chat.completions: generation cancelled before it started")
             raise GenerationCancelled("cancelled before it started")
         t0 = time.perf_counter()
         try:
+            self.programs_for(req)
             done = self.generator.complete(
                 [req.messages] * req.n,
                 max_new_tokens=req.max_tokens,
@@ -252,6 +289,7 @@ class ChatService:
                 stop=req.stop,
                 seed=req.seed,
                 cancelled=cancelled,
+                on_text=on_text,
             )
         except GenerationCancelled as e:
             self.log(f"chat.completions: generation {e}")
@@ -264,8 +302,49 @@ class ChatService:
         prompt_tokens = done[0].prompt_tokens
         self.log(
             f"chat.completions n={req.n} prompt={prompt_tokens} completion={completion_tokens} "
-            f"T={req.temperature:g} top_p={req.top_p:g} in {time.perf_counter() - t0:.2f}s"
+            f"T={req.temperature:g} top_p={req.top_p:g}{' stream' if req.stream else ''} "
+            f"in {time.perf_counter() - t0:.2f}s"
         )
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        return done, usage
+
+    def programs_for(self, req: ChatRequest) -> None:
+        """Bound the compiled programs the process holds (on the model thread, before generating).
+
+        The engine compiles one prefill and one decode program per request shape -- batch bucket
+        (n), prompt-length bucket, max-new-tokens bucket, greedy or sampled (`engine.bucket`) -- and
+        jit keeps every one for the life of the process: varied requests made RSS grow by a few MB
+        per new shape (0.9 -> 1.4 GB over ~350 varied requests, issue 44), for up to hundreds of
+        shapes (thousands at an 8k context). Once `max_program_shapes` distinct shapes were compiled,
+        a new one clears jax's caches first (`jax.clear_caches`: the executables are freed) and
+        counting starts over: the programs held, and so RSS, stay bounded, at the price of compiling
+        again a shape seen before the clear. Raises ValueError for a malformed conversation."""
+        prompt = len(self.generator.encode(req.messages))
+        room = self.generator.model.cfg.max_position_embeddings - prompt
+        new = min(req.max_tokens, room)
+        if new < 1:
+            return  # refused by the generator: nothing is compiled
+        shape = (batch_bucket(req.n), bucket(prompt), bucket(new), req.temperature == 0.0)
+        if shape in self.shapes:
+            return
+        if len(self.shapes) >= self.max_program_shapes:
+            jax.clear_caches()
+            self.shapes.clear()
+            self.program_clears += 1
+            self.log(
+                f"chat.completions: {self.max_program_shapes} request shapes compiled; "
+                "compiled programs cleared (--max-program-shapes)"
+            )
+        self.shapes.add(shape)
+
+    def complete(self, req: ChatRequest, cancelled: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """Generate (on the caller's thread) and build the response body; `cancelled()` is asked
+        before and during generation (raises chat.GenerationCancelled)."""
+        done, usage = self._generate(req, cancelled)
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
@@ -281,12 +360,76 @@ class ChatService:
                 }
                 for i, c in enumerate(done)
             ],
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
+            "usage": usage,
         }
+
+    def stream(
+        self,
+        req: ChatRequest,
+        cancelled: Callable[[], bool] | None,
+        emit: Callable[[dict[str, Any]], None],
+    ) -> None:
+        """Generate (on the caller's thread), handing each `chat.completion.chunk` to `emit` as OpenAI
+        streams them: the role first, then content deltas after each decode chunk, then each
+        choice's finish_reason (and, with include_usage, a last chunk with the usage). Errors before
+        the first chunk are raised as by `complete`; nothing is emitted for them."""
+        chunk_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        sent = [""] * req.n  # the text each choice has streamed so far
+        started = False
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> None:
+            nonlocal started
+            if not started:  # the role comes first, as OpenAI's stream
+                started = True
+                head = [_choice(i, {"role": "assistant", "content": ""}) for i in range(req.n)]
+                chunk(head)
+            body = {
+                "id": chunk_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model_name,
+                "system_fingerprint": None,
+                "choices": choices,
+            }
+            if req.include_usage:
+                body["usage"] = usage
+            emit(body)
+
+        def on_text(i: int, text: str) -> None:
+            safe = streamable(text, req.stop)
+            if len(safe) > len(sent[i]) and safe.startswith(sent[i]):
+                chunk([_choice(i, {"content": safe[len(sent[i]) :]})])
+                sent[i] = safe
+
+        done, usage = self._generate(req, cancelled, on_text)
+        for i, c in enumerate(done):
+            if not c.text.startswith(sent[i]):  # never expected: what was sent cannot be taken back
+                self.log(f"chat.completions: streamed text of choice {i} is not a prefix of its reply")
+            elif len(c.text) > len(sent[i]):
+                chunk([_choice(i, {"content": c.text[len(sent[i]) :]})])
+            chunk([_choice(i, {}, c.finish_reason)])
+        if req.include_usage:
+            chunk([], usage)
+
+
+def _choice(index: int, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+def streamable(text: str, stops: list[str]) -> str:
+    """The part of a reply so far that no later token can change: without a trailing U+FFFD (a
+    character whose bytes are not all generated yet), trailing whitespace (the tokenizer's clean-up
+    may join it to what follows: " ." -> "."), or a tail that may be the start of a stop string
+    (cut from the reply if it completes)."""
+    end = len(text)
+    while end and (text[end - 1] == "\ufffd" or text[end - 1].isspace()):
+        end -= 1
+    for stop in stops:
+        for k in range(min(len(stop) - 1, end), 0, -1):
+            if text[end - k : end] == stop[:k]:
+                end -= k
+                break
+    return text[:end]
 
 
 class ChatServer(HTTPServer):
