@@ -80,11 +80,16 @@ def _tmp_suffix(p: pathlib.Path) -> str:
     return ".tmp" + (p.suffix if len(p.suffix) <= _SUFFIX_KEPT else "")
 
 
+def rescue_location() -> pathlib.Path:
+    """A new directory under $TMPDIR for finished work its output could not take (OSError if not)."""
+    return pathlib.Path(tempfile.mkdtemp(prefix="agentrefine-rescued-"))
+
+
 def rescue(name: str, data: bytes) -> pathlib.Path | None:
     """Keep `data` in a new directory under $TMPDIR (`agentrefine-rescued-*/<name>`); None if
     that fails too. For finished results whose output could not be written."""
     try:
-        where = pathlib.Path(tempfile.mkdtemp(prefix="agentrefine-rescued-"))
+        where = rescue_location()
         kept = where / (name[:200] or "output")
         with open(kept, "wb") as f:
             f.write(data)
@@ -102,7 +107,7 @@ def rescue_dir(name: str, write: Callable[[pathlib.Path], None], *, tool: str) -
     export: the parameters are still in memory; what reached the full disk was partial)."""
     where = None
     try:
-        where = pathlib.Path(tempfile.mkdtemp(prefix="agentrefine-rescued-"))
+        where = rescue_location()
         kept = where / (name[:200] or "output")
         kept.mkdir()
         write(kept)
