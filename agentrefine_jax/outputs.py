@@ -513,11 +513,13 @@ def write_dir(
     protect: Iterable[PathLike] = (),
     writer: bool = True,
     flag: str = "--out",
+    note: Callable[[str], None] | None = None,
 ) -> None:
     """`write(dir)` into `publish_dir(path, ...)`. When the disk fills (or a quota or file-size
     limit is met) the partial directory is removed, `path` is left as it was (an earlier output
-    too, under `overwrite`), the output is written again under $TMPDIR (`rescue_dir`) and
-    OutputWriteError names both: the finished work is never lost to a full disk."""
+    too, under `overwrite`), the output is written again under $TMPDIR (`rescue_dir`; `note` is
+    told first, so the progress lines of the second write are explained) and OutputWriteError
+    names both: the finished work is never lost to a full disk."""
     try:
         with publish_dir(
             path, tool=tool, overwrite=overwrite, protect=protect, writer=writer, flag=flag
@@ -526,6 +528,10 @@ def write_dir(
     except OSError as e:
         if e.errno not in DISK_FULL or not writer:
             raise
+        if note is not None:
+            note(
+                f"could not write {path} ({e.strerror or e}); writing it again under {tempfile.gettempdir()}"
+            )
         raise OutputWriteError(path, e, rescue_dir(pathlib.Path(path).name, write, tool=tool)) from e
 
 

@@ -211,15 +211,16 @@ def open_step(path: str | pathlib.Path | epath.Path) -> tuple[epath.Path, int, C
 
 def params_fingerprint(root: str | os.PathLike[str], step: int) -> str:
     """A sha256 naming the parameters one saved step holds, cheap to take: it digests the
-    manifest's records (size, sha256) of the step's `params` files (and, for a LoRA step, of its
-    `meta`, which names the frozen base), hashes the save already computed. A step without a
-    manifest (another tool's, an older version's) has those files hashed now.
+    manifest's records (size, sha256) of the step's `params` and `meta` files (the meta names a
+    LoRA step's frozen base, whose weights make the model as much as the adapters do), hashes the
+    save already computed. A step without a manifest (another tool's, an older version's) has
+    those files hashed now.
 
     Two saves of the same step number with different parameters never share a fingerprint (an
     evaluation journal is bound to it: eval/model_identity.py); a file-level digest, so two
     separate saves of equal parameters may still differ, which only ever refuses a resume."""
     step_dir = as_path(root) / str(step)
-    items = {ITEM_PARAMS} | ({ITEM_META} if read_meta(root, step).lora is not None else set())
+    items = {ITEM_PARAMS, ITEM_META}
     manifest = step_dir / MANIFEST
     if manifest.exists():
         try:

@@ -195,6 +195,7 @@ def _to_peft(args: argparse.Namespace, step_dir: Any, mesh: Any, max_shard: int)
         overwrite=args.overwrite,
         protect=[args.checkpoint],
         writer=jax.process_index() == 0,
+        note=log.info,
     )
     log.info(f"done: PEFT adapter (rank {spec.rank}, {', '.join(spec.targets)}) in {args.out}")
     return 0

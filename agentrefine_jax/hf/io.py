@@ -732,6 +732,7 @@ def write_hf(
             overwrite=overwrite,
             protect=protect,
             writer=main,
+            note=save_kwargs.get("log"),
         )
         return str(target)
     if main:
