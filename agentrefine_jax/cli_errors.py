@@ -11,7 +11,6 @@ not be written after the work (disk full, file too large) as one line with exit 
 from __future__ import annotations
 
 import argparse
-import errno
 import importlib
 import multiprocessing
 import os
@@ -19,12 +18,14 @@ import signal
 import sys
 from typing import NoReturn
 
+from agentrefine_jax import outputs
+
 USAGE_ERROR = 2
 WRITE_FAILED = 1
 TERMINATED = 75  # EX_TEMPFAIL: stopped by SIGTERM, run the same command again (the trainer's code too)
 INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 # A full disk (or quota, or file-size limit) met anywhere: one line, exit 1, never a traceback.
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+DISK_FULL = outputs.DISK_FULL
 
 
 class Terminated(BaseException):
@@ -45,7 +46,7 @@ def run_main(tool: str, module: str) -> int:
     SIGTERM: the same with exit 75 (a tool with its own SIGTERM handling — the trainer's
     checkpoint-then-75, the server's shutdown — installs it over this one).
     """
-    from agentrefine_jax import outputs, startup
+    from agentrefine_jax import startup
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:

@@ -22,6 +22,7 @@ Standard library only: config checks and light CLIs import it before jax.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -30,7 +31,7 @@ import pathlib
 import shutil
 import tempfile
 import typing
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TextIO
 
 MARKER = ".agentrefine_output.json"
@@ -38,6 +39,8 @@ MARKER = ".agentrefine_output.json"
 RUN_DIR_ENTRIES = ("checkpoints", "checkpoints_rejected", "metrics.jsonl", "tensorboard")
 
 PathLike = str | os.PathLike[str]
+# A full disk (or quota, or file-size limit): the errors a finished output is rescued from.
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 class OutputError(ValueError):
@@ -77,11 +80,16 @@ def _tmp_suffix(p: pathlib.Path) -> str:
     return ".tmp" + (p.suffix if len(p.suffix) <= _SUFFIX_KEPT else "")
 
 
+def rescue_location() -> pathlib.Path:
+    """A new directory under $TMPDIR for finished work its output could not take (OSError if not)."""
+    return pathlib.Path(tempfile.mkdtemp(prefix="agentrefine-rescued-"))
+
+
 def rescue(name: str, data: bytes) -> pathlib.Path | None:
     """Keep `data` in a new directory under $TMPDIR (`agentrefine-rescued-*/<name>`); None if
     that fails too. For finished results whose output could not be written."""
     try:
-        where = pathlib.Path(tempfile.mkdtemp(prefix="agentrefine-rescued-"))
+        where = rescue_location()
         kept = where / (name[:200] or "output")
         with open(kept, "wb") as f:
             f.write(data)
@@ -89,6 +97,26 @@ def rescue(name: str, data: bytes) -> pathlib.Path | None:
             os.fsync(f.fileno())
         return kept
     except OSError:
+        return None
+
+
+def rescue_dir(name: str, write: Callable[[pathlib.Path], None], *, tool: str) -> pathlib.Path | None:
+    """Write a directory output again with `write(dir)`, into a new directory under $TMPDIR
+    (`agentrefine-rescued-*/<name>`, marked as `publish_dir` marks); None, with nothing left
+    behind, if that fails too. For a directory whose own disk filled up after the work (an
+    export: the parameters are still in memory; what reached the full disk was partial)."""
+    where = None
+    try:
+        where = rescue_location()
+        kept = where / (name[:200] or "output")
+        kept.mkdir()
+        write(kept)
+        follow_umask(kept)
+        mark(kept, tool)
+        return kept
+    except Exception:  # whatever stopped the rescue (a full $TMPDIR too): the original error is told
+        if where is not None:
+            shutil.rmtree(where, ignore_errors=True)
         return None
 
 
@@ -474,6 +502,37 @@ def publish_dir(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_dir(
+    path: PathLike,
+    write: Callable[[pathlib.Path], None],
+    *,
+    tool: str,
+    overwrite: bool = False,
+    protect: Iterable[PathLike] = (),
+    writer: bool = True,
+    flag: str = "--out",
+    note: Callable[[str], None] | None = None,
+) -> None:
+    """`write(dir)` into `publish_dir(path, ...)`. When the disk fills (or a quota or file-size
+    limit is met) the partial directory is removed, `path` is left as it was (an earlier output
+    too, under `overwrite`), the output is written again under $TMPDIR (`rescue_dir`; `note` is
+    told first, so the progress lines of the second write are explained) and OutputWriteError
+    names both: the finished work is never lost to a full disk."""
+    try:
+        with publish_dir(
+            path, tool=tool, overwrite=overwrite, protect=protect, writer=writer, flag=flag
+        ) as tmp:
+            write(tmp)
+    except OSError as e:
+        if e.errno not in DISK_FULL or not writer:
+            raise
+        if note is not None:
+            note(
+                f"could not write {path} ({e.strerror or e}); writing it again under {tempfile.gettempdir()}"
+            )
+        raise OutputWriteError(path, e, rescue_dir(pathlib.Path(path).name, write, tool=tool)) from e
 
 
 def follow_umask(root: PathLike) -> None:

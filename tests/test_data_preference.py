@@ -8,12 +8,13 @@ import pytest
 
 from agentrefine_jax.config import DataConfig
 from agentrefine_jax.data import DEMO_TRAIN
-from agentrefine_jax.data.pipeline import NoPairsError, build_data, build_template
+from agentrefine_jax.data.pipeline import DataError, NoPairsError, build_data, build_template
 from agentrefine_jax.data.preference import (
     CHOSEN,
     NO_FEEDBACK,
     NO_REFINEMENT,
     REJECTED,
+    SAME_REPLY,
     PairReport,
     plain_pair,
     render_reply,
@@ -158,3 +159,58 @@ def test_cli_stats_counts_pairs_and_show_pair_renders_one(demo_slice, capsys):
     out = capsys.readouterr().out
     assert "── chosen (the refinement)" in out and "── rejected (the erroneous turn)" in out
     assert cli.main(["show", *common, "--pair", "100000"]) == 2
+
+
+def _trl_file(tmp_path, rows):
+    path = tmp_path / "trl.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _pair_cfg(path, **kw):
+    return DataConfig(train_files=(str(path),), tokenizer="llama3", template="llama3", max_length=512, **kw)
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_skipped_preference_rows_count_toward_max_skip_fraction(tmp_path, objective):
+    """Issue 44: 8 of 10 malformed rows were skipped and a pairs-only objective built on the rest."""
+    good = [{"prompt": f"task {i}", "chosen": "good", "rejected": "bad"} for i in range(2)]
+    bad = [{"prompt": 5, "chosen": "a", "rejected": "b"}] * 7 + [
+        {"prompt": "t", "chosen": 1, "rejected": "b"}
+    ]
+    path = _trl_file(tmp_path, good + bad)
+    with pytest.raises(
+        DataError, match=r"train: 8 of 10 records skipped \(bad preference row 8\); first at "
+    ):
+        build_data(_pair_cfg(path), "train", objective=objective)
+    # Allowed: built, the skips reported as the SFT path reports its own.
+    data = build_data(_pair_cfg(path, max_skip_fraction=0.8), "train", objective=objective)
+    rep = data.report
+    assert rep.preference.pairs == 2 and dict(rep.skipped) == {"bad preference row": 8}
+    assert (rep.records_in_shard, rep.parsed, rep.skipped_total) == (10, 2, 8)
+    assert "8 skipped" in rep.summary() and f"{path}:3" in rep.summary()
+
+
+def test_a_pair_with_identical_replies_is_skipped_and_counted(tmp_path):
+    """Its DPO loss is log 2 whatever the model does: it was kept (and counted as a pair)."""
+    rows = [{"prompt": f"task {i}", "chosen": "good", "rejected": "bad"} for i in range(3)]
+    rows.insert(
+        1, {"prompt": "task x", "chosen": [{"role": "assistant", "content": "same"}], "rejected": "same"}
+    )
+    path = _trl_file(tmp_path, rows)
+    data = build_data(_pair_cfg(path), "train", objective="dpo")
+    pref = data.report.preference
+    assert pref.pairs == 3 and pref.preference_rows == 4 and dict(pref.skipped) == {SAME_REPLY: 1}
+    assert dict(data.report.skipped) == {SAME_REPLY: 1} and f"{path}:2" in data.report.summary()
+    assert len(data.store) == 2 * 3  # chosen + rejected of each kept pair
+    # A trajectory's refinement that repeats its error was already skipped the same way.
+    report = PairReport()
+    msgs = validate_messages(
+        [
+            {"role": "user", "content": "task"},
+            {"role": "assistant", "content": "go", "loss": False},
+            {"role": "user", "content": "error"},
+            {"role": "assistant", "content": "go"},
+        ]
+    )
+    assert trajectory_pairs(msgs, "r", report) == [] and dict(report.skipped) == {SAME_REPLY: 1}

@@ -67,3 +67,24 @@ def test_plugin_task_runs_beside_builtin_tasks(tmp_path):
     }
     assert orig["held_out_average"]["weights"] == {"pddl": 1.0}
     assert doc["config"]["tasks"] == ["blocks_test", "pddl"]
+
+
+def test_quiet_pddl_run_prints_nothing_of_pddlgym(tmp_path):
+    """Issue 44: `eval -q` on PDDL printed Fast Downward's translator warning (`Warning: name clash
+    between type and predicate 'room'.` and its second line) when grounding tinyonearmedgripper, which
+    seed 3's third episode is; a quiet run's stderr holds nothing."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "XLA_FLAGS"))}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = ["-q", "--policy", "oracle", "--tasks", "pddl", "--episodes", "3", "--seed", "3"]
+    out = tmp_path / "r.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "agentrefine_jax.eval", *args, "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    episodes = json.loads(out.read_text())["episodes"]
+    assert "tinyonearmedgripper/prob00.pddl" in {e["spec"]["problem"] for e in episodes}, episodes[2]
+    assert "Warning" not in done.stdout

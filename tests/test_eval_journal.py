@@ -158,3 +158,87 @@ def test_ctrl_c_exits_130_keeping_the_journal(tmp_path, uninterrupted):
     resumed = _eval(out)
     assert resumed.returncode == 0, resumed.stderr
     assert _timeless(json.loads(out.read_text())) == uninterrupted
+
+
+@pytest.mark.timeout(600)
+def test_a_binary_line_is_one_line_naming_the_journal(tmp_path):
+    out = tmp_path / "r.json"
+    assert _eval(out, fault="after_episode@2:KILL").returncode == -signal.SIGKILL
+    journal = pathlib.Path(journal_path(str(out)))
+    with open(journal, "ab") as f:
+        f.write(b"\xff\xfe\x00binary\n")  # complete (ends in a newline), so it is read, not dropped
+    res = _eval(out)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith("[eval] error: ") and f"{journal}:4: not a journal record" in res.stderr
+
+
+# --checkpoint RUN_DIR: the newest step when the eval starts. A tiny random model answers garbage, so every
+# episode runs its 2 steps; one episode at a time, so the kill falls after the third.
+MODEL_ARGS = ["--tasks", "babyai", "--episodes", "4", "--max-steps", "2", "--max-new-tokens", "8"]
+MODEL_ARGS += ["--batch-size", "1"]
+
+
+def _save_step(root: pathlib.Path, step: int, seed: int) -> None:
+    from flax import nnx
+
+    from agentrefine_jax.checkpoint import save_model
+    from agentrefine_jax.models import llama
+    from agentrefine_jax.models.config import preset
+
+    cfg = preset("tiny", max_position_embeddings=512)
+    model = nnx.jit(lambda: llama.create(cfg, seed))()
+    save_model(root, model, cfg, step=step, tokenizer="llama3", template="llama3")
+
+
+def _eval_model(out: pathlib.Path, checkpoint: pathlib.Path, fault: str | None = None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("AGENTREFINE_FAULT", None)
+    if fault:
+        env["AGENTREFINE_FAULT"] = fault
+    cmd = [sys.executable, "-m", "agentrefine_jax.eval", "--checkpoint", str(checkpoint), *MODEL_ARGS]
+    return subprocess.run(
+        [*cmd, "--out", str(out)], env=env, cwd=out.parent, capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.timeout(1500)
+def test_a_resume_against_a_newer_step_of_the_run_is_refused(tmp_path):
+    """Issue 44: killed after 3 episodes of step 3, rerun once the run saved step 6: it resumed and wrote
+    3 episodes of step 3 and the rest of step 6 into one result, exit 0, naming no step."""
+    run_dir, out = tmp_path / "run", tmp_path / "r.json"
+    root = run_dir / "checkpoints"
+    _save_step(root, 3, seed=0)
+    killed = _eval_model(out, run_dir, fault="after_episode@3:KILL")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    journal = pathlib.Path(journal_path(str(out)))
+    kept = journal.read_bytes()
+
+    _save_step(root, 6, seed=1)  # the run goes on training meanwhile
+    refused = _eval_model(out, run_dir)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr[-3000:]
+    line = refused.stderr
+    assert line.startswith(f"[eval] error: {journal} holds episodes of {root / '3'} (step 3, parameters ")
+    assert f"this run evaluates {root / '6'} (step 6, " in line
+    assert f"rerun with --checkpoint {root / '3'} to resume it" in line
+    assert journal.read_bytes() == kept and not out.exists()
+    from agentrefine_jax.checkpoint import params_fingerprint
+
+    header = json.loads(kept.splitlines()[0])
+    assert header["model"] == {
+        "checkpoint": str(root / "3"),
+        "step": 3,
+        "fingerprint": params_fingerprint(root, 3),
+    }
+
+    resumed = _eval_model(out, root / "3")  # the step the journal began, named
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming: 3 finished episodes" in resumed.stderr
+    doc = json.loads(out.read_text())
+    assert doc["model"] == header["model"] and len(doc["episodes"]) == 4
+
+    fresh = tmp_path / "fresh.json"  # no journal: the newest step, recorded
+    done = _eval_model(fresh, run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    model = json.loads(fresh.read_text())["model"]
+    assert model["step"] == 6 and model["fingerprint"] == params_fingerprint(root, 6)
+    assert model["fingerprint"] != header["model"]["fingerprint"]

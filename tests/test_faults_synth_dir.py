@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -162,3 +163,30 @@ def test_a_full_disk_is_one_line_and_no_thread_traceback(tmp_path):
         assert rows and all(json.loads(r)["id"].startswith("fd-p") for r in rows)  # every row whole
         assert len(rows) < len(names)
         assert not os.path.exists(out / "synth.lock")
+
+
+def test_a_full_disk_names_where_every_rescued_row_went(tmp_path):
+    """Issue 44: each row that could not be appended was rescued into a directory of its own (and the
+    summary and state files into others); the last line named one of them."""
+    names = [f"FR-P{i}" for i in range(1, 41)]
+    personas = _personas(tmp_path, names)
+    temp = tmp_path / "temp"  # the child's $TMPDIR: every rescued file of this run lands under it
+    temp.mkdir()
+    with small_disk("64k") as disk, ReplayServer(_rules()) as server:
+        out = disk / "out"
+        res = run(
+            "synth", *_args(server, personas, out, "--concurrency", "4"), env=env(TMPDIR=str(temp), **KEY)
+        )
+        line = one_line(res, "synth", 1, "No space left on device")
+        rescued = sorted(p for p in temp.rglob("*") if p.is_file())
+        homes = [next(d for d in p.parents if d.name.startswith("agentrefine-rescued-")) for p in rescued]
+        told = [p for p, home in zip(rescued, homes, strict=True) if str(home) in line]
+        assert rescued and told == rescued, (line, rescued)  # every rescued file: the line says where
+        kept = pathlib.Path(line.split("kept instead in ", 1)[1].split(":", 1)[0])
+        assert all(p.is_relative_to(kept) for p in rescued)  # all in one place
+        on_disk = {json.loads(r)["id"] for r in (out / "trajectories.jsonl").read_text().splitlines()}
+        saved = kept / "trajectories.jsonl"
+        rows = [json.loads(r) for r in saved.read_text().splitlines()] if saved.exists() else []
+        assert f"{len(rows)} finished row(s) (trajectories.jsonl)" in line or not rows
+        assert all(r["id"].startswith("fr-p") for r in rows)  # whole rows
+        assert not on_disk & {r["id"] for r in rows}

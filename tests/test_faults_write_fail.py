@@ -5,7 +5,11 @@
 * a disk that is full when the results are written (a real small tmpfs: ENOSPC) ends in one
   line, exit 1, naming the file and the rescue file under $TMPDIR that holds the complete
   results (it was a traceback with the results gone); `export to-hf` on a full disk: one line,
-  exit 1, no partial directory left (a traceback before).
+  exit 1, no partial directory left (a traceback before);
+* `export to-hf` whose disk fills while the tokenizer is saved, after the weights (issue 44: a
+  traceback `Exception: No space left on device`, nothing kept): one line, exit 1, the whole
+  export written again under $TMPDIR and named, and under `--overwrite` the earlier export left
+  byte for byte.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import json
 import pathlib
 
 import pytest
-from faults_disk import env, one_line, run, small_disk
+from faults_disk import env, one_line, run, small_disk, snapshot
 from test_eval_checkpoint import save_random_checkpoint
 
 from agentrefine_jax.models.config import preset
@@ -83,3 +87,35 @@ def test_export_to_a_full_disk_is_one_line_and_leaves_nothing(checkpoint):
         res = run("export", "to-hf", "--checkpoint", str(checkpoint), "--out", str(out), env=env())
         one_line(res, "export", 1, "No space left on device")
         assert list(disk.iterdir()) == []
+
+
+def _rescued_dir(line: str) -> pathlib.Path:
+    kept = pathlib.Path(line.split("kept in ", 1)[1].strip())
+    assert kept.is_dir(), line
+    return kept
+
+
+def test_export_whose_tokenizer_meets_a_full_disk_is_rescued_whole(checkpoint, tmp_path):
+    """The tiny model's weights are 33 MB, the llama3 tokenizer's files 17 MB: a 40 MB disk holds
+    the weights and fills while the tokenizer is saved (the Rust writer's bare Exception)."""
+    reference = tmp_path / "reference"
+    done = run("export", "to-hf", "--checkpoint", str(checkpoint), "--out", str(reference))
+    assert done.returncode == 0, done.stderr
+    whole = snapshot(reference)
+    assert "tokenizer.json" in whole and "model.safetensors" in whole
+    with small_disk("40m") as disk:
+        out = disk / "hf"
+        res = run("export", "to-hf", "--checkpoint", str(checkpoint), "--out", str(out))
+        line = one_line(res, "export", 1, str(out), "No space left on device", "kept in ")
+        assert list(disk.iterdir()) == []  # no partial directory
+        assert snapshot(_rescued_dir(line)) == whole  # every file, as a plain export writes them
+    # An earlier export on a disk with room for it, but not for a second one beside it.
+    with small_disk("90m") as disk:
+        out = disk / "hf"
+        first = run("export", "to-hf", "--checkpoint", str(checkpoint), "--out", str(out))
+        assert first.returncode == 0, first.stderr
+        before = snapshot(out)
+        args = ("to-hf", "--checkpoint", str(checkpoint), "--out", str(out), "--overwrite")
+        line = one_line(run("export", *args), "export", 1, str(out), "No space left on device")
+        assert snapshot(out) == before and [p.name for p in disk.iterdir()] == ["hf"]
+        assert snapshot(_rescued_dir(line)) == whole

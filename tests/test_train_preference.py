@@ -327,3 +327,19 @@ def test_a_plain_trl_preference_file_trains_with_dpo(tmp_path):
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert r["pairs"] > 0 and np.isfinite(r["loss"]) and np.isfinite(r["margin"]), r
+
+
+def test_dpo_on_mostly_malformed_trl_rows_stops_with_one_line(tmp_path):
+    """Issue 44: 8 of 10 malformed TRL rows were skipped and `objective=dpo` trained on the other two
+    (the data.max_skip_fraction check counted no pairs)."""
+    good = _trl_rows()[:2]
+    bad = [{"prompt": 5, "chosen": "a", "rejected": "b"}] * 8  # a prompt must be text or messages
+    data = tmp_path / "trl.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in good + bad))
+    sets = [f"data.train_files={data}", "train.objective=dpo", "data.max_length=512", "train.max_steps=2"]
+    code, out = _finish(_train(tmp_path / "run", *[a for s in sets for a in ("--set", s)]), timeout=600)
+    assert code == 1, out  # the exit of the SFT path's own max_skip_fraction refusal (TrainingError)
+    lines = [x for x in out.splitlines() if x.strip()]
+    assert lines[-1].startswith("[train] error: train: 8 of 10 records skipped (bad preference row 8)"), out
+    assert "data.max_skip_fraction=0.5" in lines[-1] and f"{data}:3" in lines[-1]
+    assert "Traceback" not in out and not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -42,6 +42,7 @@ from agentrefine_jax.checkpoint.integrity import (
     newest_intact_step,
     open_step,
     orbax_commit_problem,
+    params_fingerprint,
     verify_step,
     write_manifest,
 )
@@ -102,6 +103,7 @@ __all__ = [
     "newest_intact_step",
     "open_step",
     "orbax_commit_problem",
+    "params_fingerprint",
     "params_pure_dict",
     "read_meta",
     "rebuild_base",

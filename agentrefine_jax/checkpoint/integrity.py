@@ -207,3 +207,32 @@ def open_step(path: str | pathlib.Path | epath.Path) -> tuple[epath.Path, int, C
     else:  # written by another tool or an older version: usable, but say it is unverified
         warnings.warn(f"checkpoint {root / str(step)} has no {MANIFEST}; loading it unverified", stacklevel=2)
     return root, step, read_meta(root, step)
+
+
+def params_fingerprint(root: str | os.PathLike[str], step: int) -> str:
+    """A sha256 naming the parameters one saved step holds, cheap to take: it digests the
+    manifest's records (size, sha256) of the step's `params` and `meta` files (the meta names a
+    LoRA step's frozen base, whose weights make the model as much as the adapters do), hashes the
+    save already computed. A step without a manifest (another tool's, an older version's) has
+    those files hashed now.
+
+    Two saves of the same step number with different parameters never share a fingerprint (an
+    evaluation journal is bound to it: eval/model_identity.py); a file-level digest, so two
+    separate saves of equal parameters may still differ, which only ever refuses a resume."""
+    step_dir = as_path(root) / str(step)
+    items = {ITEM_PARAMS, ITEM_META}
+    manifest = step_dir / MANIFEST
+    if manifest.exists():
+        try:
+            files = json.loads(manifest.read_text())["files"]
+            records = {
+                rel: [rec["size"], rec["sha256"]] for rel, rec in files.items() if rel.split("/")[0] in items
+            }
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointIntegrityError(f"checkpoint {step_dir}: unreadable {MANIFEST} ({e})") from None
+    else:
+        names = [rel for rel in _step_files(step_dir) if rel.split("/")[0] in items]
+        records = {rel: list(d) for rel, d in zip(names, file_digests(step_dir, names), strict=True)}
+    if not records:
+        raise CheckpointIntegrityError(f"checkpoint {step_dir} holds no '{ITEM_PARAMS}' files")
+    return hashlib.sha256(json_dumps(records, sort_keys=True).encode()).hexdigest()

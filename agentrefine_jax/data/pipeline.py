@@ -33,7 +33,7 @@ from agentrefine_jax.config import DataConfig
 from agentrefine_jax.data.examples import StoreBuilder, TokenStore, build_examples, concat_stores
 from agentrefine_jax.data.packing import materialize, pack_best_fit
 from agentrefine_jax.data.preference import PairReport, build_pairs, pairs_of_rows
-from agentrefine_jax.data.report import DataReport
+from agentrefine_jax.data.report import MAX_KEPT_LOCATIONS, DataReport
 from agentrefine_jax.data.schema import FieldMap, check_loss_on, resolve_field_map
 from agentrefine_jax.data.sources import RecordSet
 from agentrefine_jax.data.templates import ChatTemplate, get_template
@@ -219,10 +219,18 @@ def _build_preference(
         cfg.max_length,
         preport,
     )
+    if objective != "sft+dpo":  # pairs alone: the records they skipped are this run's skipped rows
+        report.skipped.update(preport.rows_skipped)
+        report.skipped_at.extend(preport.rows_skipped_at[: MAX_KEPT_LOCATIONS - len(report.skipped_at)])
+        report.parsed = report.records_in_shard - report.skipped_total
     if not preport.pairs:
         raise NoPairsError(
             f"objective={objective} needs preference pairs, but {report.sources or 'the inputs'} ({split}) "
             f"has none:{preport.summary().split(':', 1)[1]}; see docs/preference.md"
+        )
+    if report.skipped_total > cfg.max_skip_fraction * report.records_in_shard:
+        raise DataError(
+            f"{split}: {report.one_line()}: more than data.max_skip_fraction={cfg.max_skip_fraction}; {_HINT}"
         )
     n_sft = len(store)
     store = concat_stores([store, pairs])

@@ -64,6 +64,7 @@ class Pair:
     # row's pair is the erroneous call against the refined one.
     chosen_extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     rejected_extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    row: bool = False  # the whole record (a plain preference row), not one turn of a trajectory
 
 
 _REPLY_KEYS = ("tool_calls", "reasoning_content")
@@ -97,16 +98,30 @@ class PairReport:
     prompts_shortened: int = 0  # pairs whose oldest turns were dropped to fit max_length
     skipped: Counter = dataclasses.field(default_factory=Counter)
     skipped_at: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    # Whole records that gave nothing (a refused preference row, a record that is no trajectory):
+    # reason -> count, and (where, reason, detail) of the first ones. A pairs-only objective counts
+    # them against data.max_skip_fraction, as the SFT path counts its skipped rows.
+    rows_skipped: Counter = dataclasses.field(default_factory=Counter)
+    rows_skipped_at: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
 
     def skip(self, where: str, reason: str) -> None:
         self.skipped[reason] += 1
         if len(self.skipped_at) < 1000:
             self.skipped_at.append((where, reason))
 
+    def skip_row(self, where: str, reason: str, detail: str = "", *, unreadable: bool = False) -> None:
+        if not unreadable:  # a record that is not even a row (bad JSON): the SFT report's line says so
+            self.skip(where, reason)
+        self.rows_skipped[reason] += 1
+        if len(self.rows_skipped_at) < 1000:
+            self.rows_skipped_at.append((where, reason, detail))
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["skipped"] = dict(self.skipped)
+        d["rows_skipped"] = dict(self.rows_skipped)
         d.pop("skipped_at")
+        d.pop("rows_skipped_at")
         return d
 
     def summary(self) -> str:
@@ -224,7 +239,7 @@ def plain_pair(row: Mapping[str, Any], where: str) -> Pair:
         raise RowError("bad preference row", "the prompt must end with a user turn")
     validate_messages([*prompt, {"role": "assistant", "content": chosen}])
     validate_messages([*prompt, {"role": "assistant", "content": rejected}])
-    return Pair(prompt, chosen, rejected, where)
+    return Pair(prompt, chosen, rejected, where, row=True)
 
 
 def render_reply(
@@ -275,19 +290,24 @@ def _shorten(prompt: list[Message], drop: int) -> list[Message]:
 def pairs_of_rows(
     records: Iterable[tuple[str, Any]], field_map: FieldMap | None, report: PairReport
 ) -> Iterable[Pair]:
-    """Pairs of raw records, in order (bad rows are the SFT report's to count; here skipped)."""
+    """Pairs of raw records, in order; every record that gives nothing is counted (`skip_row`)."""
     for where, row in records:
         report.rows += 1
         if isinstance(row, RowError):
+            report.skip_row(where, row.reason, row.detail, unreadable=True)
             continue
         try:
             if is_preference_row(row):
                 report.preference_rows += 1
-                yield plain_pair(row, where)
+                pair = plain_pair(row, where)
+                if pair.chosen == pair.rejected:  # no preference: its DPO loss is a constant log 2
+                    report.skip_row(where, SAME_REPLY, "the chosen and rejected replies are identical")
+                else:
+                    yield pair
                 continue
             messages, _ = trim_trailing_users(normalize_row(row, field_map, where)["messages"])
         except RowError as e:
-            report.skip(where, e.reason)
+            report.skip_row(where, e.reason, e.detail)
             continue
         yield from trajectory_pairs(messages, where, report)
 
@@ -316,7 +336,10 @@ def build_pairs(
                 report.prompts_shortened += int(drop > 0)
                 break
         if fitted is None:
-            report.skip(pair.where, OVERLENGTH)
+            if pair.row:
+                report.skip_row(pair.where, OVERLENGTH, f"the pair never fits max_length={max_length}")
+            else:
+                report.skip(pair.where, OVERLENGTH)
             continue
         c_ids, c_mask, r_ids, r_mask = fitted
         for ids, mask, bit in ((c_ids, c_mask, CHOSEN), (r_ids, r_mask, REJECTED)):

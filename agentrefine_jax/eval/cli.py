@@ -27,6 +27,7 @@ from agentrefine_jax.cli_errors import TERMINATED, OneLineParser, fail
 from agentrefine_jax.eval import progress
 from agentrefine_jax.eval.config import PAPER_PERTURBATIONS, EvalConfig
 from agentrefine_jax.eval.journal import Journal, journal_path
+from agentrefine_jax.eval.model_identity import identify
 from agentrefine_jax.eval.policies import (
     DEFAULT_STOP,
     CheckpointPolicy,
@@ -39,6 +40,7 @@ from agentrefine_jax.eval.policies import (
 from agentrefine_jax.eval.registry import SOURCES, default_tasks
 from agentrefine_jax.eval.runner import TASK_NAMES, run_eval
 from agentrefine_jax.eval.tables import format_table
+from agentrefine_jax.paths import as_path
 
 BEST_OF_TEMPERATURE = 0.7
 # --request-timeout's default (seconds). A CPU endpoint is slow: SmolLM2-135M served by our own server
@@ -230,7 +232,13 @@ def make_policy(args: argparse.Namespace) -> Policy:
             concurrency=args.batch_size or 8,
             timeout=args.request_timeout,
         )
-    return CheckpointPolicy(args.checkpoint, sampling, template=args.template, kv_reuse=args.kv_reuse)
+    return CheckpointPolicy(
+        args.checkpoint,
+        sampling,
+        template=args.template,
+        kv_reuse=args.kv_reuse,
+        load_from=getattr(args, "load_from", None),
+    )
 
 
 def source_of(args: argparse.Namespace) -> str:
@@ -286,6 +294,9 @@ def eval_config(args: argparse.Namespace, source: str, **extra: Any) -> EvalConf
 
 # Settings that do not change what the episodes do: a journal is resumed across them.
 _NOT_RESULTS = ("quiet", "verbose", "workdir", "progress_every")
+# Named by the journal's model identity instead (model_identity.py): a step directory resumes the journal
+# its run directory began, a run directory that now names a newer step does not.
+_THE_MODEL = ("checkpoint", "base_url", "model")
 
 
 class Terminated(BaseException):
@@ -296,12 +307,25 @@ def _terminate(signum: int, frame: object) -> None:
     raise Terminated
 
 
-def open_journal(args: argparse.Namespace) -> Journal | None:
-    """The journal beside --out (none without --out: nowhere to resume to)."""
+def pin_model(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Resolve --checkpoint to one step now (`args.load_from`: what is loaded, whatever the run saves
+    meanwhile) and return the identity the journal is bound to and the results record."""
+    args.load_from = None
+    if args.checkpoint and args.all_checkpoints:  # each step is identified as it is evaluated
+        return {"run": str(as_path(args.checkpoint)), "all_checkpoints": True}
+    identity = identify(args.checkpoint, args.base_url, args.model)
+    if args.checkpoint and identity is not None:
+        args.load_from = identity["checkpoint"]
+    return identity
+
+
+def open_journal(args: argparse.Namespace, model: dict[str, Any] | None = None) -> Journal | None:
+    """The journal beside --out (none without --out: nowhere to resume to), bound to `model`."""
     if not args.out:
         return None
-    settings = {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_RESULTS}
-    journal = Journal(journal_path(args.out), settings)
+    hidden = _NOT_RESULTS + (_THE_MODEL if model is not None else ()) + ("load_from",)
+    settings = {k: v for k, v in sorted(vars(args).items()) if k not in hidden}
+    journal = Journal(journal_path(args.out), settings, model)
     if journal.resumed:
         logging.getLogger("agentrefine_jax.eval").info(
             f"resuming: {journal.resumed} finished episodes read from {journal.path}"
@@ -320,10 +344,14 @@ def run(args: argparse.Namespace) -> int:
         importlib.import_module(module)
     if not args.progress_every > 0:
         raise ValueError(f"--progress-every must be > 0 seconds, got {args.progress_every}")
-    journal = _JOURNAL.journal = open_journal(args)
+    model = pin_model(args)
+    journal = _JOURNAL.journal = open_journal(args, model)
     try:
         with progress.Progress(args.progress_every, logging.getLogger("agentrefine_jax.eval").info):
-            code = run_agentboard(args, journal) if source == "agentboard" else run_builtin(args, journal)
+            if source == "agentboard":
+                code = run_agentboard(args, journal, model)
+            else:
+                code = run_builtin(args, journal, model)
     finally:
         if journal is not None:
             journal.close()
@@ -332,7 +360,9 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-def run_builtin(args: argparse.Namespace, journal: Journal | None) -> int:
+def run_builtin(
+    args: argparse.Namespace, journal: Journal | None, model: dict[str, Any] | None = None
+) -> int:
     if args.agentboard_dir or args.context_length or args.log_dir or args.all_checkpoints:
         raise ValueError(
             "--agentboard-dir/--context-length/--log-dir/--all-checkpoints need the agentboard source"
@@ -356,11 +386,20 @@ def run_builtin(args: argparse.Namespace, journal: Journal | None) -> int:
         if own_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     print(format_table(doc), flush=True)
-    _write(args.out, doc, len(doc["episodes"]))
+    _write(args.out, _with_model(doc, model), len(doc["episodes"]))
     return 0
 
 
-def run_agentboard(args: argparse.Namespace, journal: Journal | None = None) -> int:
+def _with_model(doc: dict[str, Any], model: dict[str, Any] | None) -> dict[str, Any]:
+    """The results with the model they came from (`model`: checkpoint step and fingerprint, or endpoint)."""
+    if model is None:
+        return doc
+    return {**{k: v for k, v in doc.items() if k != "episodes"}, "model": model, "episodes": doc["episodes"]}
+
+
+def run_agentboard(
+    args: argparse.Namespace, journal: Journal | None = None, model_identity: dict[str, Any] | None = None
+) -> int:
     """The AgentBoard source: its episodes, prompts and rules, read from the user's checkout."""
     from agentrefine_jax.eval.agentboard import runner as ab
     from agentrefine_jax.eval.agentboard.checkout import Checkout
@@ -401,7 +440,7 @@ def run_agentboard(args: argparse.Namespace, journal: Journal | None = None) -> 
         if model is not None:
             model.close()
     print(format_table(doc), flush=True)
-    _write(args.out, doc, len(doc["episodes"]))
+    _write(args.out, _with_model(doc, model_identity), len(doc["episodes"]))
     return 0
 
 

@@ -5,7 +5,10 @@ A paper-sized run is hours of episodes; `--out` is written once, at the end, ato
 (which phase, task, variant, episode, sample) and its record. Re-running the same command reads the journal
 back, skips the episodes it holds and appends the rest; the results equal an uninterrupted run's. The first
 line is a header naming the command's settings: a journal written by another command is refused with one
-line rather than mixed in. A write failure (a full disk) warns once and the evaluation goes on without it.
+line rather than mixed in. The header also names the model the episodes came from (`model_identity`: the
+checkpoint step and its parameters' fingerprint, or the endpoint and model name): a rerun whose `--checkpoint`
+now resolves to another step (a run that saved a newer one meanwhile) is refused in one line, never resumed
+into a result of two models. A write failure (a full disk) warns once and the evaluation goes on without it.
 
 A kill can cut the last line short; the reader drops a line that does not end in a newline (truncating the
 file there before appending), never a complete one.
@@ -21,6 +24,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Generic, TypeVar
 
 from agentrefine_jax import faults, outputs
+from agentrefine_jax.eval.model_identity import describe, resumable
 from agentrefine_jax.outputs import json_dumps as dumps
 
 FORMAT = "agentrefine_jax.eval/journal/1"
@@ -47,9 +51,11 @@ def journal_path(out: str) -> str:
 class Journal:
     """Finished episodes of one evaluation, read back on resume and appended as they end."""
 
-    def __init__(self, path: str, settings: dict[str, Any]):
+    def __init__(self, path: str, settings: dict[str, Any], model: dict[str, Any] | None = None):
         self.path = path
         self.header = {"journal": FORMAT, "settings": json.loads(dumps(settings))}
+        if model is not None:  # a policy's journal keeps the header it always had
+            self.header["model"] = json.loads(dumps(model))
         self.records: dict[str, Any] = {}
         self.failed = False
         self.appended = 0  # lines this process wrote
@@ -63,24 +69,36 @@ class Journal:
         with open(self.path, "rb") as f:
             data = f.read()
         complete = data[: data.rfind(b"\n") + 1]  # a line cut by a kill is dropped
-        lines = complete.decode("utf-8").splitlines()
+        lines = complete.split(b"\n")[:-1]
         if not lines:
             return
         try:
-            header = json.loads(lines[0])
-        except json.JSONDecodeError:
+            header = json.loads(lines[0].decode("utf-8"))
+        except ValueError:  # not JSON, or not UTF-8
             header = None
-        if header != self.header:
+        if not isinstance(header, dict) or {k: v for k, v in header.items() if k != "model"} != {
+            k: v for k, v in self.header.items() if k != "model"
+        }:
             raise JournalMismatch(
                 f"{self.path} was written by a different command or configuration; rerun that command to "
                 "resume it, or remove the journal to start over"
             )
+        if header.get("model") != self.header.get("model"):
+            was = header.get("model")
+            again = f"rerun with --checkpoint {was['checkpoint']} to resume it, " if resumable(was) else ""
+            raise JournalMismatch(
+                f"{self.path} holds episodes of {describe(was)}, but this run evaluates "
+                f"{describe(self.header.get('model'))}; resuming would mix two models in one result: "
+                f"{again}or remove the journal to start over"
+            )
         for n, line in enumerate(lines[1:], 2):
             try:
-                entry = json.loads(line)
+                entry = json.loads(line.decode("utf-8"))
                 self.records[entry["key"]] = entry["record"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise JournalMismatch(f"{self.path}:{n}: not a journal record") from None
+            except (ValueError, KeyError, TypeError):  # not JSON, not UTF-8, not a record
+                raise JournalMismatch(
+                    f"{self.path}:{n}: not a journal record; remove the journal to start over"
+                ) from None
         if len(complete) < len(data):
             with open(self.path, "r+b") as f:  # the next append starts on a line of its own
                 f.truncate(len(complete))

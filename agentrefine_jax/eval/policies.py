@@ -252,11 +252,16 @@ class CheckpointPolicy:
         generator: Any | None = None,
         *,
         kv_reuse: bool = True,
+        load_from: str | None = None,
     ):
         if generator is None:
             from agentrefine_jax.inference.chat import ChatGenerator  # lazy: pulls in JAX and the model
+            from agentrefine_jax.paths import as_path
 
-            generator = ChatGenerator.from_checkpoint(checkpoint, template=template)
+            # `load_from`: the step `checkpoint` resolved to when the run started (eval/model_identity.py)
+            generator = ChatGenerator.from_checkpoint(
+                load_from or checkpoint, template=template, name=as_path(checkpoint).name
+            )
         self.generator = generator
         self.name = f"checkpoint:{checkpoint}"
         self.sampling = sampling

@@ -186,14 +186,17 @@ def _to_peft(args: argparse.Namespace, step_dir: Any, mesh: Any, max_shard: int)
         log.info(f"the base is not an HF directory: writing it ({dtype}) to {where}")
         save_hf(model, base_cfg, where, dtype=dtype, max_shard_bytes=max_shard, tokenizer=tokenizer)
 
-    with outputs.publish_dir(
+    outputs.write_dir(  # a full disk: written again under $TMPDIR, the error line says where
         args.out,
+        lambda where: write_peft_adapter(
+            where, spec, adapters, meta.lora.base.init_from_hf, write_base=write_base
+        ),
         tool="export to-hf",
         overwrite=args.overwrite,
         protect=[args.checkpoint],
         writer=jax.process_index() == 0,
-    ) as tmp:
-        write_peft_adapter(tmp, spec, adapters, meta.lora.base.init_from_hf, write_base=write_base)
+        note=log.info,
+    )
     log.info(f"done: PEFT adapter (rank {spec.rank}, {', '.join(spec.targets)}) in {args.out}")
     return 0
 

@@ -57,11 +57,16 @@ def save_safetensors(tensors: dict[str, np.ndarray], path: str | pathlib.Path) -
     try:
         save_file(tensors, str(path), metadata={"format": "pt"})
     except SafetensorError as e:
-        code = re.search(r"os error (\d+)", str(e))
-        if code is None:
-            raise
-        n = int(code.group(1))
-        raise OSError(n, os.strerror(n), str(path)) from e
+        raise _as_os_error(e, path) from e
+
+
+def _as_os_error(e: Exception, path: str | os.PathLike[str]) -> Exception:
+    """A Rust writer's I/O failure (`... (os error 28)`) as the OSError it is; else `e` itself."""
+    code = re.search(r"os error (\d+)", str(e))
+    if code is None:
+        return e
+    n = int(code.group(1))
+    return OSError(n, os.strerror(n), str(path))
 
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -706,7 +711,15 @@ def _save_tokenizer(name: str, out: pathlib.Path, log: Log) -> None:
     except ImportError as e:
         log(f"note: tokenizer {name!r} not written: agentrefine_jax.data.tokenizers unavailable ({e})")
         return
-    load_tokenizer(name).save_pretrained(str(out))
+    try:
+        load_tokenizer(name).save_pretrained(str(out))
+    except OSError:
+        raise
+    except Exception as e:  # the `tokenizers` writer reports a full disk as a bare Exception
+        error = _as_os_error(e, out)
+        if error is e:
+            raise
+        raise error from e
     log(f"wrote tokenizer files for {name!r}")
 
 
@@ -731,10 +744,16 @@ def write_hf(
     target = as_path(out)
     main = jax.process_index() == 0
     if not is_url(target):
-        with outputs.publish_dir(
-            str(target), tool=tool, overwrite=overwrite, protect=protect, writer=main
-        ) as tmp:
-            save_hf(model, model_cfg, tmp, **save_kwargs)
+        # A full disk: the export is written again under $TMPDIR and OutputWriteError says where.
+        outputs.write_dir(
+            str(target),
+            lambda where: save_hf(model, model_cfg, where, **save_kwargs),
+            tool=tool,
+            overwrite=overwrite,
+            protect=protect,
+            writer=main,
+            note=save_kwargs.get("log"),
+        )
         return str(target)
     if main:
         _check_url_dir(target, overwrite)

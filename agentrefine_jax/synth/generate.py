@@ -21,6 +21,7 @@ import os
 import pathlib
 import queue
 import re
+import shutil
 import sys
 import threading
 import time
@@ -188,6 +189,11 @@ class Generator:
         self._stop = threading.Event()
         self.report = GenerateReport()
         self.progress: Progress | None = None
+        # Finished rows whose output file could not take them (a full disk): one directory per run.
+        self._rescue_dir: pathlib.Path | None = None
+        self._rescued: dict[str, int] = {}
+        self._rescue_lost = 0
+        self._rescue_elsewhere: list[str] = []
 
     # -- logging goes through the progress line so the two never interleave
     def log(self, msg: str) -> None:
@@ -206,6 +212,8 @@ class Generator:
         try:
             jsonl.write_json_atomic(path, state)
         except (OSError, outputs.OutputWriteError) as e:
+            with self._write_lock:
+                self._adopt(getattr(e, "rescued", None), f"{STATE_DIR}/{path.name}")
             raise _WriteFailed(f"could not write {path}: {_reason(e)}") from e
 
     def _finish(self, state: dict[str, Any], record: dict[str, Any], ok: bool) -> None:
@@ -215,9 +223,8 @@ class Generator:
                 jsonl.append_record(path, record)
             except OSError as e:
                 # The persona is finished (and paid for): keep its row where it can be found.
-                kept = outputs.rescue(f"{state['id']}-{path.name}", (jsonl.dumps(record) + "\n").encode())
-                where = f"; its finished row is kept in {kept}" if kept else ""
-                raise _WriteFailed(f"could not write {path}: {_reason(e)}{where}") from e
+                self._rescue_row(path.name, record)
+                raise _WriteFailed(f"could not write {path}: {_reason(e)}") from e
             # After the append: a kill in between leaves a stale state file that the next
             # start removes because the id is already finished.
             self._state_path(state["id"]).unlink(missing_ok=True)
@@ -225,6 +232,60 @@ class Generator:
                 self.report.succeeded += 1
             else:
                 self.report.failed += 1
+
+    def _rescue_row(self, name: str, record: dict[str, Any]) -> None:
+        """Append a finished row its output file could not take to this run's one rescue directory
+        under $TMPDIR (`agentrefine-rescued-*/trajectories.jsonl` or `failed.jsonl`); the run's last
+        line says where and how many (`_rescue_note`). Caller holds the write lock."""
+        try:
+            if self._rescue_dir is None:
+                self._rescue_dir = outputs.rescue_location()
+            jsonl.append_record(self._rescue_dir / name, record)
+            self._rescued[name] = self._rescued.get(name, 0) + 1
+        except OSError:  # $TMPDIR is full too: its state file stays, a rerun finishes it again
+            self._rescue_lost += 1
+
+    def _adopt(self, kept: pathlib.Path | None, rel: str) -> None:
+        """Move a file `outputs` rescued on its own (a state file, the summary) into this run's rescue
+        directory as `rel`, so the final line names one place. Caller holds the write lock."""
+        if kept is None:
+            return
+        try:
+            if self._rescue_dir is None:
+                self._rescue_dir = outputs.rescue_location()
+            target = self._rescue_dir / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(kept, target)
+            kept.parent.rmdir()
+        except OSError:
+            self._rescue_elsewhere.append(str(kept))  # it stays where outputs put it: named as is
+            return
+        key = rel.split("/")[0]
+        self._rescued[key] = self._rescued.get(key, 0) + 1
+
+    def _rescue_note(self) -> str:
+        """What the final error line adds: where the rows that could not be appended went."""
+        note = ""
+        if self._rescued:
+            counts = {
+                RESULTS: "finished row(s)",
+                FAILED: "failed-persona row(s)",
+                STATE_DIR: "state file(s) of unfinished personas",
+                SUMMARY: "run summary",
+            }
+            what = ", ".join(
+                f"{n} {counts[name]} ({name})" if name != SUMMARY else f"the {counts[name]} ({name})"
+                for name, n in sorted(self._rescued.items())
+            )
+            note += f"; kept instead in {self._rescue_dir}: {what}"
+        if self._rescue_elsewhere:
+            note += f"; also kept in {', '.join(self._rescue_elsewhere)}"
+        if self._rescue_lost:
+            note += (
+                f"; {self._rescue_lost} finished row(s) could not be kept there either (their state "
+                "is kept: a rerun finishes them again)"
+            )
+        return note
 
     # -- one persona
     def _call(self, client: ChatClient, messages: list[dict[str, str]], state: dict[str, Any], tag: str):
@@ -440,8 +501,12 @@ class Generator:
         try:
             self._write_summary()
         except (OSError, outputs.OutputWriteError) as e:
+            with self._write_lock:
+                self._adopt(getattr(e, "rescued", None), SUMMARY)
             if not self.report.write_error:
                 self.report.write_error = f"could not write {self.out / SUMMARY}: {_reason(e)}"
+        if self.report.write_error:
+            self.report.write_error += self._rescue_note()
         return self.report
 
     def _pool(self, work: list[tuple[Persona, dict[str, Any]]]) -> None:

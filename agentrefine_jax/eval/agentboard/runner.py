@@ -452,18 +452,27 @@ def run_checkpoints(
     journal: Journal | None = None,
 ) -> dict[str, Any]:
     """Evaluate each kept checkpoint (the paper reports the epoch with the best average) and pick the best."""
+    from agentrefine_jax.eval.model_identity import checkpoint_identity
+
     results = []
     for step, path in checkpoints:
         log(f"[agentboard] checkpoint step {step}: {path}")
+        # The step's parameters' fingerprint keys its journaled episodes: a step saved again with other
+        # parameters since an interrupted run is evaluated afresh, never mixed with the old episodes.
+        fingerprint = checkpoint_identity(path)["fingerprint"]
         model = make_model(path)
         try:
             step_cfg = dataclasses.replace(
                 config, log_dir=os.path.join(config.log_dir, f"step_{step}") if config.log_dir else None
             )
-            doc = run(checkout, step_cfg, model=model, log=log, journal=journal, phase=[f"step_{step}"])
+            phase = [f"step_{step}", fingerprint]
+            doc = run(checkout, step_cfg, model=model, log=log, journal=journal, phase=phase)
         finally:
             model.close()
-        results.append({"step": step, "checkpoint": path, "score": list(selection_score(doc)), "result": doc})
+        score = list(selection_score(doc))
+        results.append(
+            {"step": step, "checkpoint": path, "fingerprint": fingerprint, "score": score, "result": doc}
+        )
     best = max(results, key=lambda r: (tuple(r["score"]), -r["step"]))  # ties: the earlier checkpoint
     return {
         "protocol": "agentboard",

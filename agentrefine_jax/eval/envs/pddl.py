@@ -13,6 +13,7 @@ import dataclasses
 import io
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from agentrefine_jax.eval.envs.base import INVALID_ACTION, EvalTask, StepResult, TextEnv, rejected
@@ -174,10 +175,20 @@ _DOMAIN_FILE_FOR_DIR = {
 _DEFAULT_SCRATCH = "/dev/shm"  # pddlgym.spaces.TMP_PDDL_DIR's own default
 
 
-def load_pddlgym() -> Any:
-    """pddlgym with its `core` and `spaces` (both sources); gym, imported by it, prints a deprecation
-    banner on import that is not ours to show."""
+@contextlib.contextmanager
+def quiet_pddlgym() -> Iterator[None]:
+    """pddlgym's own prints kept off the terminal (`eval -q` prints none of them; startup.py quiets other
+    libraries the same way): gym's deprecation banner on import, its parser's `Warning: type not declared`
+    (stdout) and Fast Downward's translator's `Warning: name clash between type and predicate 'room'`
+    (stderr, the first grounding of tinyonearmedgripper). Every call into pddlgym goes through it. Python
+    exceptions still propagate: they are the caller's to report."""
     with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
+def load_pddlgym() -> Any:
+    """pddlgym with its `core` and `spaces` (both sources), imported quietly (`quiet_pddlgym`)."""
+    with quiet_pddlgym():
         import pddlgym
         import pddlgym.core
         import pddlgym.spaces
@@ -195,18 +206,19 @@ def _scratch_exists(pddlgym: Any) -> None:
 def open_problem(domain: str, folder: str, index: int, operators_as_actions: bool = True) -> Any:
     """pddlgym's environment for problem `index` of `folder` (pddlgym's string-sorted order); both sources."""
     _scratch_exists(load_pddlgym())
-    env = load_pddlgym().core.PDDLEnv(
-        domain, folder, operators_as_actions=operators_as_actions, dynamic_action_space=True
-    )
-    env.fix_problem_index(index)
+    with quiet_pddlgym():  # parsing the domain and every problem of the folder
+        env = load_pddlgym().core.PDDLEnv(
+            domain, folder, operators_as_actions=operators_as_actions, dynamic_action_space=True
+        )
+        env.fix_problem_index(index)
     return env
 
 
 def ground_literals(env: Any, state: Any) -> list[Any]:
     """The ground actions applicable in `state`, sorted (pddlgym's own order follows the string-hash seed)."""
-    # pddlgym's grounding (Fast Downward's translator) prints parser warnings to stdout.
+    # pddlgym's grounding (Fast Downward's translator) prints parser warnings to stdout and stderr.
     _scratch_exists(load_pddlgym())
-    with contextlib.redirect_stdout(io.StringIO()):
+    with quiet_pddlgym():
         return sorted(env.action_space.all_ground_literals(state), key=str)
 
 
@@ -235,7 +247,8 @@ class PDDLEnv(TextEnv):
         names = [os.path.basename(p.problem_fname) for p in self._env.problems]
         if problem_file not in names:
             raise FileNotFoundError(f"pddlgym has no problem {spec['problem']!r} (found {names})")
-        self._env.fix_problem_index(names.index(problem_file))
+        with quiet_pddlgym():
+            self._env.fix_problem_index(names.index(problem_file))
         self._plan: list[Any] = []
 
     @property
@@ -251,7 +264,8 @@ class PDDLEnv(TextEnv):
         return " ".join([self.vocab.surface(w.canonical)] + ["a", "b", "c"][:n_args])
 
     def _reset(self) -> tuple[str, str]:
-        state, _ = self._env.reset()
+        with quiet_pddlgym():  # a dynamic action space grounds the initial state
+            state, _ = self._env.reset()
         self._goal_pos, self._goal_neg = goal_atoms(state.goal)
         self._plan = []
         goal = (
@@ -304,7 +318,8 @@ class PDDLEnv(TextEnv):
             self._plan.pop(0)
         else:
             self._plan = []
-        state, _, done, _, _ = self._env.step(lit)
+        with quiet_pddlgym():
+            state, _, done, _, _ = self._env.step(lit)
         obs = f'You executed "{self.vocab.to_surface(_command(lit))}". {self._render(state)}'
         if done:
             obs += " The goal is reached."

@@ -15,10 +15,8 @@ of pddlgym literals depends on the process's string-hash seed, so AgentBoard's o
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
-import io
 import os
 import pathlib
 import re
@@ -30,7 +28,7 @@ from typing import Any
 from agentrefine_jax.eval.agentboard.checkout import CLONE, Checkout, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import HELP, EpisodeSpec, Task
 from agentrefine_jax.eval.core import StepResult
-from agentrefine_jax.eval.envs.pddl import ground_literals, open_problem
+from agentrefine_jax.eval.envs.pddl import ground_literals, open_problem, quiet_pddlgym
 from agentrefine_jax.eval.policies import Replay
 
 PDDL_DIR = "agentboard/environment/pddl_env/pddlgym/pddl"
@@ -197,7 +195,7 @@ def _unparsable(domain: str, folder: str, error: Exception) -> str:
     from pddlgym.parser import PDDLDomainParser, PDDLProblemParser
 
     culprit = f"{domain} or a problem in {folder}"
-    with contextlib.redirect_stdout(io.StringIO()):
+    with quiet_pddlgym():
         try:
             culprit = domain
             d = PDDLDomainParser(domain, expect_action_preds=False, operators_as_actions=True)
@@ -244,7 +242,8 @@ class PddlEnv:
     # ------------------------------------------------------------------ Env
 
     def reset(self) -> str:
-        obs, _ = self._env.reset()
+        with quiet_pddlgym():
+            obs, _ = self._env.reset()
         self._state = obs
         self._goal_literals = list(obs.goal.literals)
         goals = sorted(self.literal_text(lit) for lit in self._goal_literals)
@@ -294,7 +293,7 @@ class PddlEnv:
         literal = self.parse(action)
         if literal is None:
             return self._reply(self.texts.unparsable, False)
-        with contextlib.redirect_stdout(io.StringIO()):
+        with quiet_pddlgym():
             new_state = self._env.step(literal)[0]
         if new_state == self._state:  # pddlgym ignores an inapplicable action silently
             return self._reply(self.texts.no_effect, False)
