@@ -142,7 +142,6 @@ def verify(
 ) -> VerifyResult:
     """Run our forward and transformers' on the same inputs and compare (see module docstring)."""
     import torch
-    import transformers
 
     log = log or (lambda _: None)
     if compute_dtype not in DEFAULT_TOLERANCES:
@@ -180,22 +179,7 @@ def verify(
         log(f"note: HF weights are stored in {storage}; rounding checkpoint weights to {storage} to compare")
         _round_params(model, storage)
 
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[compute_dtype]
-    hf_model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        hf_dir,
-        dtype=torch_dtype,
-        use_safetensors=True,
-        local_files_only=True,
-        attn_implementation="eager",
-        output_loading_info=True,
-    )
-    for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
-        if info.get(key):
-            result.problems.append(
-                f"transformers {key.replace('_', ' ')}: {sorted(map(str, info[key]))[:10]}"
-            )
-    if adapter_dir is not None:
-        hf_model = _with_adapters(hf_model, adapter_dir, result.problems)
+    hf_model = _load_transformers(hf_dir, compute_dtype, adapter_dir, result.problems)
     if result.problems:
         return result
     hf_model.eval()
@@ -251,6 +235,31 @@ def verify(
         )
         log(_fmt(result.cases[-1]))
     return result
+
+
+def _load_transformers(
+    hf_dir: str | pathlib.Path,
+    compute_dtype: str,
+    adapter_dir: str | pathlib.Path | None,
+    problems: list[str],
+) -> Any:
+    """transformers' model of `hf_dir` (with peft's adapters from `adapter_dir`, if given); any
+    weight it could not load is a problem (it would silently random-initialise it)."""
+    import torch
+    import transformers
+
+    hf_model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dir,
+        dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[compute_dtype],
+        use_safetensors=True,
+        local_files_only=True,
+        attn_implementation="eager",
+        output_loading_info=True,
+    )
+    for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        if info.get(key):
+            problems.append(f"transformers {key.replace('_', ' ')}: {sorted(map(str, info[key]))[:10]}")
+    return hf_model if adapter_dir is None else _with_adapters(hf_model, adapter_dir, problems)
 
 
 def _with_adapters(hf_model: Any, adapter_dir: str | pathlib.Path, problems: list[str]) -> Any:
