@@ -361,7 +361,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("verify", help="compare our forward pass with transformers' on the same inputs")
     c.add_argument("--checkpoint", required=True, help="run dir, checkpoint root (latest step) or step dir")
-    c.add_argument("--hf", required=True, help="transformers model directory")
+    c.add_argument(
+        "--hf",
+        required=True,
+        help="transformers model directory, or (a LoRA run) its PEFT adapter export, run by peft on its base",
+    )
     tolerance = float_in(0, float("inf"))  # a negative tolerance fails every model: a typo
     c.add_argument(
         "--atol", type=tolerance, help="max |Δlogit| allowed (default: 5e-3 float32, 1.0 bfloat16)"

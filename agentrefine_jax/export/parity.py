@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from agentrefine_jax.checkpoint import load_model, read_meta, resolve_checkpoint, trained_base_rounding
+from agentrefine_jax.checkpoint import load_model, trained_base_rounding
 from agentrefine_jax.hf.io import _PRECISION, NP_DTYPES, hf_storage_dtype, read_hf_config
 from agentrefine_jax.hf.peft import base_path, is_adapter_dir
 from agentrefine_jax.models.config import ModelConfig
@@ -161,9 +161,8 @@ def verify(
     if adapter_dir is not None:  # a PEFT hand-off: the adapters on the base the directory names
         hf_dir = base_path(adapter_dir)
     hf_cfg = read_hf_config(hf_dir)
-    root, step = resolve_checkpoint(checkpoint)
-    result.rounding = trained_base_rounding(read_meta(root, step))
-    cfg, model, _ = load_model(checkpoint, mesh=mesh, dtype=compute_dtype, handoff=True)
+    cfg, model, meta = load_model(checkpoint, mesh=mesh, dtype=compute_dtype, handoff=True)
+    result.rounding = trained_base_rounding(meta)
     result.problems += config_mismatches(cfg, hf_cfg)
     if result.problems:
         return result
