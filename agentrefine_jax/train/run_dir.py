@@ -92,8 +92,8 @@ def check_resume_config(paths: RunPaths, cfg: Config) -> None:
 def _base_dtype_hint(old: dict, new: dict) -> str:
     """A run from before train.lora.base_dtype's default became "auto" (the model's param_dtype)
     recorded "bfloat16": say how to resume it as it was trained."""
-    was = (old.get("train", {}).get("lora") or {}).get("base_dtype")
-    now = (new.get("train", {}).get("lora") or {}).get("base_dtype")
+    was = old.get("train", {}).get("lora", {}).get("base_dtype")
+    now = new.get("train", {}).get("lora", {}).get("base_dtype")
     if now != "auto" or was in (None, "auto"):
         return ""
     return (
