@@ -104,8 +104,10 @@ class LoraConfig:
     dropout: float = 0.0  # on the adapter's input, training only
     # Projections that get adapters: any of q, k, v, o, gate, up, down.
     targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
-    # Storage dtype of the frozen base: bfloat16 | float32 | int8 (QLoRA-style, via qwix: models/quant.py).
-    base_dtype: str = "bfloat16"
+    # Storage dtype of the frozen base: auto (the model's param_dtype: a float32 model keeps its
+    # base exact) | bfloat16 | float32 | int8 (QLoRA-style, via qwix: models/quant.py). A base
+    # rounded or quantised below its stored precision is recorded in the checkpoint (docs/lora.md).
+    base_dtype: str = "auto"
 
 
 @dataclasses.dataclass

@@ -27,6 +27,10 @@ def config() -> Config:
             cfg.train,
             run_dir="runs/llama3_70b_lora",
             micro_batch_size=8,
+            # A bfloat16 base, not the model's float32 param_dtype (base_dtype's default "auto"): half
+            # the frozen base's memory (docs/lora.md's table). Meta's Llama 3 weights are stored in
+            # bfloat16, so nothing is rounded; a float32 init_from_hf would be, and the checkpoint
+            # records it (the exports merge into the stored weights; `export verify` reports the gap).
             lora=LoraConfig(rank=16, alpha=32.0, dropout=0.05, base_dtype="bfloat16"),
         ),
     )

@@ -126,3 +126,19 @@ def test_random_base_identity_is_its_seed_and_shapes(tmp_path):
     with pytest.raises(ValueError, match="other parameter shapes"):
         check_lora_base(ref, LoraBase(shapes=shapes_digest(wider)), what="x")
     check_lora_base(ref, LoraBase(shapes=shapes_digest(preset("tiny"))), what="x")  # the demo's own model
+
+
+def test_a_run_from_before_the_auto_default_is_told_how_to_resume(tmp_path):
+    """A run whose config.json says base_dtype=bfloat16 (the old default) resumed under the new
+    default "auto" (float32 here) is refused, and the message says how to resume it as trained."""
+    from agentrefine_jax.config import load_config
+    from agentrefine_jax.train.run_dir import RunPaths, TrainingInputError, check_resume_config
+
+    paths = RunPaths(tmp_path / "run")
+    paths.write_config(load_config("tiny", ["train.lora.rank=4", "train.lora.base_dtype=bfloat16"]))
+    now = load_config("tiny", ["train.lora.rank=4"])
+    with pytest.raises(
+        TrainingInputError, match=r"train\.lora changed.*--set train\.lora\.base_dtype=bfloat16"
+    ):
+        check_resume_config(paths, now)
+    check_resume_config(paths, load_config("tiny", ["train.lora.rank=4", "train.lora.base_dtype=bfloat16"]))

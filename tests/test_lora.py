@@ -267,6 +267,80 @@ def test_peft_loads_the_adapter_export_with_our_logits_and_merged_export_agrees(
     assert np.abs(from_merged - theirs).max() <= 1e-4
 
 
+def test_verify_checks_the_adapter_export_with_peft_on_its_base(lora_run, tmp_path):
+    """`export verify --hf ADAPTER`: peft runs the adapter export on the base it names, against
+    the run's hand-off; a random base is the run's own (nothing rounded: no trained-model line)."""
+    pytest.importorskip("peft")
+    _export(lora_run, tmp_path / "adapter")
+    proc = subprocess.run(
+        [sys.executable, "-m", "agentrefine_jax.export", "verify", "--checkpoint", str(lora_run)]
+        + ["--hf", str(tmp_path / "adapter"), "--seq-lens", "16,32", "--json"],
+        cwd=REPO,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("PASS (float32 compute)") and len(lines) == 2, proc.stdout
+    result = json.loads(lines[1])
+    assert result["max_abs_diff"] <= 1e-4 and result["base_rounding"] is None
+    assert result["trained_vs_handoff"] is None
+
+
+def test_base_dtype_follows_the_model_unless_asked():
+    """train.lora.base_dtype defaults to the model's param_dtype (a float32 model keeps a float32
+    base); bfloat16/int8 are asked for, as the TPU presets do (for memory); the planner follows."""
+    from agentrefine_jax.checkpoint import lora_reference
+    from agentrefine_jax.config import load_config
+    from agentrefine_jax.train import planner
+    from agentrefine_jax.train.param_mode import ParamMode
+
+    sizes = {"data": 1, "fsdp": 1, "tensor": 1}
+    cfg = load_config("tiny", ["train.lora.rank=4"])
+    assert cfg.model.param_dtype == "float32" and cfg.train.lora.base_dtype == "auto"
+    ref = lora_reference(cfg)
+    assert (ref.base_dtype, ref.base_rounding) == ("float32", None)
+    assert ParamMode.of(cfg).model_cfg.param_dtype == "float32"
+    plan = planner.plan(cfg, sizes, "v5p", global_batch=2, seq_len=128)
+    assert plan["base_dtype"] == "float32"
+    low = load_config("tiny", ["train.lora.rank=4", "model.param_dtype=bfloat16"])
+    assert ParamMode.of(low).model_cfg.param_dtype == lora_reference(low).base_dtype == "bfloat16"
+    asked = load_config("tiny", ["train.lora.rank=4", "train.lora.base_dtype=bfloat16"])
+    assert ParamMode.of(asked).model_cfg.param_dtype == lora_reference(asked).base_dtype == "bfloat16"
+    asked_plan = planner.plan(asked, sizes, "v5p", global_batch=2, seq_len=128)
+    assert asked_plan["base_dtype"] == "bfloat16"
+    assert asked_plan["bytes_per_device"]["params"] < plan["bytes_per_device"]["params"]
+    for name in ("llama3_8b_lora", "llama3_70b_lora"):  # float32 models, bfloat16 bases by choice
+        preset_cfg = load_config(name)
+        assert preset_cfg.model.param_dtype == "float32" and preset_cfg.train.lora.base_dtype == "bfloat16"
+
+
+def test_base_rounding_is_what_base_dtype_does_to_the_stored_weights(tmp_path):
+    """(stored, held) when holding an HF base in base_dtype rounds or quantises any of its
+    tensors; None when it keeps them all exactly, or the base came from no directory."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    from agentrefine_jax.checkpoint import LoraBase, base_rounding
+
+    def base(name: str, **dtypes) -> LoraBase:
+        (tmp_path / name).mkdir()
+        save_file({k: torch.zeros(2, dtype=getattr(torch, d)) for k, d in dtypes.items()},
+                  tmp_path / name / "model.safetensors")  # fmt: skip
+        return LoraBase(init_from_hf=str(tmp_path / name))
+
+    f32, bf16 = base("f32", w="float32"), base("bf16", w="bfloat16")
+    mixed = base("mixed", w="bfloat16", norm="float32")  # one float32 tensor is rounded too
+    assert base_rounding(f32, "bfloat16") == ("float32", "bfloat16")
+    assert base_rounding(f32, "int8") == ("float32", "int8")
+    assert base_rounding(f32, "float32") is None
+    assert base_rounding(bf16, "bfloat16") is None and base_rounding(bf16, "int8") == ("bfloat16", "int8")
+    assert base_rounding(mixed, "bfloat16") == ("float32", "bfloat16")
+    assert base_rounding(LoraBase(seed=0), "bfloat16") is None
+
+
 def test_lora_step_compiles_for_tpu_with_base_outside_the_optimizer_state():
     """The XLA TPU compiler (libtpu) on the tiny demo: a LoRA step's arguments are the bfloat16
     base plus float32 adapters and their moments, far below full fine-tuning's params + moments."""
@@ -280,7 +354,8 @@ def test_lora_step_compiles_for_tpu_with_base_outside_the_optimizer_state():
         "train.loss_chunk_size=64",
     ]
     args = {}
-    for name, extra in (("full", []), ("lora", ["--set", "train.lora.rank=8"])):
+    lora_bf16 = ["--set", "train.lora.rank=8", "--set", "train.lora.base_dtype=bfloat16"]  # tiny is float32
+    for name, extra in (("full", []), ("lora", lora_bf16)):
         cmd = [sys.executable, "-m", "agentrefine_jax.plan", "--config", "tiny", "--topology", "v5p-8"]
         proc = subprocess.run(
             [*cmd, "--compile", "--json", *tiny, *extra], capture_output=True, text=True, timeout=900

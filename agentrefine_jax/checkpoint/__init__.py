@@ -20,7 +20,8 @@ One concern per module:
   meta.py         `CheckpointMeta` / `LoraMeta`: the typed meta item (the JSON is unchanged)
   integrity.py    manifests, verification, the newest intact step, opening a verified step
   model.py        `save_model` / `load_model`
-  lora_base.py    a LoRA base's reference, identity, rebuild (`rebuild_base`); `load_lora`, `load_merged`
+  lora_base.py    a LoRA base's reference, identity, rebuild (`rebuild_base`); `load_lora`, `load_merged`,
+                  `load_handoff` (the adapters on the user's base: what the exports hand off)
   train_state.py  the trainer's save/restore, background saves (`TrainCheckpoints`), resume choice
 """
 
@@ -48,12 +49,15 @@ from agentrefine_jax.checkpoint.integrity import (
 )
 from agentrefine_jax.checkpoint.lora_base import (
     base_config,
+    base_rounding,
     check_lora_base,
+    load_handoff,
     load_lora,
     lora_base_identity,
     lora_reference,
     rebuild_base,
     shapes_digest,
+    trained_base_rounding,
     weights_digest,
 )
 from agentrefine_jax.checkpoint.meta import (
@@ -87,12 +91,14 @@ __all__ = [
     "LoraMeta",
     "TrainCheckpoints",
     "base_config",
+    "base_rounding",
     "check_lora_base",
     "check_params",
     "checkpoint_steps",
     "choose_resume_step",
     "compare_trees",
     "handler_registry",
+    "load_handoff",
     "load_lora",
     "load_model",
     "lora_base_identity",
@@ -112,6 +118,7 @@ __all__ = [
     "save_model",
     "save_train_state",
     "shapes_digest",
+    "trained_base_rounding",
     "verify_step",
     "weights_digest",
     "write_manifest",

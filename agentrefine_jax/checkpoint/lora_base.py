@@ -1,8 +1,16 @@
 """A LoRA run's frozen base: its reference in the checkpoint (`lora_reference`), its identity
 (`weights_digest` of an HF directory, `shapes_digest` of a random model; `check_lora_base`), and
 the one rebuild (`rebuild_base`) that both the trainer (start and resume) and every loader
-(`load_lora`, `load_merged`: merge, export, inference) use, so the base the adapters meet is the
+(`load_lora`, `load_merged`: generate, serve, eval) use, so the base the adapters meet is the
 same bit for bit.
+
+Two models come out of a LoRA run. The *trained* model is the base as the run held it
+(`train.lora.base_dtype`: possibly rounded to bfloat16 or quantised to int8) plus the adapters:
+what the loss saw, and what inference loads. The *hand-off* (`load_handoff`) is the adapters
+merged in float32 into the base as the user has it — the init_from_hf directory's tensors at
+their stored precision — which is what PEFT on the adapter export computes, and what the merged
+export writes. They differ only when training rounded the base (`base_rounding`, recorded in
+the checkpoint); `export verify` measures by how much.
 """
 
 from __future__ import annotations
@@ -77,13 +85,48 @@ def check_lora_base(stored: LoraBase, now: LoraBase, *, what: str) -> None:
 def lora_reference(cfg: Config) -> LoraMeta:
     """What a LoRA checkpoint stores instead of the frozen base: how to rebuild it exactly, with
     the base's identity (checked on resume, merge, export and load: same-shape other weights put
-    in the init_from_hf directory must not silently become the base)."""
+    in the init_from_hf directory must not silently become the base), its dtype as held ("auto"
+    resolved) and whether holding it so rounded the directory's weights."""
     lc = cfg.train.lora
     hf = cfg.train.init_from_hf
     base = LoraBase(init_from_hf=str(hf)) if hf else LoraBase(seed=cfg.train.seed)
+    base_dtype = lora.resolve_base_dtype(lc.base_dtype, cfg.model.param_dtype)
     return LoraMeta(
-        lc.rank, lc.alpha, lc.dropout, tuple(lc.targets), lc.base_dtype, lora_base_identity(base, cfg.model)
+        lc.rank,
+        lc.alpha,
+        lc.dropout,
+        tuple(lc.targets),
+        base_dtype,
+        lora_base_identity(base, cfg.model),
+        base_rounding(base, base_dtype),
     )
+
+
+def base_rounding(base: LoraBase, base_dtype: str) -> tuple[str, str] | None:
+    """(stored dtype, base_dtype) when holding the HF base in `base_dtype` rounds or quantises
+    some of its tensors; None when it keeps them exactly, or when the base came from no
+    directory (then the run's own base is the user's base)."""
+    if base.init_from_hf is None:
+        return None
+    from agentrefine_jax.hf.io import hf_storage_dtypes, precision_rank
+
+    stored = sorted(hf_storage_dtypes(_hf_base_dir(base)), key=precision_rank)
+    if not stored:
+        return None
+    widest = stored[-1]
+    if base_dtype == "int8" or precision_rank(widest) > precision_rank(base_dtype):
+        return widest, base_dtype
+    return None
+
+
+def trained_base_rounding(meta: CheckpointMeta) -> tuple[str, str] | None:
+    """The rounding a checkpoint's run applied to its base (`base_rounding`): recorded in its
+    meta, or worked out from its base directory for a run from before it was recorded. None for
+    a run that is no LoRA run or kept its base exactly: its trained model is its hand-off."""
+    ref = meta.lora
+    if ref is None:
+        return None
+    return ref.base_rounding or base_rounding(ref.base, ref.base_dtype)
 
 
 def _hf_base_dir(base: LoraBase) -> str:
@@ -139,6 +182,17 @@ def load_lora(
     if ref.base_dtype == "int8":  # re-quantised as the run did; handed out dequantised, float32
         base = jax.jit(lambda b: quant.dequantize_base(quant.quantize_base(b)))(base)
         base_cfg = dataclasses.replace(base_cfg, param_dtype="float32")
+    return base_cfg, base, spec, _restore_adapters(path, spec, base_cfg, mesh, rules)
+
+
+def _restore_adapters(
+    path: str | pathlib.Path | epath.Path,
+    spec: lora.LoraSpec,
+    base_cfg: ModelConfig,
+    mesh: Mesh | None,
+    rules: Any,
+) -> dict[str, Any]:
+    """The step's adapters, checked against its lora settings before they are read."""
     target = _adapter_target(spec, base_cfg, mesh, rules)
     params_dir = epath.Path(path) / ITEM_PARAMS
     problems = compare_trees(
@@ -148,10 +202,9 @@ def load_lora(
         raise ValueError(
             f"LoRA checkpoint {params_dir} does not match its lora settings: " + "; ".join(problems)
         )
-    adapters = ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(
+    return ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(
         params_dir, args=ocp.args.StandardRestore(target)
     )
-    return base_cfg, base, spec, adapters
 
 
 def load_merged(
@@ -166,6 +219,39 @@ def load_merged(
     """A LoRA step as the model it describes: the base rebuilt, the adapters merged into it in
     float32 and cast to `model_cfg.param_dtype` (`load_model`: generate, serve, eval, export)."""
     _, base, spec, adapters = load_lora(path, meta, mesh=mesh, rules=rules, **changes)
+    merged = lora.merge(base, adapters, spec, dtype=model_cfg.param_dtype)
+    graphdef, abs_params = llama.abstract_params(model_cfg)
+    nnx.replace_by_pure_dict(abs_params, merged)
+    return nnx.merge(graphdef, abs_params)
+
+
+def load_handoff(
+    path: str | pathlib.Path | epath.Path,
+    meta: CheckpointMeta,
+    model_cfg: ModelConfig,
+    *,
+    mesh: Mesh | None,
+    rules: Any,
+    **changes: Any,
+) -> llama.Transformer:
+    """A LoRA step as it is handed off (merged export; PEFT on the adapter export computes the
+    same): the adapters merged in float32 into the base as the user has it — the init_from_hf
+    directory's tensors at their stored precision (read into float32, exactly), every tensor the
+    adapters do not target left as stored — or, for a base from no directory, the run's own base
+    (int8: dequantised, as the adapter export's `base/` holds it). Cast to `model_cfg.param_dtype`
+    (float32 keeps every tensor exact)."""
+    ref = meta.lora
+    if ref is None:
+        raise ValueError(f"checkpoint {path} is not a LoRA run (its meta has no 'lora' entry)")
+    if ref.base.init_from_hf is None:
+        _, base, spec, adapters = load_lora(path, meta, mesh=mesh, rules=rules, **changes)
+    else:
+        spec = lora.LoraSpec(ref.targets, ref.rank, ref.alpha, ref.dropout)
+        check_lora_base(ref.base, lora_base_identity(ref.base, meta.model), what=f"LoRA checkpoint {path}")
+        changes.pop("param_dtype", None)
+        base_cfg = dataclasses.replace(meta.model, **changes, param_dtype="float32")
+        base = rebuild_base(ref.base, base_cfg, mesh=mesh, rules=rules)
+        adapters = _restore_adapters(path, spec, base_cfg, mesh, rules)
     merged = lora.merge(base, adapters, spec, dtype=model_cfg.param_dtype)
     graphdef, abs_params = llama.abstract_params(model_cfg)
     nnx.replace_by_pure_dict(abs_params, merged)

@@ -7,8 +7,9 @@ checkpoint still loads:
    "config": full Config dict|None, "step": int,
    and when known: "source_dtype" (dtype of the HF weights it was imported from; export's
    `auto`), "schedule_steps" (the LR schedule's horizon), "steps_per_epoch", "epoch" (on a
-   step that closes an epoch), "lora" (rank, alpha, dropout, targets, base_dtype and "base":
-   {"init_from_hf": dir, "sha256": ...} or {"seed": n, "shapes": ...})}
+   step that closes an epoch), "lora" (rank, alpha, dropout, targets, base_dtype, "base":
+   {"init_from_hf": dir, "sha256": ...} or {"seed": n, "shapes": ...}, and "base_rounding":
+   {"stored": dtype, "trained": dtype} when base_dtype rounded or quantised the HF base)}
 
 Every reader goes through `CheckpointMeta.from_json` (`read_meta`); nothing reads it by string keys.
 """
@@ -59,11 +60,15 @@ class LoraMeta:
     alpha: float
     dropout: float
     targets: tuple[str, ...]
-    base_dtype: str
+    base_dtype: str  # as the run held it ("auto" resolved to the model's param_dtype)
     base: LoraBase
+    # (the HF directory's stored dtype, base_dtype) when training rounded or quantised the base the
+    # user has: the trained model (rounded base + adapters) is then not exactly what the hand-offs
+    # (merged export, PEFT adapter on that directory) serve. None: the base as stored.
+    base_rounding: tuple[str, str] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "rank": self.rank,
             "alpha": self.alpha,
             "dropout": self.dropout,
@@ -71,9 +76,14 @@ class LoraMeta:
             "base_dtype": self.base_dtype,
             "base": self.base.to_json(),
         }
+        if self.base_rounding is not None:
+            stored, trained = self.base_rounding
+            out["base_rounding"] = {"stored": stored, "trained": trained}
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> LoraMeta:
+        rounding = d.get("base_rounding")
         return cls(
             int(d["rank"]),
             float(d["alpha"]),
@@ -81,6 +91,7 @@ class LoraMeta:
             tuple(d["targets"]),
             str(d["base_dtype"]),
             LoraBase.from_json(d["base"]),
+            (str(rounding["stored"]), str(rounding["trained"])) if rounding else None,
         )
 
 

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from agentrefine_jax.checkpoint.format import ITEM_META, ITEM_PARAMS, compare_trees, manager
 from agentrefine_jax.checkpoint.integrity import open_step, write_manifest
-from agentrefine_jax.checkpoint.lora_base import load_merged
+from agentrefine_jax.checkpoint.lora_base import load_handoff, load_merged
 from agentrefine_jax.checkpoint.meta import CheckpointMeta, make_meta
 from agentrefine_jax.models import llama
 from agentrefine_jax.models.config import ModelConfig
@@ -82,12 +82,16 @@ def load_model(
     mesh: Mesh | None = None,
     rules: Any = None,
     param_dtype: str | None = None,
+    handoff: bool = False,
     **overrides: Any,
 ) -> tuple[ModelConfig, llama.Transformer, CheckpointMeta]:
     """Restore a checkpoint's parameters straight into (sharded, with `mesh`) device arrays.
 
     `param_dtype` casts on restore; `overrides` replace non-shape ModelConfig fields (e.g.
     dtype="float32", scan_layers=False, remat_policy="full"). Returns (config, model, meta).
+    A LoRA run loads as the model it trained (its base as held + adapters); with `handoff`, as
+    the model its exports hand off (the adapters merged into the base as the user has it, in
+    float32 unless `param_dtype` says otherwise; lora_base.load_handoff). Other runs: the same.
     """
     root, step, meta = open_step(path)
     model_cfg = meta.model
@@ -96,6 +100,13 @@ def load_model(
         changes["param_dtype"] = param_dtype
     if changes:
         model_cfg = dataclasses.replace(model_cfg, **changes)
+    if meta.lora is not None and handoff:  # the adapters on the user's base, all float32
+        model_cfg = dataclasses.replace(model_cfg, param_dtype=param_dtype or "float32")
+        return (
+            model_cfg,
+            load_handoff(root / str(step), meta, model_cfg, mesh=mesh, rules=rules, **changes),
+            meta,
+        )
     if meta.lora is not None:  # the stored form of a LoRA run: adapters + the base's reference
         return (
             model_cfg,

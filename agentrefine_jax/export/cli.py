@@ -140,7 +140,9 @@ def cmd_to_hf(args: argparse.Namespace) -> int:
     if is_lora and not args.merge_lora:
         return _to_peft(args, root / str(step), mesh, max_shard)
     log.info(f"loading checkpoint {root} step {step} on {_describe_mesh(mesh)}")
-    cfg, model, meta = load_model(args.checkpoint, mesh=mesh)
+    # --merge-lora: the adapters merged into the base as the user has it (not as the run held it).
+    cfg, model, meta = load_model(args.checkpoint, mesh=mesh, handoff=args.merge_lora)
+    _note_rounding(meta, "the merged export merges the adapters into")
     tokenizer = args.tokenizer or meta.tokenizer
     dtype = resolve_export_dtype(
         args.export_dtype, source_dtype=meta.source_dtype, param_dtype=cfg.param_dtype
@@ -176,6 +178,7 @@ def _to_peft(args: argparse.Namespace, step_dir: Any, mesh: Any, max_shard: int)
 
     meta = read_meta(step_dir.parent, int(step_dir.name))
     base_cfg, base, spec, adapters = load_lora(step_dir, meta, mesh=mesh)
+    _note_rounding(meta, "PEFT applies the adapters to")
     tokenizer = args.tokenizer or meta.tokenizer
 
     def write_base(where: Any) -> None:
@@ -199,6 +202,22 @@ def _to_peft(args: argparse.Namespace, step_dir: Any, mesh: Any, max_shard: int)
     )
     log.info(f"done: PEFT adapter (rank {spec.rank}, {', '.join(spec.targets)}) in {args.out}")
     return 0
+
+
+def _note_rounding(meta: Any, handoff: str) -> None:
+    """Say so when the run trained on a rounded copy of its base: the hand-off is then not
+    exactly the trained model (`export verify` measures by how much)."""
+    from agentrefine_jax.checkpoint import trained_base_rounding
+
+    rounding = trained_base_rounding(meta)
+    if rounding is not None:
+        stored, trained = rounding
+        log.info(
+            f"note: the run trained on its base rounded from {stored} to {trained} "
+            f"(train.lora.base_dtype); {handoff} the base's own {stored} weights "
+            f"({meta.lora.base.init_from_hf}); `export verify --checkpoint RUN --hf OUT` "
+            "reports the difference"
+        )
 
 
 def _seq_lens(text: str, hf_dir: str) -> list[int]:
@@ -345,7 +364,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("verify", help="compare our forward pass with transformers' on the same inputs")
     c.add_argument("--checkpoint", required=True, help="run dir, checkpoint root (latest step) or step dir")
-    c.add_argument("--hf", required=True, help="transformers model directory")
+    c.add_argument(
+        "--hf",
+        required=True,
+        help="transformers model directory, or (a LoRA run) its PEFT adapter export, run by peft on its base",
+    )
     tolerance = float_in(0, float("inf"))  # a negative tolerance fails every model: a typo
     c.add_argument(
         "--atol", type=tolerance, help="max |Δlogit| allowed (default: 5e-3 float32, 1.0 bfloat16)"

@@ -11,6 +11,14 @@ When one side stores weights in lower precision than the other (a bfloat16 expor
 float32 checkpoint, or a checkpoint imported with --param-dtype bfloat16), the more
 precise side is rounded to that precision first, so the comparison tests the
 conversion, not the rounding the user asked for.
+
+A LoRA run is checked as it is handed off (`load_model(handoff=True)`: the adapters merged
+into the base as the user has it), against either hand-off: a merged export, or a PEFT adapter
+directory (run by peft on the base its `base_model_name_or_path` names). When the run trained
+on a rounded copy of that base (`train.lora.base_dtype` below the stored precision), the
+trained model (rounded base + adapters) is run on the same inputs too, and its difference from
+the hand-off is reported in one line (`VerifyResult.trained`), for information: it is what the
+rounding cost, not a conversion error.
 """
 
 from __future__ import annotations
@@ -26,8 +34,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from agentrefine_jax.checkpoint import load_model
+from agentrefine_jax.checkpoint import load_model, trained_base_rounding
 from agentrefine_jax.hf.io import _PRECISION, NP_DTYPES, hf_storage_dtype, read_hf_config
+from agentrefine_jax.hf.peft import base_path, is_adapter_dir
 from agentrefine_jax.models.config import ModelConfig
 
 Log = Callable[[str], None]
@@ -55,6 +64,10 @@ class VerifyResult:
     kl_tol: float
     compute_dtype: str
     problems: list[str]
+    # A LoRA run that trained on a rounded base: (stored dtype, trained dtype) and the trained
+    # model's (rounded base + adapters) difference from the hand-off on the same inputs.
+    rounding: tuple[str, str] | None = None
+    trained: CaseResult | None = None
 
     @property
     def max_abs_diff(self) -> float:
@@ -129,7 +142,6 @@ def verify(
 ) -> VerifyResult:
     """Run our forward and transformers' on the same inputs and compare (see module docstring)."""
     import torch
-    import transformers
 
     log = log or (lambda _: None)
     if compute_dtype not in DEFAULT_TOLERANCES:
@@ -145,8 +157,12 @@ def verify(
     if not (result.atol >= 0 and result.kl_tol >= 0):  # NaN fails too
         raise ValueError(f"tolerances must be >= 0, got atol={result.atol}, kl_tol={result.kl_tol}")
 
+    adapter_dir = hf_dir if is_adapter_dir(hf_dir) else None
+    if adapter_dir is not None:  # a PEFT hand-off: the adapters on the base the directory names
+        hf_dir = base_path(adapter_dir)
     hf_cfg = read_hf_config(hf_dir)
-    cfg, model, _ = load_model(checkpoint, mesh=mesh, dtype=compute_dtype)
+    cfg, model, meta = load_model(checkpoint, mesh=mesh, dtype=compute_dtype, handoff=True)
+    result.rounding = trained_base_rounding(meta)
     result.problems += config_mismatches(cfg, hf_cfg)
     if result.problems:
         return result
@@ -162,20 +178,7 @@ def verify(
         log(f"note: HF weights are stored in {storage}; rounding checkpoint weights to {storage} to compare")
         _round_params(model, storage)
 
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[compute_dtype]
-    hf_model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        hf_dir,
-        dtype=torch_dtype,
-        use_safetensors=True,
-        local_files_only=True,
-        attn_implementation="eager",
-        output_loading_info=True,
-    )
-    for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
-        if info.get(key):
-            result.problems.append(
-                f"transformers {key.replace('_', ' ')}: {sorted(map(str, info[key]))[:10]}"
-            )
+    hf_model = _load_transformers(hf_dir, compute_dtype, adapter_dir, result.problems)
     if result.problems:
         return result
     hf_model.eval()
@@ -195,6 +198,10 @@ def verify(
                 p.copy_(p.to(low).to(p.dtype))
 
     forward = nnx.jit(lambda m, ids, pos, seg: m(ids, pos, seg))
+    trained = None
+    if result.rounding is not None:  # the model the run trained: its base as it held it
+        _, trained, _ = load_model(checkpoint, mesh=mesh, dtype=compute_dtype)
+        trained_out: list[np.ndarray] = []
     rng = np.random.default_rng(seed)
     lens = sorted({min(int(n), cfg.max_position_embeddings) for n in seq_lens if int(n) > 0})
     if not lens:
@@ -208,6 +215,10 @@ def verify(
         ours = np.asarray(forward(model, jnp.asarray(ids[None], jnp.int32), None, None))[0]
         result.cases.append(_case(f"sequence of {len(ids)} tokens", ref, ours))
         log(_fmt(result.cases[-1]))
+        if trained is not None:
+            trained_out.append(np.asarray(forward(trained, jnp.asarray(ids[None], jnp.int32), None, None))[0])
+    if trained is not None:
+        result.trained = _case("the trained model", np.concatenate(hf_out), np.concatenate(trained_out))
 
     if len(seqs) >= 2:
         # Two documents + padding in one row must equal the two separate runs.
@@ -225,6 +236,44 @@ def verify(
     return result
 
 
+def _load_transformers(
+    hf_dir: str | pathlib.Path,
+    compute_dtype: str,
+    adapter_dir: str | pathlib.Path | None,
+    problems: list[str],
+) -> Any:
+    """transformers' model of `hf_dir` (with peft's adapters from `adapter_dir`, if given); any
+    weight it could not load is a problem (it would silently random-initialise it)."""
+    import torch
+    import transformers
+
+    hf_model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dir,
+        dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[compute_dtype],
+        use_safetensors=True,
+        local_files_only=True,
+        attn_implementation="eager",
+        output_loading_info=True,
+    )
+    for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        if info.get(key):
+            problems.append(f"transformers {key.replace('_', ' ')}: {sorted(map(str, info[key]))[:10]}")
+    return hf_model if adapter_dir is None else _with_adapters(hf_model, adapter_dir, problems)
+
+
+def _with_adapters(hf_model: Any, adapter_dir: str | pathlib.Path, problems: list[str]) -> Any:
+    """transformers' base with peft's adapters from `adapter_dir` (unmerged: PEFT's own forward);
+    an adapter weight peft could not place is a problem, as a missing base weight is."""
+    import peft
+    from peft.utils import load_peft_weights, set_peft_model_state_dict
+
+    peft_model = peft.PeftModel.from_pretrained(hf_model, str(adapter_dir))
+    loaded = set_peft_model_state_dict(peft_model, load_peft_weights(str(adapter_dir)))
+    if loaded.unexpected_keys:
+        problems.append(f"peft unexpected keys: {sorted(map(str, loaded.unexpected_keys))[:10]}")
+    return peft_model
+
+
 def _fmt(c: CaseResult) -> str:
     return (
         f"  {c.name}: max |Δlogit| {c.max_abs_diff:.3g}, mean KL {c.mean_kl:.3g}, "
@@ -236,10 +285,22 @@ def summary(result: VerifyResult) -> str:
     if result.problems:
         return "FAIL:\n  " + "\n  ".join(result.problems)
     verdict = "PASS" if result.passed else "FAIL"
-    return (
+    line = (
         f"{verdict} ({result.compute_dtype} compute): max |Δlogit| {result.max_abs_diff:.3g} "
         f"(tolerance {result.atol:g}), mean KL {result.mean_kl:.3g} (tolerance {result.kl_tol:g}), "
         f"max KL {result.max_kl:.3g}"
+    )
+    return line if result.trained is None else f"{line}\n{trained_line(result)}"
+
+
+def trained_line(result: VerifyResult) -> str:
+    """One line: the trained model (its base rounded, + adapters) against this hand-off."""
+    (stored, low), t = result.rounding, result.trained
+    return (
+        f"note: the run trained on its base rounded from {stored} to {low} (train.lora.base_dtype); "
+        f"the trained model (rounded base + adapters) vs this hand-off (adapters on the {stored} "
+        f"base): max |Δlogit| {t.max_abs_diff:.3g}, mean KL {t.mean_kl:.3g}, "
+        f"top-1 agreement {t.top1_agreement:.1%} (not counted in the verdict)"
     )
 
 
@@ -254,4 +315,8 @@ def result_dict(result: VerifyResult) -> dict[str, Any]:
         "compute_dtype": result.compute_dtype,
         "problems": result.problems,
         "cases": [dataclasses.asdict(c) for c in result.cases],
+        "base_rounding": None
+        if result.rounding is None
+        else {"stored": result.rounding[0], "trained": result.rounding[1]},
+        "trained_vs_handoff": None if result.trained is None else dataclasses.asdict(result.trained),
     }

@@ -390,11 +390,21 @@ _PRECISION = {"float32": 3, "float16": 2, "bfloat16": 1}
 EXPORT_DTYPES = ("auto", *NP_DTYPES)
 
 
+def hf_storage_dtypes(hf_dir: str | pathlib.Path) -> set[str]:
+    """The float dtypes the HF tensors are stored in (from the safetensors headers)."""
+    found = {_SAFE_DTYPES.get(sl.get_dtype(), "?") for _, _, _, sl in _iter_slices(hf_dir)}
+    return {d for d in found if d in _PRECISION}
+
+
 def hf_storage_dtype(hf_dir: str | pathlib.Path) -> str | None:
     """The lowest-precision float dtype among the HF tensors (None if unknown)."""
-    found = {_SAFE_DTYPES.get(sl.get_dtype(), "?") for _, _, _, sl in _iter_slices(hf_dir)}
-    known = [d for d in found if d in _PRECISION]
+    known = hf_storage_dtypes(hf_dir)
     return min(known, key=_PRECISION.__getitem__) if known else None
+
+
+def precision_rank(dtype: str) -> int:
+    """Orders float dtypes by precision (float32 > float16 > bfloat16)."""
+    return _PRECISION[dtype]
 
 
 def resolve_export_dtype(requested: str, *, source_dtype: str | None, param_dtype: str) -> str:

@@ -65,6 +65,11 @@ def write_peft_adapter(
     return out
 
 
+def is_adapter_dir(path: str | pathlib.Path) -> bool:
+    """Whether `path` is a PEFT adapter directory (it has adapter_config.json)."""
+    return (pathlib.Path(path) / ADAPTER_CONFIG).is_file()
+
+
 def base_path(adapter_dir: str | pathlib.Path) -> pathlib.Path:
     """The base model directory an adapter directory names (a relative name is inside it)."""
     adapter_dir = pathlib.Path(adapter_dir)

@@ -33,12 +33,18 @@ TARGETS: dict[str, str] = {
     "up": "w_up",
     "down": "w_down",
 }
-# "int8": the QLoRA-style base, projections quantised with qwix (`quant.py`).
-BASE_DTYPES = ("bfloat16", "float32", "int8")
+# "int8": the QLoRA-style base, projections quantised with qwix (`quant.py`); "auto": the model's
+# own param_dtype (a float32 model keeps a float32 base: no rounding the user did not ask for).
+BASE_DTYPES = ("bfloat16", "float32", "int8", "auto")
 RANK_AXIS = "lora_rank"
 ADAPTER_DTYPE = "float32"
 
 Adapters = dict[str, dict[str, Any]]  # {"wq": {"a": [L, *in, r], "b": [L, r, *out]}, ...}
+
+
+def resolve_base_dtype(base_dtype: str, param_dtype: str) -> str:
+    """`train.lora.base_dtype` as the run holds it: "auto" is the model's `param_dtype`."""
+    return param_dtype if base_dtype == "auto" else base_dtype
 
 
 @dataclasses.dataclass(frozen=True)

@@ -192,7 +192,7 @@ def _train(cfg: Config, paths: RunPaths) -> dict[str, Any]:
     log.info(f"done: step {state.step}, checkpoint {paths.checkpoints}/{state.step}")
     if tc.export_hf_at_end:
         with preempt.interrupting():
-            ExportAtEnd(lambda p, s: export_final(fns, p, cfg, s, meta.source_dtype)).at_end(state)
+            ExportAtEnd(lambda p, s: export_final(fns, p, cfg, s, mesh, meta.source_dtype)).at_end(state)
     return {"step": state.step, "losses": metrics_log.losses, "run_dir": str(paths.root)}
 
 
@@ -365,16 +365,24 @@ def _hooks(
     return metrics_log, checkpointing, hooks
 
 
-def export_final(fns: StepFns, params: Any, cfg: Config, step: int, source_dtype: str | None = None) -> None:
+def export_final(
+    fns: StepFns,
+    params: Any,
+    cfg: Config,
+    step: int,
+    mesh: jax.sharding.Mesh,
+    source_dtype: str | None = None,
+) -> None:
     """Export to `train.export_hf_at_end` (relative: inside the run dir; may be a URL), replacing an
-    earlier export of this run without ever leaving a half-written one in its place."""
+    earlier export of this run without ever leaving a half-written one in its place. A LoRA run on
+    an HF base exports its adapters merged into that base as stored (as `export to-hf --merge-lora`)."""
     from agentrefine_jax.hf.io import resolve_export_dtype, write_hf
 
     out = join(cfg.train.run_dir, cfg.train.export_hf_at_end)
     dtype = resolve_export_dtype(
         cfg.train.export_dtype, source_dtype=source_dtype, param_dtype=cfg.model.param_dtype
     )
-    model = fns.model(params)
+    model = fns.handoff_model(params, cfg, mesh)
 
     def wrote(_: str) -> None:  # a file of the export is in its staging dir: the fault tests' kill point
         faults.point("during_export", step)

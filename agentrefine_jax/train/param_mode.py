@@ -81,6 +81,7 @@ class ParamMode:
     ) -> ParamMode:
         merged = model_cfg.param_dtype
         if lora_spec is not None and base_dtype:  # the frozen base is stored in its own dtype
+            base_dtype = lora.resolve_base_dtype(base_dtype, merged)
             model_cfg = dataclasses.replace(model_cfg, param_dtype=quant.storage_dtype(base_dtype))
         return cls(model_cfg, merged, lora_spec, lora_spec is not None and base_dtype == "int8")
 
@@ -176,6 +177,18 @@ class ParamMode:
         if self.lora_spec is None:
             return params
         return lora.merge(params["base"], params["lora"], self.lora_spec, self.merged_dtype)
+
+    def handoff(self, params: Params, cfg: Config, mesh: Mesh) -> Params:
+        """The model's params as the run hands them off (`train.export_hf_at_end`): a LoRA run on
+        an init_from_hf base merges its adapters in float32 into the directory's weights read
+        afresh at their stored precision (as `export to-hf --merge-lora` and PEFT on the adapter
+        export do; checkpoint.load_handoff), not into the copy the run held (maybe rounded)."""
+        if self.lora_spec is None or not cfg.train.init_from_hf:
+            return self.merged(params)
+        exact = dataclasses.replace(self.model_cfg, param_dtype="float32")
+        source = LoraBase(init_from_hf=cfg.train.init_from_hf)
+        base = rebuild_base(source, exact, mesh=mesh, rules=cfg.mesh.rules)
+        return lora.merge(base, params["lora"], self.lora_spec, "float32")
 
     # ------------------------------------------------------------------ a run's checkpoints
 

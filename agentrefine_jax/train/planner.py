@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentrefine_jax.models.execution import attention_kernel
+from agentrefine_jax.models.lora import resolve_base_dtype
 from agentrefine_jax.sharding import MESH_AXES, parse_mesh_sizes
 from agentrefine_jax.train.topology import HBM_BYTES, PEAK_FLOPS, GiB
 
@@ -519,7 +520,10 @@ def plan(
         "param_dtype": model_cfg.param_dtype,
         "param_mode": held.mode,  # full | lora | int8-lora: what is held and what is trained
         "trained_params": held.trained_count,
-        "base_dtype": cfg.train.lora.base_dtype if held.mode != "full" else None,
+        # As the trainer holds it: "auto" is the model's param_dtype (a float32 model: float32 base).
+        "base_dtype": resolve_base_dtype(cfg.train.lora.base_dtype, cfg.model.param_dtype)
+        if held.mode != "full"
+        else None,
         "compute_dtype": model_cfg.dtype,
         "remat_policy": model_cfg.remat_policy,
         "attention_block_size": model_cfg.attention_block_size,

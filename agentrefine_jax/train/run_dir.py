@@ -85,7 +85,21 @@ def check_resume_config(paths: RunPaths, cfg: Config) -> None:
         raise TrainingInputError(
             f"{paths.root} holds a run with a different configuration ({', '.join(diffs)} changed); "
             "resuming would silently mix two runs. Use a new train.run_dir or restore the original settings."
+            + _base_dtype_hint(old, new)
         )
+
+
+def _base_dtype_hint(old: dict, new: dict) -> str:
+    """A run from before train.lora.base_dtype's default became "auto" (the model's param_dtype)
+    recorded "bfloat16": say how to resume it as it was trained."""
+    was = old.get("train", {}).get("lora", {}).get("base_dtype")
+    now = new.get("train", {}).get("lora", {}).get("base_dtype")
+    if now != "auto" or was in (None, "auto"):
+        return ""
+    return (
+        f" (train.lora.base_dtype now defaults to auto, the model's param_dtype; this run trained "
+        f"with {was}: --set train.lora.base_dtype={was} resumes it)"
+    )
 
 
 def check_schedule(paths: RunPaths, meta: CheckpointMeta, total_steps: int, cfg: Config) -> None:

@@ -83,6 +83,11 @@ class StepFns:
         """The model these params describe, adapters merged into the base's weights."""
         return nnx.merge(self.graphdef, self.mode.merged(params))
 
+    def handoff_model(self, params: Params, cfg: Any, mesh: Mesh) -> Transformer:
+        """The model as the run hands it off: a LoRA run's adapters merged into its base as the
+        user has it (param_mode.ParamMode.handoff); otherwise `model`."""
+        return nnx.merge(self.graphdef, self.mode.handoff(params, cfg, mesh))
+
 
 def loss_sums(
     graphdef: Any,
