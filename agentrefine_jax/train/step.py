@@ -64,10 +64,13 @@ class StepFns:
 
     @property
     def abstract_trainable(self) -> Params:
+        """The trained subset's shapes: a checkpoint's restore target (a reference copy or a LoRA
+        base is rebuilt, never stored)."""
         return self.trainable(self.abstract_params)
 
     @property
     def trainable_shardings(self) -> Params:
+        """The trained subset's shardings: where a restored checkpoint's arrays land."""
         return self.trainable(self.param_shardings)
 
     def train_into(
