@@ -30,6 +30,7 @@ counts given), so micro batches and devices add (never a mean of means).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -70,27 +71,30 @@ class Finished:
     metrics: dict[str, jax.Array]  # logged beside loss, loss_tokens, tokens, grad_norm
 
 
-class Loss:
+class Loss(abc.ABC):
     """An objective's loss (see the module docstring); `loss_of` finds an entry's."""
 
+    @abc.abstractmethod
     def counts(self, batch: Batch) -> Any:
-        raise NotImplementedError
+        """The global batch's counts a micro batch's value needs (before the batch is cut)."""
 
+    @abc.abstractmethod
     def aux_zeros(self) -> Any:
         """Zeros shaped like `micro`'s aux: the micro-batch sum starts from them."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def micro(
         self, policy: Head, ref: Head | None, batch: Batch, counts: Any, s: Settings
     ) -> tuple[Any, Any]:
-        raise NotImplementedError
+        """A micro batch's (value, aux sums): values and aux add up over the micro batches."""
 
+    @abc.abstractmethod
     def finish(self, value: jax.Array, aux: Any, counts: Any) -> Finished:
-        raise NotImplementedError
+        """The global batch's summed values and aux, finished."""
 
+    @abc.abstractmethod
     def evaluation(self, value: jax.Array, aux: Any, counts: Any) -> tuple[jax.Array, jax.Array]:
         """(sum, weight) of an evaluation batch: the split's loss is sum / weight over its batches."""
-        raise NotImplementedError
 
 
 def token_logps(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
