@@ -18,6 +18,7 @@ import types
 import typing
 from typing import Any
 
+from agentrefine_jax import objective_table
 from agentrefine_jax.config_checks import ConfigError, ConfigKeyError, ConfigNotFoundError, validate
 from agentrefine_jax.models.config import ModelConfig, RopeScaling
 from agentrefine_jax.sharding import DEFAULT_RULES
@@ -151,11 +152,11 @@ class TrainConfig:
     # Peak FLOP/s per device used for MFU; 0 = look it up from the device kind (a CPU: measured, cpu_peak.py).
     peak_flops_per_device: float = 0.0
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
-    # sft | dpo | orpo | sft+dpo (docs/preference.md): dpo/orpo train on preference pairs (from the
-    # trajectories' refinements, or plain preference rows); sft+dpo mixes the refinement loss
-    # (x sft_weight) with DPO on the same trajectories' pairs (x dpo_weight). beta: DPO's beta,
-    # ORPO's lambda.
-    objective: typing.Literal["sft", "dpo", "orpo", "sft+dpo"] = "sft"
+    # A name in the objective table (objective_table.py; docs/preference.md): the refinement loss
+    # (the default), or DPO / ORPO on preference pairs (from the trajectories' refinements, or plain
+    # preference rows), or the refinement loss (x sft_weight) with DPO on the same trajectories'
+    # pairs (x dpo_weight). beta: DPO's beta, ORPO's lambda.
+    objective: typing.Literal[objective_table.NAMES] = objective_table.DEFAULT
     beta: float = 0.1
     sft_weight: float = 1.0
     dpo_weight: float = 1.0

@@ -21,6 +21,8 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
+from agentrefine_jax import objective_table
+
 # `--config`'s help, the same for every tool (the rule: agentrefine_jax.config.resolve_config_path).
 CONFIG_HELP = (
     "a shipped config in configs/, by name with or without .py (llama3_8b or llama3_8b.py), or a "
@@ -167,7 +169,7 @@ RULES: dict[str, Check | Callable[[], Check]] = {
     # "auto": the dtype the checkpoint was imported from, else the parameter dtype.
     "train.export_dtype": lambda: one_of("auto", *_dtypes()),
     "train.peak_flops_per_device": at_least(0),
-    "train.objective": one_of("sft", "dpo", "orpo", "sft+dpo"),
+    "train.objective": one_of(*objective_table.NAMES),
     "train.beta": greater_than(0),
     "train.sft_weight": at_least(0),
     "train.dpo_weight": at_least(0),
@@ -342,10 +344,14 @@ def _url_support(path: Any) -> str | None:
 
 
 def _objective(cfg: Any) -> str | None:
+    """What the objective's table entry asks of the other settings (objective_table.py)."""
     tc = cfg.train
-    if tc.objective == "sft+dpo" and tc.sft_weight == 0 and tc.dpo_weight == 0:
-        return "train.objective=sft+dpo: train.sft_weight and train.dpo_weight are both 0 (nothing to train)"
-    if tc.objective != "sft" and cfg.data.drop_refinement_data:
+    spec = objective_table.get(tc.objective)  # a valid name: cross-checks run on valid fields
+    if spec.weights and all(getattr(tc, w) == 0 for w in spec.weights):
+        knobs = " and ".join(f"train.{w}" for w in spec.weights)
+        both = "both" if len(spec.weights) == 2 else "all"
+        return f"train.objective={tc.objective}: {knobs} are {both} 0 (nothing to train)"
+    if spec.pairs and cfg.data.drop_refinement_data:
         return f"train.objective={tc.objective}: data.drop_refinement_data drops the errors pairs come from"
     return None
 

@@ -10,6 +10,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from agentrefine_jax import objective_table
 from agentrefine_jax.analyze import paper
 from agentrefine_jax.analyze.results import RunResult, Score
 from agentrefine_jax.eval import registry
@@ -83,10 +84,6 @@ def table1(results: Sequence[RunResult], include_paper: bool = False) -> str | N
     return text
 
 
-# A preference objective changes what a row is (docs/preference.md): named beside the data setting.
-OBJECTIVE_NAMES = {"sft+dpo": "+ DPO", "dpo": "(DPO only)", "orpo": "(ORPO)"}
-
-
 def ablation_name(run_config: Mapping[str, Any]) -> str | None:
     """Table 2's row name for a run's data settings and training objective (None when the run
     carries no training config)."""
@@ -95,8 +92,12 @@ def ablation_name(run_config: Mapping[str, Any]) -> str | None:
     if loss_on is None and drop is None:
         return None
     name = _data_setting_name(loss_on, drop)
-    objective = run_config.get("train.objective") or "sft"
-    return name if objective == "sft" else f"{name} {OBJECTIVE_NAMES.get(objective, '+ ' + objective)}"
+    # A preference objective changes what a row is (docs/preference.md): its table entry's label
+    # beside the data setting; an objective this version does not know, by its name.
+    objective = run_config.get("train.objective") or objective_table.DEFAULT
+    spec = objective_table.BY_NAME.get(objective)
+    label = f"+ {objective}" if spec is None else spec.label
+    return f"{name} {label}" if label else name
 
 
 def _data_setting_name(loss_on: Any, drop: Any) -> str:

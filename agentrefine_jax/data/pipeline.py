@@ -29,6 +29,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from agentrefine_jax import objective_table
 from agentrefine_jax.config import DataConfig
 from agentrefine_jax.data.examples import StoreBuilder, TokenStore, build_examples, concat_stores
 from agentrefine_jax.data.packing import materialize, pack_best_fit
@@ -40,7 +41,6 @@ from agentrefine_jax.data.templates import ChatTemplate, get_template
 from agentrefine_jax.data.tokenizers import load_tokenizer
 
 SPLITS = ("train", "eval")
-OBJECTIVES = ("sft", "dpo", "orpo", "sft+dpo")  # train.objective (config_checks.py names them too)
 # Seeds of the independent random streams derived from data.seed.
 _HOLDOUT, _SELECT, _GENERAL, _EPOCH = 0xE7A1, 0x5E1EC7, 0x6E7E, 0xE90C
 _READ_CHUNK = 512  # records parsed at once: bounds the memory of parsed rows, whatever the file size
@@ -137,17 +137,23 @@ def build_data(
     split: str,
     template: ChatTemplate | None = None,
     records: RecordSet | None = None,
-    objective: str = "sft",
+    objective: str = objective_table.DEFAULT,
 ) -> BuiltData:
     """Examples, packed rows and report of `split`: identical on every process.
 
-    A preference `objective` adds the split's preference pairs (data/preference.py); `dpo` and
-    `orpo` train on the pairs alone. A pair's chosen and rejected are one packing unit: they
-    sit in the same row, as consecutive segments."""
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    if objective != "sft":
-        return _build_preference(cfg, split, template, records, objective)
+    The data is what the `objective`'s table entry trains on (objective_table.py): SFT examples,
+    preference pairs (data/preference.py), or both. A pair's chosen and rejected are one packing
+    unit: they sit in the same row, as consecutive segments."""
+    spec = objective_table.get(objective)
+    if spec.pairs:
+        return _build_preference(cfg, split, template, records, spec)
+    return _build_examples(cfg, split, template, records)
+
+
+def _build_examples(
+    cfg: DataConfig, split: str, template: ChatTemplate | None, records: RecordSet | None
+) -> BuiltData:
+    """The SFT examples of `split`, packed."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     files = cfg.eval_files if (split == "eval" and cfg.eval_files) else cfg.train_files
@@ -192,14 +198,15 @@ def _build_preference(
     split: str,
     template: ChatTemplate | None,
     records: RecordSet | None,
-    objective: str,
+    objective: objective_table.Objective,
 ) -> BuiltData:
-    """Pairs (and, for sft+dpo, the SFT examples) of `split`, packed with each pair in one row."""
+    """Pairs (and the SFT examples, when the objective trains on both) of `split`, packed with
+    each pair in one row."""
     files = cfg.eval_files if (split == "eval" and cfg.eval_files) else cfg.train_files
     records = records or RecordSet(files)
     template = template or build_template(cfg)
-    if objective == "sft+dpo":
-        sft = build_data(cfg, split, template, records)
+    if objective.examples:
+        sft = _build_examples(cfg, split, template, records)
         store, report = sft.store, sft.report
     else:
         store = concat_stores([])
@@ -207,7 +214,7 @@ def _build_preference(
             split=split, sources=records.describe(), records_total=len(records), packed=cfg.pack
         )
     idx = split_indices(len(records), cfg, split, has_eval_files=bool(cfg.eval_files))
-    if objective != "sft+dpo":
+    if not objective.examples:
         report.records_in_shard = len(idx)
     preport = PairReport()
     report.preference = preport
@@ -225,8 +232,8 @@ def _build_preference(
         report.parsed = report.records_in_shard - report.skipped_total
     if not preport.pairs:
         raise NoPairsError(
-            f"objective={objective} needs preference pairs, but {report.sources or 'the inputs'} ({split}) "
-            f"has none:{preport.summary().split(':', 1)[1]}; see docs/preference.md"
+            f"objective={objective.name} needs preference pairs, but {report.sources or 'the inputs'} "
+            f"({split}) has none:{preport.summary().split(':', 1)[1]}; see docs/preference.md"
         )
     if report.skipped_total > cfg.max_skip_fraction * report.records_in_shard:
         raise DataError(
@@ -404,7 +411,7 @@ def make_pipeline(
     process_index: int = 0,
     process_count: int = 1,
     batch_rows: Sequence[int] | None = None,
-    objective: str = "sft",
+    objective: str = objective_table.DEFAULT,
 ) -> Pipeline:
     """The pipeline of `split` for one process.
 

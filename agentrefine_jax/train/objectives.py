@@ -1,4 +1,12 @@
-"""Preference objectives (DPO, ORPO, SFT + DPO) over packed pair rows.
+"""The objectives' losses, as the one train step (step.py) runs them: the SFT token loss, and
+DPO / ORPO / SFT + DPO over packed pair rows. Each objective is declared once, in the objective
+table (agentrefine_jax/objective_table.py), whose entry names its `Loss` here (`loss_of`).
+
+A `Loss` answers the step's four questions: the global batch's counts (taken before the batch is
+cut into micro batches), a micro batch's (value, aux sums) from the policy's — and, when the
+entry has one, the reference's — hidden states, what the summed values finish into (the loss,
+what the gradients divide by, the count an update needs, the logged metrics), and an
+evaluation batch's (sum, weight).
 
 A batch row holds packing units (data/pipeline.py): SFT examples (loss_mask 1 on their trained
 tokens) and pairs, a pair being two consecutive segments s (chosen, loss_mask CHOSEN on its
@@ -7,6 +15,8 @@ reply tokens' log-probabilities, found per segment with one segment sum per row.
 
 Formulas (TRL's documented ones; tests/test_train_preference.py checks them against an
 independent PyTorch implementation):
+- SFT: the refinement-masked token NLL (loss.py): sums per micro batch, one division by the
+  global batch's loss tokens.
 - DPO (sigmoid): h = (pi_c - pi_r) - (ref_c - ref_r); loss = -log sigmoid(beta * h);
   rewards chosen/rejected = beta * (pi - ref) of each reply.
 - ORPO: with p = the mean token log-probability of each reply, log odds = (p_c - p_r) -
@@ -14,22 +24,77 @@ independent PyTorch implementation):
   token NLL of the chosen reply; rewards = beta * p. (TRL averages the NLL over the chosen tokens
   of the whole batch; here each pair's own mean, so a pair weighs the same whatever its length.)
 - SFT + DPO: sft_weight * (SFT token loss sum / SFT tokens) + dpo_weight * (DPO loss sum / pairs).
-Every mean is over the global batch: callers pass the global counts, so micro batches and
-devices add sums (never a mean of means).
+Every pair mean is over the global batch: a micro batch's value is its share of it (the global
+counts given), so micro batches and devices add (never a mean of means).
 """
 
 from __future__ import annotations
 
+import abc
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from agentrefine_jax.data.preference import CHOSEN, REJECTED
+from agentrefine_jax.objective_table import Objective
+from agentrefine_jax.train.loss import chunked_cross_entropy, target_weights
 
-PREFERENCE_OBJECTIVES = ("dpo", "orpo", "sft+dpo")
-NEEDS_REFERENCE = ("dpo", "sft+dpo")
+Batch = dict[str, jax.Array]
+# A model's output for the loss: (the hidden state before each target [B, T-1, D], lm_head [D, V]).
+Head = tuple[jax.Array, jax.Array]
 METRICS = ("rewards_chosen", "rewards_rejected", "margin", "accuracy")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What a loss reads beside the batch: the vocabulary chunk, the token loss's implementation
+    (loss.py), and the train.* knobs (beta: DPO's beta, ORPO's lambda; the terms' weights)."""
+
+    chunk: int
+    impl: str = "remat"
+    beta: float = 0.1
+    sft_weight: float = 1.0
+    dpo_weight: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """A global batch's summed micro-batch values, finished."""
+
+    loss: jax.Array
+    scale: jax.Array | None  # the summed gradients divide by this (None: the values were shares)
+    scored: jax.Array  # what the loss averages over (logged as loss_tokens: tokens, pairs, or both)
+    guard: jax.Array  # the update is applied only when this count is > 0 (and all is finite)
+    metrics: dict[str, jax.Array]  # logged beside loss, loss_tokens, tokens, grad_norm
+
+
+class Loss(abc.ABC):
+    """An objective's loss (see the module docstring); `loss_of` finds an entry's."""
+
+    @abc.abstractmethod
+    def counts(self, batch: Batch) -> Any:
+        """The global batch's counts a micro batch's value needs (before the batch is cut)."""
+
+    @abc.abstractmethod
+    def aux_zeros(self) -> Any:
+        """Zeros shaped like `micro`'s aux: the micro-batch sum starts from them."""
+
+    @abc.abstractmethod
+    def micro(
+        self, policy: Head, ref: Head | None, batch: Batch, counts: Any, s: Settings
+    ) -> tuple[Any, Any]:
+        """A micro batch's (value, aux sums): values and aux add up over the micro batches."""
+
+    @abc.abstractmethod
+    def finish(self, value: jax.Array, aux: Any, counts: Any) -> Finished:
+        """The global batch's summed values and aux, finished."""
+
+    @abc.abstractmethod
+    def evaluation(self, value: jax.Array, aux: Any, counts: Any) -> tuple[jax.Array, jax.Array]:
+        """(sum, weight) of an evaluation batch: the split's loss is sum / weight over its batches."""
 
 
 def token_logps(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
@@ -97,8 +162,12 @@ def count_sft_tokens(batch: dict[str, jax.Array]) -> jax.Array:
     return jnp.sum(_target_kinds(batch)[0] == 1).astype(jnp.float32)
 
 
-def dpo_terms(pi: dict[str, jax.Array], ref: dict[str, jax.Array], beta: float) -> dict[str, jax.Array]:
+def dpo_terms(
+    pi: dict[str, jax.Array], ref: dict[str, jax.Array] | None, beta: float
+) -> dict[str, jax.Array]:
     """Per slot: loss and rewards of sigmoid DPO (invalid slots are the caller's to mask)."""
+    if ref is None:
+        raise ValueError("DPO compares with a reference: its objective table entry must say reference=True")
     logits = (pi["chosen"] - pi["rejected"]) - (ref["chosen"] - ref["rejected"])
     return {
         "loss": -jax.nn.log_sigmoid(beta * logits),
@@ -107,7 +176,11 @@ def dpo_terms(pi: dict[str, jax.Array], ref: dict[str, jax.Array], beta: float) 
     }
 
 
-def orpo_terms(pi: dict[str, jax.Array], beta: float) -> dict[str, jax.Array]:
+def orpo_terms(
+    pi: dict[str, jax.Array], ref: dict[str, jax.Array] | None, beta: float
+) -> dict[str, jax.Array]:
+    """Per slot: loss and rewards of ORPO (no reference: `ref` is unused)."""
+    del ref
     pc = pi["chosen"] / jnp.maximum(pi["chosen_n"], 1.0)
     pr = pi["rejected"] / jnp.maximum(pi["rejected_n"], 1.0)
     # log(1 - e^p) for p < 0, stable: log(-expm1(p)); clamp keeps p == 0 (an empty reply) finite.
@@ -120,44 +193,6 @@ def orpo_terms(pi: dict[str, jax.Array], beta: float) -> dict[str, jax.Array]:
     }
 
 
-def preference_sums(
-    objective: str,
-    logp: jax.Array,
-    ref_logp: jax.Array | None,
-    batch: dict[str, jax.Array],
-    *,
-    beta: float,
-    sft_weight: float,
-    dpo_weight: float,
-    n_tokens: jax.Array,
-    n_pairs: jax.Array,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """This (micro) batch's share of the global loss (global counts given), and metric sums."""
-    pi = pair_logps(logp, batch)
-    if objective == "orpo":
-        terms = orpo_terms(pi, beta)
-    else:
-        terms = dpo_terms(pi, pair_logps(jax.lax.stop_gradient(ref_logp), batch), beta)
-    valid = pi["valid"]
-    pair_loss = jnp.sum(terms["loss"] * valid)
-    weight = dpo_weight if objective == "sft+dpo" else 1.0
-    loss = weight * pair_loss / jnp.maximum(n_pairs, 1.0)
-    aux = {
-        "pair_loss": pair_loss,
-        "rewards_chosen": jnp.sum(terms["rewards_chosen"] * valid),
-        "rewards_rejected": jnp.sum(terms["rewards_rejected"] * valid),
-        "margin": jnp.sum((terms["rewards_chosen"] - terms["rewards_rejected"]) * valid),
-        "accuracy": jnp.sum((terms["rewards_chosen"] > terms["rewards_rejected"]) * valid),
-        "sft_loss": jnp.zeros((), jnp.float32),
-    }
-    if objective == "sft+dpo":
-        kind, _ = _target_kinds(batch)
-        sft_sum = -jnp.sum(jnp.where(kind == 1, logp, 0.0))
-        loss = loss + sft_weight * sft_sum / jnp.maximum(n_tokens, 1.0)
-        aux["sft_loss"] = jax.lax.stop_gradient(sft_sum)
-    return loss, aux
-
-
 def finish_metrics(aux: dict[str, Any], n_pairs: jax.Array, n_tokens: jax.Array) -> dict[str, jax.Array]:
     """Sums over the global batch -> the logged means."""
     p = jnp.maximum(n_pairs, 1.0)
@@ -166,3 +201,100 @@ def finish_metrics(aux: dict[str, Any], n_pairs: jax.Array, n_tokens: jax.Array)
     out["pairs"] = n_pairs
     out["sft_loss"] = aux["sft_loss"] / jnp.maximum(n_tokens, 1.0)
     return out
+
+
+class TokenNll(Loss):
+    """SFT: the refinement-masked token NLL; a micro batch adds (loss sum, loss tokens), and the
+    step divides once by the global batch's tokens (every loss token weighs the same)."""
+
+    def counts(self, batch: Batch) -> tuple[()]:
+        return ()
+
+    def aux_zeros(self) -> jax.Array:
+        return jnp.zeros((), jnp.float32)
+
+    def micro(
+        self, policy: Head, ref: Head | None, batch: Batch, counts: Any, s: Settings
+    ) -> tuple[Any, Any]:
+        targets, weights = target_weights(batch)
+        return chunked_cross_entropy(*policy, targets, weights, s.chunk, s.impl)
+
+    def finish(self, value: jax.Array, aux: jax.Array, counts: Any) -> Finished:
+        denom = jnp.maximum(aux, 1.0)
+        return Finished(loss=value / denom, scale=denom, scored=aux, guard=aux, metrics={})
+
+    def evaluation(self, value: jax.Array, aux: jax.Array, counts: Any) -> tuple[jax.Array, jax.Array]:
+        return value, aux
+
+
+@dataclasses.dataclass(frozen=True)
+class PairLoss(Loss):
+    """A pair loss (`terms`: DPO's or ORPO's), with the SFT token loss beside it (`with_sft`:
+    sft_weight x SFT + dpo_weight x pairs). A micro batch's value is its share of the global
+    batch's mean (counts: the global (SFT tokens, pairs)); its aux, the metrics' sums."""
+
+    terms: Callable[[dict[str, jax.Array], dict[str, jax.Array] | None, float], dict[str, jax.Array]]
+    with_sft: bool = False
+
+    def counts(self, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        return count_sft_tokens(batch), count_pairs(batch)
+
+    def aux_zeros(self) -> dict[str, jax.Array]:
+        zero = jnp.zeros((), jnp.float32)
+        return {k: zero for k in (*METRICS, "pair_loss", "sft_loss")}
+
+    def micro(
+        self, policy: Head, ref: Head | None, batch: Batch, counts: Any, s: Settings
+    ) -> tuple[Any, Any]:
+        targets = batch["input_ids"][:, 1:]
+        logp = token_logps(*policy, targets, s.chunk)
+        ref_logp = None if ref is None else token_logps(*ref, targets, s.chunk)
+        n_tokens, n_pairs = counts
+        pi = pair_logps(logp, batch)
+        ref_pairs = None if ref_logp is None else pair_logps(jax.lax.stop_gradient(ref_logp), batch)
+        terms = self.terms(pi, ref_pairs, s.beta)
+        valid = pi["valid"]
+        pair_loss = jnp.sum(terms["loss"] * valid)
+        weight = s.dpo_weight if self.with_sft else 1.0
+        loss = weight * pair_loss / jnp.maximum(n_pairs, 1.0)
+        aux = {
+            "pair_loss": pair_loss,
+            "rewards_chosen": jnp.sum(terms["rewards_chosen"] * valid),
+            "rewards_rejected": jnp.sum(terms["rewards_rejected"] * valid),
+            "margin": jnp.sum((terms["rewards_chosen"] - terms["rewards_rejected"]) * valid),
+            "accuracy": jnp.sum((terms["rewards_chosen"] > terms["rewards_rejected"]) * valid),
+            "sft_loss": jnp.zeros((), jnp.float32),
+        }
+        if self.with_sft:
+            kind, _ = _target_kinds(batch)
+            sft_sum = -jnp.sum(jnp.where(kind == 1, logp, 0.0))
+            loss = loss + s.sft_weight * sft_sum / jnp.maximum(n_tokens, 1.0)
+            aux["sft_loss"] = jax.lax.stop_gradient(sft_sum)
+        return loss, aux
+
+    def finish(self, value: jax.Array, aux: dict[str, jax.Array], counts: Any) -> Finished:
+        n_tokens, n_pairs = counts
+        scored = n_pairs + n_tokens if self.with_sft else n_pairs
+        metrics = finish_metrics(aux, n_pairs, n_tokens)
+        return Finished(loss=value, scale=None, scored=scored, guard=n_pairs, metrics=metrics)
+
+    def evaluation(self, value: jax.Array, aux: Any, counts: Any) -> tuple[jax.Array, jax.Array]:
+        """(the batch's loss x its pairs, pairs): the evaluation's mean is over pairs."""
+        return value * counts[1], counts[1]
+
+
+# The losses the objective table's entries name (objective_table.Objective.loss).
+TOKEN_NLL = TokenNll()
+SIGMOID_DPO = PairLoss(dpo_terms)
+ODDS_RATIO = PairLoss(orpo_terms)
+TOKEN_NLL_AND_SIGMOID_DPO = PairLoss(dpo_terms, with_sft=True)
+
+
+def loss_of(objective: Objective) -> Loss:
+    """The `Loss` the entry names."""
+    loss = globals().get(objective.loss)
+    if not isinstance(loss, Loss):
+        raise ValueError(
+            f"objective {objective.name}: no Loss named {objective.loss!r} in train/objectives.py"
+        )
+    return loss

@@ -31,6 +31,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from agentrefine_jax import objective_table
 from agentrefine_jax import sharding as shd
 from agentrefine_jax.checkpoint import (
     CheckpointMeta,
@@ -70,8 +71,8 @@ class ParamMode:
 
     def for_objective(self, objective: str) -> ParamMode:
         """This mode, holding a frozen reference copy when a full fine-tuning objective needs one
-        (DPO; a LoRA run's reference is its base, adapters off)."""
-        if self.lora_spec is None and objective in ("dpo", "sft+dpo") and not self.reference:
+        (its objective table entry says so; a LoRA run's reference is its base, adapters off)."""
+        if self.lora_spec is None and objective_table.get(objective).reference and not self.reference:
             return dataclasses.replace(self, reference=True)
         return self
 

@@ -42,31 +42,23 @@ class TrainingInputError(TrainingError):
 
 @dataclasses.dataclass
 class RunPaths:
+    """The run directory's layout, fixed from `root` when made."""
+
     root: epath.Path
+    checkpoints: epath.Path = dataclasses.field(init=False)
+    # Where checkpoints that fail verification are moved (kept for inspection, out of Orbax's way).
+    rejected: epath.Path = dataclasses.field(init=False)
+    metrics: epath.Path = dataclasses.field(init=False)  # metrics.jsonl: a row per logged step
+    config: epath.Path = dataclasses.field(init=False)  # what check_resume_config holds a resume to
+    tensorboard: epath.Path = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.root = as_path(self.root)
-
-    @property
-    def checkpoints(self) -> epath.Path:
-        return self.root / RUN_CHECKPOINTS_SUBDIR
-
-    @property
-    def rejected(self) -> epath.Path:
-        """Where checkpoints that fail verification are moved (kept for inspection, out of Orbax's way)."""
-        return self.root / "checkpoints_rejected"
-
-    @property
-    def metrics(self) -> epath.Path:
-        return self.root / "metrics.jsonl"
-
-    @property
-    def config(self) -> epath.Path:
-        return self.root / "config.json"
-
-    @property
-    def tensorboard(self) -> epath.Path:
-        return self.root / "tensorboard"
+        self.checkpoints = self.root / RUN_CHECKPOINTS_SUBDIR
+        self.rejected = self.root / "checkpoints_rejected"
+        self.metrics = self.root / "metrics.jsonl"
+        self.config = self.root / "config.json"
+        self.tensorboard = self.root / "tensorboard"
 
     def write_config(self, cfg: Config) -> None:
         self.root.mkdir(parents=True, exist_ok=True)

@@ -18,13 +18,15 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from agentrefine_jax import objective_table
 from agentrefine_jax import sharding as shd
 from agentrefine_jax.data.packing import BATCH_KEYS
 from agentrefine_jax.models import Transformer, lora
 from agentrefine_jax.models.config import ModelConfig
+from agentrefine_jax.objective_table import Objective
 from agentrefine_jax.train import objectives
-from agentrefine_jax.train.loss import chunked_cross_entropy, resolve_loss_impl, target_weights
-from agentrefine_jax.train.param_mode import Built, ParamMode, forward_inputs, policy_and_reference
+from agentrefine_jax.train.loss import resolve_loss_impl
+from agentrefine_jax.train.param_mode import Built, ParamMode, policy_and_reference
 
 Params = dict[str, Any]
 Batch = dict[str, jax.Array]
@@ -62,10 +64,13 @@ class StepFns:
 
     @property
     def abstract_trainable(self) -> Params:
+        """The trained subset's shapes: a checkpoint's restore target (a reference copy or a LoRA
+        base is rebuilt, never stored)."""
         return self.trainable(self.abstract_params)
 
     @property
     def trainable_shardings(self) -> Params:
+        """The trained subset's shardings: where a restored checkpoint's arrays land."""
         return self.trainable(self.param_shardings)
 
     def train_into(
@@ -89,6 +94,32 @@ class StepFns:
         return nnx.merge(self.graphdef, self.mode.handoff(params, cfg, mesh))
 
 
+def objective_loss(
+    graphdef: Any,
+    params: Params,
+    batch: Batch,
+    objective: Objective,
+    counts: Any,
+    settings: objectives.Settings,
+    lora_spec: lora.LoraSpec | None = None,
+    dropout_key: jax.Array | None = None,
+) -> tuple[Any, Any]:
+    """A (micro) batch's (value, aux sums) of `objective`'s loss (train/objectives.py), `counts`
+    the global batch's. The reference, when the entry has one: a LoRA run's base with the adapters
+    off, a full run's frozen copy (params {"model", "ref"})."""
+    policy, ref = policy_and_reference(params, lora_spec, dropout_key, objective.reference)
+
+    def head(model_params: Params, adapters: Any) -> objectives.Head:
+        model: Transformer = nnx.merge(graphdef, model_params)
+        hidden, _ = model.forward(
+            batch["input_ids"], batch["positions"], batch["segment_ids"], adapters=adapters
+        )
+        return hidden[:, :-1], model.lm_head_weight()
+
+    loss = objectives.loss_of(objective)
+    return loss.micro(head(*policy), None if ref is None else head(*ref), batch, counts, settings)
+
+
 def loss_sums(
     graphdef: Any,
     params: Params,
@@ -98,11 +129,11 @@ def loss_sums(
     lora_spec: lora.LoraSpec | None = None,
     dropout_key: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    params, adapters = forward_inputs(params, lora_spec, dropout_key)
-    model: Transformer = nnx.merge(graphdef, params)
-    hidden, _ = model.forward(batch["input_ids"], batch["positions"], batch["segment_ids"], adapters=adapters)
-    targets, weights = target_weights(batch)
-    return chunked_cross_entropy(hidden[:, :-1], model.lm_head_weight(), targets, weights, chunk, impl)
+    """(token loss sum, loss tokens) of `batch`: the default objective's (refinement tuning's)
+    `objective_loss`, as the planner and the tests call it."""
+    default = objective_table.get(objective_table.DEFAULT)
+    settings = objectives.Settings(chunk=chunk, impl=impl)
+    return objective_loss(graphdef, params, batch, default, (), settings, lora_spec, dropout_key)
 
 
 def preference_loss(
@@ -118,33 +149,11 @@ def preference_loss(
     lora_spec: lora.LoraSpec | None = None,
     dropout_key: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """A (micro) batch's share of a preference objective (train/objectives.py); `counts` are the
-    global batch's (SFT tokens, pairs). The reference: a LoRA run's base with the adapters off, a
-    full run's frozen copy (params {"model", "ref"}); ORPO has none."""
-    n_tokens, n_pairs = counts
-    targets = batch["input_ids"][:, 1:]
-
-    def logps(model_params: Params, adapters: Any) -> jax.Array:
-        model: Transformer = nnx.merge(graphdef, model_params)
-        hidden, _ = model.forward(
-            batch["input_ids"], batch["positions"], batch["segment_ids"], adapters=adapters
-        )
-        return objectives.token_logps(hidden[:, :-1], model.lm_head_weight(), targets, chunk)
-
-    policy, ref = policy_and_reference(
-        params, lora_spec, dropout_key, objective in objectives.NEEDS_REFERENCE
-    )
-    return objectives.preference_sums(
-        objective,
-        logps(*policy),
-        None if ref is None else logps(*ref),
-        batch,
-        beta=beta,
-        sft_weight=sft_weight,
-        dpo_weight=dpo_weight,
-        n_tokens=n_tokens,
-        n_pairs=n_pairs,
-    )
+    """A (micro) batch's share of a pair objective's loss, and its metric sums: `objective_loss`
+    by name, `counts` the global batch's (SFT tokens, pairs)."""
+    settings = objectives.Settings(chunk=chunk, beta=beta, sft_weight=sft_weight, dpo_weight=dpo_weight)
+    spec = objective_table.get(objective)
+    return objective_loss(graphdef, params, batch, spec, counts, settings, lora_spec, dropout_key)
 
 
 def build_steps(
@@ -160,13 +169,14 @@ def build_steps(
     lora_spec: lora.LoraSpec | None = None,
     lora_base_dtype: str | None = None,
     mode: ParamMode | None = None,
-    objective: str = "sft",
+    objective: str = objective_table.DEFAULT,
     knobs: dict[str, float] | None = None,
 ) -> StepFns:
     """The jitted steps for `mode` (default: from model_cfg, lora_spec and lora_base_dtype) and
-    `objective` (sft, or a preference objective with `knobs` beta/sft_weight/dpo_weight)."""
+    `objective` (a name in the objective table; `knobs`: train.beta/sft_weight/dpo_weight)."""
     if mode is None:  # the parameter mode decides from the settings (train/param_mode.py)
         mode = ParamMode.of_settings(model_cfg, lora_spec, lora_base_dtype)
+    spec = objective_table.get(objective)
     mode = mode.for_objective(objective)
     micro = micro_batch or global_batch
     if global_batch % micro:
@@ -186,36 +196,8 @@ def build_steps(
     init_opt = jax.jit(
         lambda p: optimizer.init(mode.trainable(p)), in_shardings=(p_shard,), out_shardings=opt_shard
     )
-
-    def train_step(params: Params, opt_state: Any, batch: Batch) -> tuple[Params, Any, dict[str, jax.Array]]:
-        micro_batches = {k: v.reshape(n_micro, micro, *v.shape[1:]) for k, v in batch.items()}
-        trained = mode.trainable(params)
-        loss = mode.loss(loss_sums, graphdef, params, chunk=loss_chunk, impl=loss_impl)
-        grads, loss_sum, n_tok = _accumulate(jax.value_and_grad(loss, has_aux=True), trained, micro_batches,
-                                             mode.dropout_keys(opt_state, n_micro))  # fmt: skip
-        # One division over the whole global batch: every loss token weighs the same.
-        denom = jnp.maximum(n_tok, 1.0)
-        grads = jax.tree.map(lambda g: g / denom, grads)
-        loss = loss_sum / denom
-        grad_norm = optax.global_norm(grads)
-        updates, new_opt = optimizer.update(grads, opt_state, trained)
-        new_params = optax.apply_updates(trained, updates)
-        # Never apply an update from a batch with no loss tokens or a non-finite loss:
-        # the host stops the run on these, and the params in memory stay the last good ones.
-        ok = (n_tok > 0) & jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        new_params = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_params, trained)
-        new_opt = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_opt, opt_state)
-        tokens = jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32)
-        metrics = {"loss": loss, "loss_tokens": n_tok, "tokens": tokens, "grad_norm": grad_norm}
-        return mode.with_trained(params, new_params), new_opt, metrics
-
-    def eval_step(params: Params, batch: Batch) -> tuple[jax.Array, jax.Array]:
-        return mode.loss(loss_sums, graphdef, params, chunk=loss_chunk, impl=loss_impl)(
-            mode.trainable(params), batch, None
-        )
-
-    if objective != "sft":  # a preference objective: train/objectives.py
-        train_step, eval_step = _preference_steps(mode, graphdef, optimizer, n_micro, micro, loss_chunk, objective, knobs)  # noqa: F811,E501  # fmt: skip
+    settings = objectives.Settings(chunk=loss_chunk, impl=loss_impl, **(knobs or {}))
+    train_step, eval_step = _steps(mode, graphdef, optimizer, spec, settings, n_micro, micro)
     batch_tree = {k: b_shard for k in BATCH_KEYS}
     train_jit = jax.jit(train_step, in_shardings=(p_shard, opt_shard, batch_tree),
                         out_shardings=(p_shard, opt_shard, replicated), donate_argnums=(0, 1))  # fmt: skip
@@ -229,65 +211,62 @@ def build_steps(
     )  # fmt: skip
 
 
-def _preference_steps(
+def _steps(
     mode: ParamMode,
     graphdef: Any,
     optimizer: optax.GradientTransformation,
+    objective: Objective,
+    settings: objectives.Settings,
     n_micro: int,
     micro: int,
-    loss_chunk: int,
-    objective: str,
-    knobs: dict[str, float] | None,
 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """The train and eval steps of a preference objective (train/objectives.py)."""
-    pref = {"beta": 0.1, "sft_weight": 1.0, "dpo_weight": 1.0, **(knobs or {})}
-    pref.update(objective=objective, chunk=loss_chunk)
+    """The train and eval steps of `objective`: one body, the loss its table entry names."""
+    loss = objectives.loss_of(objective)
 
-    def pref_train_step(
-        params: Params, opt_state: Any, batch: Batch
-    ) -> tuple[Params, Any, dict[str, jax.Array]]:
-        # The global counts first: each micro batch's loss is its share of the global-batch mean,
-        # so the gradients add up as they are (no division after, no mean of means).
-        counts = (objectives.count_sft_tokens(batch), objectives.count_pairs(batch))
+    def loss_fn(params: Params, counts: Any) -> Callable[..., Any]:
+        return mode.loss(
+            objective_loss, graphdef, params, objective=objective, counts=counts, settings=settings
+        )
+
+    def train_step(params: Params, opt_state: Any, batch: Batch) -> tuple[Params, Any, dict[str, jax.Array]]:
+        # The global counts first: a pair loss's micro batch adds its share of the global mean.
+        counts = loss.counts(batch)
         micro_batches = {k: v.reshape(n_micro, micro, *v.shape[1:]) for k, v in batch.items()}
         trained = mode.trainable(params)
-        loss_fn = mode.loss(preference_loss, graphdef, params, counts=counts, **pref)
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        grad_fn = jax.value_and_grad(loss_fn(params, counts), has_aux=True)
         keys = mode.dropout_keys(opt_state, n_micro)
-
-        def body(carry: Any, xs: tuple[Batch, Any]) -> tuple[Any, None]:
-            grads, loss, aux = carry
-            mb, key = xs
-            mb = {k: shd.constrain(v, ("batch", None)) for k, v in mb.items()}
-            (part, a), g = grad_fn(trained, mb, key)
-            return (jax.tree.map(jnp.add, grads, g), loss + part, jax.tree.map(jnp.add, aux, a)), None
-
-        zero = jnp.zeros((), jnp.float32)
-        aux0 = {k: zero for k in (*objectives.METRICS, "pair_loss", "sft_loss")}
-        init = (jax.tree.map(jnp.zeros_like, trained), zero, aux0)
-        grads, loss, aux = jax.lax.scan(body, init, (micro_batches, keys))[0]
+        grads, value, aux = _accumulate(grad_fn, trained, micro_batches, keys, loss.aux_zeros())
+        done = loss.finish(value, aux, counts)
+        _check_metrics(objective, done.metrics)
+        if done.scale is not None:  # sums: one division over the whole global batch
+            grads = jax.tree.map(lambda g: g / done.scale, grads)
         grad_norm = optax.global_norm(grads)
         updates, new_opt = optimizer.update(grads, opt_state, trained)
         new_params = optax.apply_updates(trained, updates)
-        n_tok, n_pairs = counts
-        scored = n_pairs + (n_tok if objective == "sft+dpo" else 0.0)
-        ok = (n_pairs > 0) & jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # Never apply an update from a batch with nothing to score or a non-finite loss:
+        # the host stops the run on these, and the params in memory stay the last good ones.
+        ok = (done.guard > 0) & jnp.isfinite(done.loss) & jnp.isfinite(grad_norm)
         new_params = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_params, trained)
         new_opt = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_opt, opt_state)
         tokens = jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32)
-        metrics = {"loss": loss, "loss_tokens": scored, "tokens": tokens, "grad_norm": grad_norm}
-        metrics.update(objectives.finish_metrics(aux, n_pairs, n_tok))
-        return mode.with_trained(params, new_params), new_opt, metrics
+        metrics = {"loss": done.loss, "loss_tokens": done.scored, "tokens": tokens, "grad_norm": grad_norm}
+        return mode.with_trained(params, new_params), new_opt, {**metrics, **done.metrics}
 
-    def pref_eval_step(params: Params, batch: Batch) -> tuple[jax.Array, jax.Array]:
-        """(the batch's loss x its pairs, pairs): the evaluation's mean is over pairs."""
-        counts = (objectives.count_sft_tokens(batch), objectives.count_pairs(batch))
-        loss, _ = mode.loss(preference_loss, graphdef, params, counts=counts, **pref)(
-            mode.trainable(params), batch, None
+    def eval_step(params: Params, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        counts = loss.counts(batch)
+        value, aux = loss_fn(params, counts)(mode.trainable(params), batch, None)
+        return loss.evaluation(value, aux, counts)
+
+    return train_step, eval_step
+
+
+def _check_metrics(objective: Objective, metrics: dict[str, jax.Array]) -> None:
+    """The step logs what the objective's table entry says it logs (a trace-time check)."""
+    if set(metrics) != set(objective.metrics):
+        raise ValueError(
+            f"objective {objective.name}: its loss logs {sorted(metrics)}, its table entry declares "
+            f"{sorted(objective.metrics)}"
         )
-        return loss * counts[1], counts[1]
-
-    return pref_train_step, pref_eval_step
 
 
 def _train_into_jit(
@@ -318,17 +297,20 @@ def _train_into_jit(
     )
 
 
-def _accumulate(grad_fn: Callable[..., Any], trained: Params, micro_batches: Batch, keys: jax.Array) -> Any:
-    """Gradients and loss sums over the micro batches (a scan: one compiled body)."""
+def _accumulate(
+    grad_fn: Callable[..., Any], trained: Params, micro_batches: Batch, keys: jax.Array, aux_zeros: Any
+) -> Any:
+    """Sums over the micro batches of the gradients, the loss values and their aux (a scan: one
+    compiled body)."""
 
-    def body(carry: tuple[Any, jax.Array, jax.Array], xs: tuple[Batch, Any]) -> tuple[Any, None]:
-        grads, loss_sum, n_tok = carry
+    def body(carry: tuple[Any, jax.Array, Any], xs: tuple[Batch, Any]) -> tuple[Any, None]:
+        grads, value, aux = carry
         mb, key = xs
         mb = {k: shd.constrain(v, ("batch", None)) for k, v in mb.items()}
-        (l_sum, n), g = grad_fn(trained, mb, key)
-        return (jax.tree.map(jnp.add, grads, g), loss_sum + l_sum, n_tok + n), None
+        (v, a), g = grad_fn(trained, mb, key)
+        return (jax.tree.map(jnp.add, grads, g), value + v, jax.tree.map(jnp.add, aux, a)), None
 
-    init = (jax.tree.map(jnp.zeros_like, trained), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+    init = (jax.tree.map(jnp.zeros_like, trained), jnp.zeros((), jnp.float32), aux_zeros)
     return jax.lax.scan(body, init, (micro_batches, keys))[0]
 
 
