@@ -226,7 +226,7 @@ def _build_preference(
         cfg.max_length,
         preport,
     )
-    if objective != "sft+dpo":  # pairs alone: the records they skipped are this run's skipped rows
+    if not objective.examples:  # pairs alone: the records they skipped are this run's skipped rows
         report.skipped.update(preport.rows_skipped)
         report.skipped_at.extend(preport.rows_skipped_at[: MAX_KEPT_LOCATIONS - len(report.skipped_at)])
         report.parsed = report.records_in_shard - report.skipped_total
