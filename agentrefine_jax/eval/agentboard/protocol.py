@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from agentrefine_jax.eval import core
 from agentrefine_jax.eval.agentboard.checkout import CLONE, Checkout, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
+from agentrefine_jax.eval.config import AGENTBOARD_MAX_STEPS as DEFAULT_MAX_STEPS  # CFG run.max_num_steps
 from agentrefine_jax.eval.core import Env, StepResult
 from agentrefine_jax.eval.journal import Journal
 from agentrefine_jax.eval.policies import RandomPolicy  # noqa: F401 - the one random policy, re-exported
@@ -30,7 +31,6 @@ from agentrefine_jax.layout import agentboard_user as user_prompt
 
 MEMORY_SIZE = 100  # CFG agent.memory_size
 MAX_NEW_TOKENS = 100  # CFG llm.<open model>.max_tokens
-DEFAULT_MAX_STEPS = 30  # CFG run.max_num_steps
 VLLM_FILE = "agentboard/llm/vllm.py"
 
 

@@ -146,6 +146,10 @@ def _expert_wrapper(base: Any, kind: str) -> Any:
 class ALFWorldEnv:
     """One AgentBoard ALFWorld episode on one game file."""
 
+    # The reply rewrite `step` applies, offered to wrappers that match a reply before stepping
+    # (`perturb.RewordedEnv`).
+    parse_action = staticmethod(post_process)
+
     def __init__(self, game_file: str, subgoals: list[str], expert: bool = False):
         self.game_file, self.subgoals, self.expert = game_file, list(subgoals), expert
         self.goal = ""
