@@ -34,6 +34,7 @@ from agentrefine_jax.eval.policies import (
     CheckpointPolicy,
     OraclePolicy,
     RandomPolicy,
+    Reply,
     SamplingParams,
     ask,
     forget,
@@ -91,7 +92,7 @@ class TemplateModel:
 
     def generate(
         self, prompts: Sequence[tuple[str, str]], keys: Sequence[Hashable] | None = None
-    ) -> list[str | Exception]:
+    ) -> list[Reply | Exception]:
         self._calls += 1
         seed = (self.seed * 1_000_003 + self._calls) % 2**31
         names = list(keys) if keys is not None else [None] * len(prompts)

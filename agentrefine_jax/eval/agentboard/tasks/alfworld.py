@@ -267,7 +267,7 @@ class ALFWorldEnv:
 class ExpertOracle:
     """alfworld's handcoded expert: the next command of its plan for the current state."""
 
-    def act(self, env: ALFWorldEnv, history: list[tuple[str, str]]) -> str:
+    def next_action(self, env: ALFWorldEnv, history: list[tuple[str, str]]) -> str:
         if not env.expert_plan:
             return HELP
         rewording = getattr(env, "rw", None)  # a perturbed episode (perturb.RewordedEnv) shows other wording
