@@ -193,9 +193,9 @@ class ModelBackend(Protocol):
 
     def generate(
         self, prompts: Sequence[tuple[str, str]], keys: Sequence[Hashable] | None = None
-    ) -> list[Reply | str | Exception]:
-        """Replies (an actor's `Reply`, or plain text); `keys` name the episodes asking, so a backend may
-        keep state per episode (a KV cache)."""
+    ) -> list[str | Exception]:
+        """Reply texts; `keys` name the episodes asking, so a backend may keep state per episode (its KV
+        cache)."""
         ...
 
     def forget(self, key: Hashable) -> None:
@@ -242,7 +242,6 @@ class Episode:
         self.finished = False
         self.prompt_set: PromptSet | None = None
         self.policy: Solver | None = None  # a privileged policy's solver for this episode
-        self.replies: list[Reply] = []  # the model's replies, with ids and log-probs when it has them
 
     @property
     def job(self) -> EpisodeSpec:
@@ -406,7 +405,6 @@ class AgentBoardProtocol:
 
     @staticmethod
     def apply(ep: Episode, reply: Reply) -> None:
-        ep.replies.append(reply)
         _step(ep, parse_action(reply.text), reply.text)
 
     def failed(self, ep: Episode, error: Exception) -> None:
