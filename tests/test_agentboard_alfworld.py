@@ -215,7 +215,7 @@ def test_handcoded_expert_oracle_succeeds(tmp_path):
     env.reset()
     actions = []
     for _ in range(30):
-        actions.append(policy.act(env, []))
+        actions.append(policy.next_action(env, []))
         if env.step(actions[-1]).done:
             break
     assert env.success and actions == [

@@ -218,7 +218,7 @@ def test_bot_oracle_solves_through_macros(tmp_path):
         policy = task.oracle(env)
         assert isinstance(policy, BotOracle)
         for _ in range(10):
-            r = env.step(policy.act(env, []))
+            r = env.step(policy.next_action(env, []))
             if r.done:
                 break
         assert env.success, spec.id

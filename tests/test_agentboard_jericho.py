@@ -137,7 +137,7 @@ def test_walkthrough_oracle(tmp_path, story):
     policy = task.oracle(env)
     actions = []
     for _ in range(5):
-        actions.append(policy.act(env, []))
+        actions.append(policy.next_action(env, []))
         if env.step(actions[-1]).done:
             break
     assert actions == ["take teacup from chair", "put teacup on counter"] and env.success

@@ -96,7 +96,7 @@ def test_loop_logs_steps_grounding_and_score_changes(checkout):
         def __init__(self, actions):
             self.actions = iter(actions)
 
-        def act(self, env, history):
+        def next_action(self, env, history):
             return next(self.actions)
 
     script = [

@@ -94,7 +94,7 @@ def test_reworded_game_accepts_new_wording_only(tmp_path):
     env.reset()
     actions = []
     for _ in range(30):
-        actions.append(policy.act(env, []))
+        actions.append(policy.next_action(env, []))
         if env.step(actions[-1]).done:
             break
     assert env.success and actions == [

@@ -3,7 +3,8 @@
 * no import circle between the package's units (a stage package or a top-level module), nor
   between its files (inside one package too: relative, lazy and type-only imports count);
 * no import from a later layer into an earlier one (the layer order is read from
-  docs/architecture.md, so the document and the code cannot disagree);
+  docs/architecture.md, so the document and the code cannot disagree); inside `eval` too, between
+  its own units (engine, records, episode sources, protocols and runners, CLI: the `eval layers` block);
 * `print`, `sys.exit` and `argparse` only in CLI modules (`cli.py`, `__main__.py`, and the shared
   CLI convention `cli_errors.py`, `logs.py`);
 * model-parameter names only in the parameter table (models/params.py);
@@ -155,6 +156,41 @@ def upward(graph: dict[str, set[tuple[str, int, str]]], layers: list[list[str]])
     ]
 
 
+def inner_layers_from_docs(text: str, package: str) -> list[list[str]]:
+    """A package's own `<package> layers (bottom first):` block of docs/architecture.md."""
+    m = re.search(rf"```text\n{package} layers \(bottom first\):\n(.*?)```", text, re.S)
+    assert m, f"docs/architecture.md lost its '{package} layers (bottom first):' block"
+    return [line.split(":", 1)[1].split() for line in m.group(1).strip().splitlines()]
+
+
+def inner_unit(module: str, package: str, units: set[str]) -> str:
+    """The unit of `module` inside `package` (e.g. `agentrefine_jax.eval`): the longest listed dotted
+    prefix of its path there (`agentboard.runner` before `agentboard`); the package itself is `__init__`."""
+    parts = (module[len(package) :].lstrip(".") or "__init__").split(".")
+    for k in range(len(parts), 0, -1):
+        if ".".join(parts[:k]) in units:
+            return ".".join(parts[:k])
+    return ".".join(parts)
+
+
+def inner_upward(
+    files: dict[str, set[tuple[str, int, str]]], package: str, layers: list[list[str]]
+) -> list[str]:
+    """Imports between a package's files (lazy, relative and type-only ones included: `file_imports`)
+    from a unit of a lower layer into one of a higher layer of `layers`."""
+    level = {u: i for i, layer in enumerate(layers) for u in layer}
+    inside = {m: es for m, es in files.items() if m == package or m.startswith(package + ".")}
+    units = {m: inner_unit(m, package, set(level)) for m in inside}
+    missing = sorted({u for u in units.values() if u not in level})
+    assert not missing, f"{package} files without a layer in docs/architecture.md: {missing}"
+    return [
+        f"{where}:{line}: {units[m]} (layer {level[units[m]]}) imports {units[v]} (layer {level[units[v]]})"
+        for m, es in inside.items()
+        for v, line, where in sorted(es)
+        if v in units and level[units[v]] > level[units[m]]
+    ]
+
+
 def cli_only_calls(root: pathlib.Path) -> list[str]:
     bad = []
     for path in root.rglob("*.py"):
@@ -263,6 +299,13 @@ def test_no_import_runs_back_up(graph) -> None:
     assert upward(graph, layers) == []
 
 
+def test_no_import_runs_back_up_inside_eval() -> None:
+    """eval's own layering (engine and records at the bottom, episode sources above, protocols and
+    runners, then the CLI): every import between its files, lazy ones included."""
+    layers = inner_layers_from_docs((REPO / "docs" / "architecture.md").read_text(encoding="utf-8"), "eval")
+    assert inner_upward(file_imports(PACKAGE), "agentrefine_jax.eval", layers) == []
+
+
 def test_print_exit_and_argparse_only_in_cli_modules() -> None:
     assert cli_only_calls(PACKAGE) == []
 
@@ -326,6 +369,32 @@ def test_checkers_find_a_planted_violation(tmp_path: pathlib.Path) -> None:
     assert stray_mode_branches(pkg, {"agentrefine_jax/train/loop.py": "planted home"}) == [
         "agentrefine_jax/train/step.py:2: chunk"
     ]
+
+
+def test_inner_layers_find_a_planted_upward_import(tmp_path: pathlib.Path) -> None:
+    """A lazy import from eval's bottom into an episode source, and one into a runner that sits in a
+    source's folder (`agentboard.runner`, its own unit), are found; a file with no layer fails."""
+    pkg = tmp_path / "agentrefine_jax"
+    (pkg / "eval" / "agentboard" / "tasks").mkdir(parents=True)
+    for d in ("", "eval", "eval/agentboard", "eval/agentboard/tasks"):
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "eval" / "metrics.py").write_text("def f():\n    from .agentboard import protocol\n")
+    (pkg / "eval" / "agentboard" / "protocol.py").write_text("from agentrefine_jax.eval import metrics\n")
+    (pkg / "eval" / "agentboard" / "tasks" / "alfworld.py").write_text(
+        "from agentrefine_jax.eval.agentboard.runner import run\n"
+    )
+    (pkg / "eval" / "agentboard" / "runner.py").write_text(
+        "from agentrefine_jax.eval.agentboard import protocol\n"
+    )
+    layers = [["metrics"], ["agentboard"], ["agentboard.runner", "__init__"]]
+    assert sorted(inner_upward(file_imports(pkg), "agentrefine_jax.eval", layers)) == [
+        "agentrefine_jax/eval/agentboard/tasks/alfworld.py:1: agentboard (layer 1) imports"
+        " agentboard.runner (layer 2)",
+        "agentrefine_jax/eval/metrics.py:2: metrics (layer 0) imports agentboard (layer 1)",
+    ]
+    (pkg / "eval" / "stray.py").write_text("")
+    with pytest.raises(AssertionError, match="stray"):
+        inner_upward(file_imports(pkg), "agentrefine_jax.eval", layers)
 
 
 def test_file_circles_are_found_inside_one_package(tmp_path: pathlib.Path) -> None:

@@ -138,7 +138,7 @@ def test_every_refinement_is_the_experts_valid_action_for_its_state(collected, t
         first = env.reset()
         assert first in row["messages"][1]["content"] and env.goal in row["messages"][1]["content"]
         expert = task.oracle(env)
-        synced = expert.act(env, [])  # the collector's expert sees every executed step
+        synced = expert.next_action(env, [])  # the collector's expert sees every executed step
         msgs, cats = row["messages"], assistant_categories(row["messages"])
         assert cats[-1] == "refinement"  # cut after the last refinement
         for k, m in enumerate(msgs):
@@ -164,7 +164,7 @@ def test_every_refinement_is_the_experts_valid_action_for_its_state(collected, t
             if k + 1 < len(msgs):  # the environment's answer, as it gave it
                 assert msgs[k + 1]["content"] == observation_turn(observation)
             if executed and not env.done:
-                synced = expert.act(env, [])
+                synced = expert.next_action(env, [])
         env.close()
         task.close()
     assert refinements == sum(s["refinements"] for s in summary.values()) > 0

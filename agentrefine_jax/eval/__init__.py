@@ -25,7 +25,9 @@ from agentrefine_jax.eval.policies import (
     Policy,
     PolicyError,
     RandomPolicy,
+    Reply,
     SamplingParams,
+    Solver,
 )
 from agentrefine_jax.eval.react import parse_action
 from agentrefine_jax.eval.registry import available_tasks, make_task, register_task
@@ -47,7 +49,9 @@ __all__ = [
     "Policy",
     "PolicyError",
     "RandomPolicy",
+    "Reply",
     "SamplingParams",
+    "Solver",
     "StepResult",
     "TextEnv",
     "Vocabulary",

@@ -12,11 +12,13 @@ import dataclasses
 from typing import Any
 
 from agentrefine_jax.eval import registry
-from agentrefine_jax.eval.agentboard.protocol import DEFAULT_MAX_STEPS as AGENTBOARD_MAX_STEPS
 from agentrefine_jax.eval.perturb import REWORDINGS
 from agentrefine_jax.layout import check_style
 
 BUILTIN_EPISODES = 10
+# AgentBoard's CFG run.max_num_steps: a source's default lives here, below the source
+# (`agentboard/protocol.py` reads it as its DEFAULT_MAX_STEPS), so the config never imports upward.
+AGENTBOARD_MAX_STEPS = 30
 # Run seeds are in [0, SEED_LIMIT): every built-in task's eval episodes then lie in a range its training
 # episodes (`EvalTask.training_specs`, the on-policy collector's) never reach (docs/eval.md, "Training
 # episodes and on-policy refinement data").

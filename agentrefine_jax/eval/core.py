@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from agentrefine_jax.eval import progress
 from agentrefine_jax.eval.journal import Resume
-from agentrefine_jax.eval.policies import forget
+from agentrefine_jax.eval.policies import Reply, forget
 
 if TYPE_CHECKING:
     from agentrefine_jax.eval.journal import Journal
@@ -69,7 +69,8 @@ class EpisodeProtocol(Protocol[J, E, R]):
     episode (with `job` and `finished`), `R` a finished episode's record. `key(job)` is the
     conversation a job is to the actor and its journal key; `start` may return an episode finished
     already (it failed to start); `answer` runs one round and returns the replies (or the actor's
-    error) of the episodes it asked; one it ended while preparing the prompt is not among them."""
+    error) of the episodes it asked; one it ended while preparing the prompt is not among them. A reply
+    is the actor's `Reply` (its text, and token ids and log-probabilities when the actor has them)."""
 
     source: str  # the journal's namespace: one source's records never answer another's jobs
     width: int  # episodes in flight
@@ -77,8 +78,8 @@ class EpisodeProtocol(Protocol[J, E, R]):
 
     def key(self, job: J) -> tuple[Hashable, ...]: ...
     def start(self, job: J) -> E: ...
-    def answer(self, active: list[E]) -> list[tuple[E, str | Exception]]: ...
-    def apply(self, ep: E, reply: str) -> None: ...
+    def answer(self, active: list[E]) -> list[tuple[E, Reply | Exception]]: ...
+    def apply(self, ep: E, reply: Reply) -> None: ...
     def failed(self, ep: E, error: Exception) -> None: ...
     def result(self, ep: E) -> R: ...
     def dump(self, result: R) -> Any: ...

@@ -9,12 +9,10 @@ turn is a step, as in AgentBoard: malformed replies and "check valid actions" co
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import logging
 import time
 import traceback
-import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,10 +24,10 @@ from agentrefine_jax.eval.policies import (
     ActRequest,
     ContextOverflow,
     Policy,
+    Reply,
     SamplingParams,
     ask,
     is_privileged,
-    react_turns,
 )
 from agentrefine_jax.eval.react import FORMAT_ERROR, parse_action
 from agentrefine_jax.layout import (
@@ -102,7 +100,10 @@ class _Running:
         self.job = job
         self.env = env
         self.messages = messages or []
-        self.actor: Any = None  # a privileged policy's per-episode instance
+        self.solver: Any = None  # a privileged policy's solver for this episode (`for_episode`)
+        # Every reply the actor gave, with its token ids and log-probabilities when it has them (kept in
+        # memory for callers that learn from them; the results record keeps the text, in `messages`).
+        self.replies: list[Reply] = []
         self.steps = 0
         self.invalid = 0
         self.format_errors = 0
@@ -155,7 +156,7 @@ def _start(job: EpisodeJob, policy: Policy) -> _Running:
         try:
             obs = env.reset()
             goal = env.goal
-            actor = policy.for_episode(job.task, env, job.spec, job.seed) if is_privileged(policy) else None
+            solver = policy.for_episode(job.task, env, job.spec, job.seed) if is_privileged(policy) else None
         except BaseException:
             env.close()
             raise
@@ -169,7 +170,7 @@ def _start(job: EpisodeJob, policy: Policy) -> _Running:
         {"role": "user", "content": first_user_turn(env.instruction, goal, obs)},
     ]
     run = _Running(job, env, messages)
-    run.goal, run.history, run.actor = goal, [("Observation", obs)], actor
+    run.goal, run.history, run.solver = goal, [("Observation", obs)], solver
     return run
 
 
@@ -181,16 +182,13 @@ class ChatProtocol:
 
     def __init__(self, policy: Policy, batch_size: int):
         self.actor, self.width = policy, batch_size
-        self._asked: Any = policy
-        if getattr(policy, "acts_per_episode", False):  # a per-episode policy (random) as a batch actor
-            self._asked = types.SimpleNamespace(act=functools.partial(react_turns, policy))
 
     key = staticmethod(job_key)
 
     def start(self, job: EpisodeJob) -> _Running:
         return _start(job, self.actor)
 
-    def answer(self, runs: list[_Running]) -> list[tuple[_Running, str | Exception]]:
+    def answer(self, runs: list[_Running]) -> list[tuple[_Running, Reply | Exception]]:
         requests = [
             ActRequest(
                 r.request_messages(),
@@ -199,15 +197,16 @@ class ChatProtocol:
                 r.job.sampling,
                 r.env,
                 r.history,
-                r.actor,
+                r.solver,
                 key=job_key(r.job),
             )
             for r in runs
         ]
-        return list(zip(runs, ask(self._asked, requests), strict=True))
+        return list(zip(runs, ask(self.actor, requests), strict=True))
 
-    def apply(self, run: _Running, reply: str) -> None:
-        termination = _advance(run, reply)
+    def apply(self, run: _Running, reply: Reply) -> None:
+        run.replies.append(reply)
+        termination = _advance(run, reply.text)
         if termination is not None:
             run.finish(termination, run.trace[-1].get("error") if termination == "error" else None)
 

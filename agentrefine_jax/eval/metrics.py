@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agentrefine_jax.eval import registry
-
-if TYPE_CHECKING:
-    from agentrefine_jax.eval.agentboard.protocol import EpisodeLog
-
 from agentrefine_jax.eval.perturb import summary
 
 # The paper's weights live in the registry (TextWorld games stand in for the 20 Jericho games).
@@ -259,6 +255,9 @@ def _mean_or_none(values: Sequence[float]) -> float | None:
 
 
 # ----------------------------------------------------------------------------------------- AgentBoard source
+# An AgentBoard episode log (`agentboard/protocol.EpisodeLog`), read by its fields (spec, success, progress,
+# grounding, steps, end, turns): metrics sits below the episode sources and never imports them.
+EpisodeLog = Any
 
 
 def episode_record(log: EpisodeLog, task: str | None = None, variant: str = "original") -> dict[str, Any]:

@@ -30,7 +30,7 @@ from typing import Any
 from agentrefine_jax.eval import core
 from agentrefine_jax.eval.journal import Journal
 from agentrefine_jax.eval.loop import ChatProtocol, EpisodeJob, _Running, _start, job_seed
-from agentrefine_jax.eval.policies import PolicyError
+from agentrefine_jax.eval.policies import PolicyError, Reply
 from agentrefine_jax.eval.registry import lookup, make_task
 from agentrefine_jax.layout import assistant_turn
 
@@ -90,7 +90,7 @@ class OnPolicyProtocol(ChatProtocol):
     @staticmethod
     def _ask_expert(run: _Running) -> None:
         try:
-            run.expert_next = run.expert.act(run.env, run.history)
+            run.expert_next = run.expert.next_action(run.env, run.history)
             run.expert_error = None
         except Exception as e:  # noqa: BLE001 - e.g. BabyAIBot after the model opened a box: no expert now
             run.expert_next, run.expert_error = None, f"{type(e).__name__}: {e}"
@@ -99,8 +99,8 @@ class OnPolicyProtocol(ChatProtocol):
     def _rejected(run: _Running) -> bool:
         return bool(run.trace) and not run.trace[-1]["valid"]
 
-    def answer(self, runs: list[_Running]) -> list[tuple[_Running, str | Exception]]:
-        replies: dict[int, str | Exception] = {}
+    def answer(self, runs: list[_Running]) -> list[tuple[_Running, Reply | Exception]]:
+        replies: dict[int, Reply | Exception] = {}
         for run in runs:
             run.expert_pending = self._rejected(run)
             if run.expert_pending:
@@ -111,14 +111,14 @@ class OnPolicyProtocol(ChatProtocol):
         return [(r, replies[id(r)]) for r in runs]
 
     @staticmethod
-    def _expert_reply(run: _Running) -> str | Exception:
+    def _expert_reply(run: _Running) -> Reply | Exception:
         if run.expert_next is None:
             return PolicyError(f"no expert action for this state ({run.expert_error})")
         observation = run.history[-1][1]
         thought = expert_thought(run, observation, unparseable=run.trace[-1]["action"] is None)
-        return assistant_turn(thought, run.expert_next)
+        return Reply(assistant_turn(thought, run.expert_next))
 
-    def apply(self, run: _Running, reply: str) -> None:
+    def apply(self, run: _Running, reply: Reply) -> None:
         expert, run.expert_pending = run.expert_pending, False
         before = len(run.trace)
         super().apply(run, reply)

@@ -230,9 +230,10 @@ class RewordedEnv:
         return list(self._table())
 
     def step(self, action: str) -> StepResult:
-        from agentrefine_jax.eval.agentboard.tasks.alfworld import post_process
-
-        action = post_process(action)
+        # The game's own reply rewrite (AgentBoard ALFWorld's `parse_action`), asked of the env: perturb sits
+        # below the episode sources and never imports one.
+        parse = getattr(self.env, "parse_action", None)
+        action = parse(action) if parse is not None else action
         table = self._table()
         valid = action in table
         if action == HELP:

@@ -1,12 +1,15 @@
 """The actors that answer the episode loop's turns, for every episode source: a local checkpoint, an
 OpenAI-compatible endpoint, the oracle and the random policy.
 
-Model actors answer a batch of conversations per call (`act(requests)`); the oracle and random policies are
-privileged (they read the environment) and act per episode, but their action still goes through the
-protocol's reply format and parser like a model's reply. The checkpoint actor is one class with a batched
-`act`, so state kept across turns lives inside it: each request names its conversation (`ActRequest.key`,
-one per episode-sample), the checkpoint actor keeps that conversation's KV cache between turns (prefilling
-only what is new) and the loops call `forget(key)` when the episode ends.
+Every actor has one interface (`Policy`): `act(requests) -> [Reply | PolicyError]`, a batch of
+conversations per call. A `Reply` carries the text and, when the actor has them, the token ids it sampled
+and their log-probabilities (the checkpoint actor: the engine's own ids and log-probs). The oracle and random
+policies are privileged (they read the environment): `for_episode` makes each episode's `Solver`, which
+the request carries (`ActRequest.solver`) and whose `next_action(env, history)` the actor writes as a ReAct
+turn, so it goes through the protocol's reply format and parser like a model's reply. The checkpoint actor
+keeps state across turns inside it: each request names its conversation (`ActRequest.key`, one per
+episode-sample), the checkpoint actor keeps that conversation's KV cache between turns (prefilling only
+what is new) and the loops call `forget(key)` when the episode ends.
 """
 
 from __future__ import annotations
@@ -41,6 +44,29 @@ class SamplingParams:
     stop: tuple[str, ...] = DEFAULT_STOP
 
 
+@dataclasses.dataclass(frozen=True)
+class Reply:
+    """One actor's answer to one request. `token_ids`/`logprobs` (None: the actor has none, e.g. an
+    endpoint or a reference solver) are every id the actor sampled, in order, and each one's
+    log-probability under the model's raw logits; `text` is what they decode to, cut at a stop string."""
+
+    text: str
+    token_ids: tuple[int, ...] | None = None
+    logprobs: tuple[float, ...] | None = None
+
+
+def as_reply(reply: Reply | str) -> Reply:
+    """A plug-in actor (or AgentBoard model backend) may answer with plain text: it carries no ids."""
+    return reply if isinstance(reply, Reply) else Reply(reply)
+
+
+class Solver(Protocol):
+    """A privileged actor's per-episode reference solver (a gold path, a planner, the seeded random choice):
+    the next action for the episode's environment and its Observation/Action history."""
+
+    def next_action(self, env: Any, history: list[tuple[str, str]]) -> str: ...
+
+
 @dataclasses.dataclass
 class ActRequest:
     """One conversation a model actor answers."""
@@ -51,26 +77,26 @@ class ActRequest:
     step: int = 0
     # None: the actor's own sampling settings.
     sampling: SamplingParams | None = None
-    # For privileged policies under the chat protocol: the episode's environment, its Observation/Action
-    # history and the policy `for_episode` made for it.
+    # For privileged policies: the episode's environment, its Observation/Action history and the solver
+    # `for_episode` made for it.
     env: Any = None
     history: list[tuple[str, str]] = dataclasses.field(default_factory=list)
-    actor: Any = None
+    solver: Solver | None = None
     # The conversation (episode id + Best-of-N sample), distinct among the requests in flight: an actor may
     # keep state for it between turns until `forget(key)`. None: nothing is kept.
     key: Hashable | None = None
 
 
 class Policy(Protocol):
-    """A model actor: answers a batch of conversations in one call (a batched generate, or concurrent HTTP
-    requests). Privileged policies (oracle, random) instead make one per-episode policy (`for_episode`) that
-    reads the environment: `act(env, history) -> action`."""
+    """An actor, every kind: answers a batch of conversations in one call (a batched generate, concurrent
+    HTTP requests, or each request's solver). A privileged actor (oracle, random) also has
+    `for_episode(task, env, spec, seed) -> Solver`, and reads each request's `solver`."""
 
     name: str
     # Whether environments must prepare reference-solver data (e.g. ScienceWorld gold paths).
     needs_oracle: bool
 
-    def act(self, requests: Sequence[ActRequest]) -> list[str | PolicyError]:
+    def act(self, requests: Sequence[ActRequest]) -> list[Reply | PolicyError]:
         """One reply per request. Raising fails the whole batch; `ask` then retries one by one."""
         ...
 
@@ -88,13 +114,13 @@ def forget(policy: Any, key: Hashable | None) -> None:
         release(key)
 
 
-def ask(policy: Any, requests: list[ActRequest]) -> list[str | Exception]:
+def ask(policy: Any, requests: list[ActRequest]) -> list[Reply | Exception]:
     """A batched call; a batch-level failure is retried per request so one bad episode fails alone."""
     try:
         replies = policy.act(requests)
         if len(replies) != len(requests):
             raise RuntimeError(f"policy returned {len(replies)} replies for {len(requests)} requests")
-        return replies
+        return [r if isinstance(r, Exception) else as_reply(r) for r in replies]
     except Exception as e:  # noqa: BLE001
         if len(requests) == 1:
             return [PolicyError(f"{type(e).__name__}: {e}")]
@@ -105,30 +131,38 @@ def is_privileged(policy: Any) -> bool:
     return callable(getattr(policy, "for_episode", None))
 
 
-def react_turns(policy: Any, requests: Sequence[ActRequest]) -> list[str | PolicyError]:
-    """A privileged policy's batch under the chat protocol: each episode's own policy picks the action,
-    written as a ReAct turn that goes through the same parser as a model's reply."""
-    return [format_response(policy.thought, r.actor.act(r.env, r.history)) for r in requests]
+class PrivilegedPolicy:
+    """A privileged actor: each request's solver picks the action, written as a ReAct turn (`thought`) that
+    goes through the same parser as a model's reply."""
+
+    name: str
+    needs_oracle: bool
+    thought: str
+
+    def act(self, requests: Sequence[ActRequest]) -> list[Reply | PolicyError]:
+        out: list[Reply | PolicyError] = []
+        for r in requests:
+            if r.solver is None:
+                raise ValueError(f"{self.name}: a request without its episode's solver (for_episode)")
+            out.append(Reply(format_response(self.thought, r.solver.next_action(r.env, r.history))))
+        return out
+
+    def close(self) -> None:
+        pass
 
 
-class OraclePolicy:
+class OraclePolicy(PrivilegedPolicy):
     """The task's reference solver (BabyAIBot, gold path, a planner, a walkthrough), made per episode."""
 
     name = "oracle"
     needs_oracle = True
     thought = "I follow the reference solver."
 
-    def for_episode(self, task: Any, env: Any, spec: Any, seed: int) -> Any:
+    def for_episode(self, task: Any, env: Any, spec: Any, seed: int) -> Solver:
         oracle = task.oracle(env)
         if oracle is None:
             raise ValueError(f"task {getattr(task, 'name', task)!r} has no offline oracle")
         return oracle
-
-    def act(self, requests: Sequence[ActRequest]) -> list[str | PolicyError]:
-        return react_turns(self, requests)
-
-    def close(self) -> None:
-        pass
 
 
 class Replay:
@@ -139,20 +173,20 @@ class Replay:
         self._actions = actions
         self._left: list[str] | None = None
 
-    def act(self, env: Any, history: list[tuple[str, str]]) -> str:
+    def next_action(self, env: Any, history: list[tuple[str, str]]) -> str:
         if self._left is None:
             self._left = list(self._actions() if callable(self._actions) else self._actions)
         return self._left.pop(0) if self._left else CHECK_VALID_ACTIONS
 
 
-class RandomPolicy:
-    """Uniform choice among the actions valid now (help commands excluded); one per episode, seeded (a floor
-    for every metric). A task whose help lists templates rather than actions offers `candidate_actions()`."""
+class RandomPolicy(PrivilegedPolicy):
+    """Uniform choice among the actions valid now (help commands excluded); its solver is a seeded copy per
+    episode (a floor for every metric). A task whose help lists templates rather than actions offers
+    `candidate_actions()`."""
 
     name = "random"
     needs_oracle = False
     thought = "I pick a valid action at random."
-    acts_per_episode = True  # `act` is the per-episode policy's; the chat protocol batches with react_turns
 
     def __init__(self, seed: int = 0):
         self.rng = random.Random(seed)
@@ -160,13 +194,10 @@ class RandomPolicy:
     def for_episode(self, task: Any, env: Any, spec: Any, seed: int) -> RandomPolicy:
         return RandomPolicy(seed)
 
-    def act(self, env: Any, history: list[tuple[str, str]]) -> str:
+    def next_action(self, env: Any, history: list[tuple[str, str]]) -> str:
         listing = getattr(env, "candidate_actions", env.valid_actions)()
         choices = [a for a in listing if "check" not in a.lower()] or listing
         return self.rng.choice(choices) if choices else CHECK_VALID_ACTIONS
-
-    def close(self) -> None:
-        pass
 
 
 class OpenAIChatPolicy:
@@ -202,7 +233,7 @@ class OpenAIChatPolicy:
         self._client = openai_client(base_url, self._key, timeout=timeout, max_retries=max_retries)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, concurrency))
 
-    def _one(self, r: ActRequest) -> str | PolicyError:
+    def _one(self, r: ActRequest) -> Reply | PolicyError:
         s = r.sampling or self.sampling
         try:
             resp = self._client.chat.completions.create(
@@ -220,9 +251,9 @@ class OpenAIChatPolicy:
             return PolicyError(describe_api_error(e, self._key))  # one line, key redacted, no raw body
         if not resp.choices:
             return PolicyError("the endpoint returned no choices")
-        return resp.choices[0].message.content or ""
+        return Reply(resp.choices[0].message.content or "")  # an endpoint's text only: no ids
 
-    def act(self, requests: Sequence[ActRequest]) -> list[str | PolicyError]:
+    def act(self, requests: Sequence[ActRequest]) -> list[Reply | PolicyError]:
         return list(self._pool.map(self._one, requests))
 
     def forget(self, key: Hashable) -> None:
@@ -240,6 +271,7 @@ class CheckpointPolicy:
     escaping match fine-tuning. With `kv_reuse` (the default) requests that carry a key keep their
     conversation's KV cache between turns (`ChatGenerator.complete(keys=...)`): a turn prefills only the
     tokens after the longest common prefix with what the cache holds; greedy replies are the same without.
+    Replies carry the engine's sampled ids and their log-probabilities (`inference/engine.Generation`).
     """
 
     needs_oracle = False
@@ -267,7 +299,7 @@ class CheckpointPolicy:
         self.sampling = sampling
         self.kv_reuse = kv_reuse
 
-    def act(self, requests: Sequence[ActRequest]) -> list[str | PolicyError]:
+    def act(self, requests: Sequence[ActRequest]) -> list[Reply | PolicyError]:
         from agentrefine_jax.inference.chat import ContextOverflowError
 
         s = (requests[0].sampling if requests else None) or self.sampling
@@ -275,17 +307,16 @@ class CheckpointPolicy:
         keys = [r.key for r in requests]
         keyed = self.kv_reuse and None not in keys and len(set(keys)) == len(keys)
         try:
-            return list(
-                self.generator.chat(
-                    [r.messages for r in requests],
-                    max_new_tokens=s.max_new_tokens,
-                    temperature=s.temperature,
-                    top_p=s.top_p,
-                    stop=list(s.stop),
-                    seed=seed,
-                    keys=keys if keyed else None,
-                )
+            done = self.generator.complete(
+                [r.messages for r in requests],
+                max_new_tokens=s.max_new_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                stop=list(s.stop),
+                seed=seed,
+                keys=keys if keyed else None,
             )
+            return [Reply(c.text, c.token_ids, c.logprobs) for c in done]
         except ContextOverflowError as e:
             if len(requests) > 1:
                 raise  # the loop retries one by one to find the conversation that overflows

@@ -47,6 +47,10 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int  # every generated token, including one that ended the reply
     finish_reason: str  # "stop" | "length"
+    # Every id the engine sampled (the ending stop token and any tokens past a stop string's cut
+    # included: what the KV cache now holds) and each one's log-probability under the raw logits.
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
 
 
 def first_stop(text: str, stops: Sequence[str]) -> int | None:
@@ -225,7 +229,9 @@ class ChatGenerator:
             reason = g.finish_reason
             if cut is not None:
                 text, reason = text[:cut], "stop"
-            out.append(Completion(text, len(prompt), len(g.tokens), reason))
+            out.append(
+                Completion(text, len(prompt), len(g.tokens), reason, tuple(g.tokens), tuple(g.logprobs))
+            )
         return out
 
     def forget(self, key: Hashable) -> None:

@@ -45,10 +45,13 @@ CANCELLED = "cancelled"  # the finish_reason of rows ended by `cancelled`
 
 @dataclasses.dataclass
 class Generation:
-    """One row's output. `tokens` includes the stop token that ended the row, if any."""
+    """One row's output. `tokens` includes the stop token that ended the row, if any; `logprobs[i]` is
+    the model's log-probability of `tokens[i]` (log-softmax of its raw logits: temperature 1, no top-p,
+    whatever the sampling settings were), what a policy-gradient or KL term needs."""
 
     tokens: list[int]
     finish_reason: str  # "stop" (stop token or should_stop) | "length" | CANCELLED
+    logprobs: list[float] = dataclasses.field(default_factory=list)
 
 
 def bucket(n: int, minimum: int = 16, step: int = 512) -> int:
@@ -155,11 +158,13 @@ def _decode_chunk(
     temperature: jax.Array,
     top_p: jax.Array,
     stop_ids: jax.Array,
-) -> tuple[jax.Array, dict[str, jax.Array], jax.Array, jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, dict[str, jax.Array], jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Up to min(chunk, n_left) steps of: sample from `logits`, feed the token, get new logits.
 
     Stops early once every row is done. Returns (steps taken, cache, next logits, next
-    positions, done, tokens [B, chunk] of which the first `steps` columns are valid).
+    positions, done, tokens [B, chunk] of which the first `steps` columns are valid, and their
+    log-probabilities [B, chunk] float32 under the raw logits). The log-probabilities are read
+    off the logits the token was sampled from and never feed back, so the tokens are the same.
     """
     model = nnx.merge(graphdef, state)
     b = logits.shape[0]
@@ -168,17 +173,18 @@ def _decode_chunk(
     limit = jnp.minimum(chunk, n_left)
 
     def cond(c: tuple) -> jax.Array:
-        i, _, _, _, done, _ = c
+        i, _, _, _, done, _, _ = c
         return (i < limit) & ~jnp.all(done)
 
     def body(c: tuple) -> tuple:
-        i, cache, logits, pos, done, out = c
+        i, cache, logits, pos, done, out, lps = c
         tok = sample(logits, row_keys(base_key, rows, step0 + i), temperature, top_p, greedy=greedy)
         tok = jnp.where(done, 0, tok)  # finished rows emit filler the host ignores
         out = out.at[:, i].set(tok)
+        lps = lps.at[:, i].set(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)[rows, tok])
         done = done | jnp.isin(tok, stop_ids)
         hidden, cache = model.forward(tok[:, None], pos[:, None], seg, cache)
-        return i + 1, cache, model.logits(hidden)[:, 0], pos + 1, done, out
+        return i + 1, cache, model.logits(hidden)[:, 0], pos + 1, done, out, lps
 
     # CPU: per-layer cache arrays inside the loop, so a step writes its column in place rather
     # than copying every layer's cache through the layer scan (~1/3 of a tiny model's step at
@@ -191,9 +197,10 @@ def _decode_chunk(
         pos,
         done,
         jnp.zeros((b, chunk), jnp.int32),
+        jnp.zeros((b, chunk), jnp.float32),
     )
-    steps, cache, logits, pos, done, out = jax.lax.while_loop(cond, body, init)
-    return steps, stack_cache(cache) if layered else cache, logits, pos, done, out
+    steps, cache, logits, pos, done, out, lps = jax.lax.while_loop(cond, body, init)
+    return steps, stack_cache(cache) if layered else cache, logits, pos, done, out, lps
 
 
 @functools.cache
@@ -249,6 +256,7 @@ def decode_rows(
     host_done[list(live)] = False
     stop_set = set(stops.ids)
     out: dict[int, list[int]] = {r: [] for r in live}
+    logp: dict[int, list[float]] = {r: [] for r in live}
     reason = dict.fromkeys(live, "length")
     # Stop tokens end rows inside the loop; only a text-level check or a cancellation needs the host
     # between chunks, so without one a call is a single chunk (one host round trip and cache
@@ -268,23 +276,24 @@ def decode_rows(
                 if not host_done[r]:
                     host_done[r], reason[r] = True, CANCELLED
             break
-        n, cache, logits, cur_pos, _, new = decode(
+        n, cache, logits, cur_pos, _, new, new_lp = decode(
             graphdef, chunk, temperature == 0.0, state, cache, logits, cur_pos, jnp.asarray(host_done),
             jnp.int32(steps), jnp.int32(max_new_tokens - steps), base_key, temp, tp, stops.array,
         )  # fmt: skip
-        n, new = int(n), np.asarray(new)
+        n, new, new_lp = int(n), np.asarray(new), np.asarray(new_lp)
         for r in live:  # append this chunk's tokens; a stop token ends the row (and is kept)
             if host_done[r]:
                 continue
-            for t in new[r, :n].tolist():
+            for t, lp in zip(new[r, :n].tolist(), new_lp[r, :n].tolist(), strict=True):
                 out[r].append(t)
+                logp[r].append(lp)
                 if t in stop_set:
                     host_done[r], reason[r] = True, "stop"
                     break
             if not host_done[r] and stops.should_stop is not None and stops.should_stop(r, out[r]):
                 host_done[r], reason[r] = True, "stop"
         steps += n
-    return {r: Generation(out[r], reason[r]) for r in live}, cache, steps
+    return {r: Generation(out[r], reason[r], logp[r]) for r in live}, cache, steps
 
 
 def generate(

@@ -22,15 +22,20 @@ from typing import Any, Protocol
 from agentrefine_jax.eval import core
 from agentrefine_jax.eval.agentboard.checkout import CLONE, Checkout, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
+from agentrefine_jax.eval.config import AGENTBOARD_MAX_STEPS as DEFAULT_MAX_STEPS  # CFG run.max_num_steps
 from agentrefine_jax.eval.core import Env, StepResult
 from agentrefine_jax.eval.journal import Journal
-from agentrefine_jax.eval.policies import RandomPolicy  # noqa: F401 - the one random policy, re-exported
+from agentrefine_jax.eval.policies import (
+    RandomPolicy,  # noqa: F401 - the one random policy, re-exported
+    Reply,
+    Solver,
+    as_reply,
+)
 from agentrefine_jax.layout import agentboard_head, history_lines
 from agentrefine_jax.layout import agentboard_user as user_prompt
 
 MEMORY_SIZE = 100  # CFG agent.memory_size
 MAX_NEW_TOKENS = 100  # CFG llm.<open model>.max_tokens
-DEFAULT_MAX_STEPS = 30  # CFG run.max_num_steps
 VLLM_FILE = "agentboard/llm/vllm.py"
 
 
@@ -189,7 +194,8 @@ class ModelBackend(Protocol):
     def generate(
         self, prompts: Sequence[tuple[str, str]], keys: Sequence[Hashable] | None = None
     ) -> list[str | Exception]:
-        """Replies; `keys` name the episodes asking, so a backend may keep state per episode (a KV cache)."""
+        """Reply texts; `keys` name the episodes asking, so a backend may keep state per episode (its KV
+        cache)."""
         ...
 
     def forget(self, key: Hashable) -> None:
@@ -235,7 +241,7 @@ class Episode:
         self.memory: list[tuple[str, str]] = []
         self.finished = False
         self.prompt_set: PromptSet | None = None
-        self.policy: Any = None  # a privileged policy's per-episode instance
+        self.policy: Solver | None = None  # a privileged policy's solver for this episode
 
     @property
     def job(self) -> EpisodeSpec:
@@ -310,8 +316,8 @@ class Agent:
     """Who answers: a model backend (`model`), or a privileged policy made per episode (`policy_for`)."""
 
     model: ModelBackend | None = None
-    # (task, env, spec) -> a per-episode policy: act(env, history: list[tuple[str, str]]) -> str
-    policy_for: Callable[[Any, Env, EpisodeSpec], Any] | None = None
+    # (task, env, spec) -> the episode's solver (`policies.Solver`: next_action(env, history) -> str)
+    policy_for: Callable[[Any, Env, EpisodeSpec], Solver] | None = None
     system_suffix: str = ""  # appended to every system message (AgentBoard's vLLM sentence for open models)
 
     def __post_init__(self) -> None:
@@ -373,7 +379,7 @@ class AgentBoardProtocol:
                 ep.fail(f"policy_error: {e}")
         return ep
 
-    def answer(self, active: list[Episode]) -> list[tuple[Episode, str | Exception]]:
+    def answer(self, active: list[Episode]) -> list[tuple[Episode, Reply | Exception]]:
         model = self.agent.model
         if model is None:
             return [(ep, _act(ep)) for ep in active]
@@ -392,11 +398,14 @@ class AgentBoardProtocol:
         live = [k for k, ep in enumerate(active) if not ep.finished]
         keys = [self.key(active[k].spec) for k in live]
         replies = model.generate([batch[k] for k in live], keys) if live else []
-        return [(active[k], reply) for k, reply in zip(live, replies, strict=True)]
+        return [
+            (active[k], reply if isinstance(reply, Exception) else as_reply(reply))
+            for k, reply in zip(live, replies, strict=True)
+        ]
 
     @staticmethod
-    def apply(ep: Episode, reply: str) -> None:
-        _step(ep, parse_action(reply), reply)
+    def apply(ep: Episode, reply: Reply) -> None:
+        _step(ep, parse_action(reply.text), reply.text)
 
     def failed(self, ep: Episode, error: Exception) -> None:
         who = "policy" if self.agent.model is None else "model"
@@ -416,10 +425,12 @@ class AgentBoardProtocol:
         return EpisodeLog(**(record | {"spec": spec, "score_change_record": scores}))
 
 
-def _act(ep: Episode) -> str | Exception:
-    """A privileged policy's reply; its failure ends this episode only, reported."""
+def _act(ep: Episode) -> Reply | Exception:
+    """A privileged policy's reply (its solver's action, as AgentBoard's parser reads it: no ReAct turn
+    around it); its failure ends this episode only, reported."""
+    assert ep.policy is not None
     try:
-        return ep.policy.act(ep.env, ep.history())
+        return Reply(ep.policy.next_action(ep.env, ep.history()))
     except Exception as e:  # noqa: BLE001
         return e
 

@@ -92,16 +92,19 @@ class TemplateModel:
     def generate(
         self, prompts: Sequence[tuple[str, str]], keys: Sequence[Hashable] | None = None
     ) -> list[str | Exception]:
+        """The actor's reply texts: AgentBoard's backend interface is text-level (its protocol parses and
+        logs text; the actor's token ids stay behind this boundary)."""
         self._calls += 1
         seed = (self.seed * 1_000_003 + self._calls) % 2**31
         names = list(keys) if keys is not None else [None] * len(prompts)
-        return ask(
+        replies = ask(
             self.actor,
             [
                 ActRequest(self.messages(s, u), seed + i, 0, self.sampling, key=k)
                 for i, ((s, u), k) in enumerate(zip(prompts, names, strict=True))
             ],
         )
+        return [r if isinstance(r, Exception) else r.text for r in replies]
 
     def forget(self, key: Hashable) -> None:
         forget(self.actor, key)

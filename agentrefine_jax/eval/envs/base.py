@@ -175,5 +175,5 @@ class EvalTask(abc.ABC):
 class EnvOracle:
     """The built-in environments' reference solver, as a per-episode policy (`OraclePolicy`)."""
 
-    def act(self, env: TextEnv, history: list[tuple[str, str]]) -> str:
+    def next_action(self, env: TextEnv, history: list[tuple[str, str]]) -> str:
         return env.oracle_action()

@@ -146,6 +146,10 @@ def _expert_wrapper(base: Any, kind: str) -> Any:
 class ALFWorldEnv:
     """One AgentBoard ALFWorld episode on one game file."""
 
+    # The reply rewrite `step` applies, offered to wrappers that match a reply before stepping
+    # (`perturb.RewordedEnv`).
+    parse_action = staticmethod(post_process)
+
     def __init__(self, game_file: str, subgoals: list[str], expert: bool = False):
         self.game_file, self.subgoals, self.expert = game_file, list(subgoals), expert
         self.goal = ""
@@ -263,7 +267,7 @@ class ALFWorldEnv:
 class ExpertOracle:
     """alfworld's handcoded expert: the next command of its plan for the current state."""
 
-    def act(self, env: ALFWorldEnv, history: list[tuple[str, str]]) -> str:
+    def next_action(self, env: ALFWorldEnv, history: list[tuple[str, str]]) -> str:
         if not env.expert_plan:
             return HELP
         rewording = getattr(env, "rw", None)  # a perturbed episode (perturb.RewordedEnv) shows other wording

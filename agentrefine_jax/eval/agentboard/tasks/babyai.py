@@ -440,7 +440,7 @@ class BotOracle:
                     break
         return reached
 
-    def act(self, env: BabyAIEnv, history: list[tuple[str, str]]) -> str:
+    def next_action(self, env: BabyAIEnv, history: list[tuple[str, str]]) -> str:
         assert env.view is not None
         reached = self._rollout(env)
         if not reached:  # the bot is stuck: a fresh one (no memory of the episode) from the current state
