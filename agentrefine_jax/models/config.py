@@ -46,13 +46,31 @@ class Architecture:
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = False
     sliding_window: int | None = None
+    # Routed experts (families with `moe`, models/moe.py); all zero for dense families.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = False  # renormalise the top-k router weights to sum to 1
 
     def __post_init__(self) -> None:
-        families.get(self.family)  # ValueError naming the supported families
+        fam = families.get(self.family)  # ValueError naming the supported families
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
             )
+        moe = (self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size)
+        if fam.moe and not (min(moe) >= 1 and self.num_experts_per_tok <= self.num_experts):
+            raise ValueError(
+                f"family {self.family!r} routes experts: num_experts, moe_intermediate_size >= 1 and "
+                f"1 <= num_experts_per_tok <= num_experts are needed, got {moe}"
+            )
+        if not fam.moe and any(moe):
+            raise ValueError(f"family {self.family!r} is dense: num_experts etc. must stay 0, got {moe}")
+
+    @property
+    def active_experts_fraction(self) -> float:
+        """The share of the expert weights one token runs through (k / E; 1 for dense models)."""
+        return self.num_experts_per_tok / self.num_experts if self.num_experts else 1.0
 
     @property
     def q_per_kv(self) -> int:
@@ -73,6 +91,9 @@ class Interface:
     bos_token_id: int = 128000
     eos_token_ids: tuple[int, ...] = (128001, 128009)
     pad_token_id: int | None = None
+    # HF's weight of the auxiliary load-balancing loss (MoE families; config.json's value, which
+    # transformers applies only with output_router_logits). Changes the training loss, not logits.
+    router_aux_loss_coef: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""One config-driven decoder (Llama-3, Mistral, Qwen2.5, Qwen3: models/families.py) in Flax NNX.
+"""One config-driven decoder (Llama-3, Mistral, Qwen2.5, Qwen3, Qwen3-MoE: models/families.py) in Flax NNX.
 
 Layer parameters are always stored stacked along a leading "layers" axis, so the
 checkpoint layout does not depend on `scan_layers`: scanning only changes how the
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from agentrefine_jax.models import cpu_layout, execution, lora, params, quant, rope
+from agentrefine_jax.models import cpu_layout, execution, lora, moe, params, quant, rope
 from agentrefine_jax.models.attention import Segments, attend
 from agentrefine_jax.models.config import Architecture, ModelConfig
 from agentrefine_jax.models.execution import ExecutionPlan
@@ -118,6 +118,8 @@ def layer_forward(
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
 
     def mlp(h: jax.Array) -> jax.Array:
+        if "router" in p:  # routed experts (families with `moe`): models/moe.py
+            return _moe_mlp(cfg, p, h, dt, lora_spec)
         gate = proj(proj_in, h, "w_gate")
         up = proj(proj_in, h, "w_up")
         act = constrain(jax.nn.silu(gate) * up, ("batch", "activation_seq", "activation_mlp"))
@@ -126,6 +128,35 @@ def layer_forward(
     chunked = kv is None and not flat
     x = x + (mlp_in_chunks(mlp, h, mlp_chunk) if chunked else mlp(h))
     return constrain(x, ("batch", "activation_seq", "activation_embed")), new_kv
+
+
+def _moe_mlp(
+    cfg: Architecture, p: dict[str, Any], h: jax.Array, dt: Any, lora_spec: lora.LoraSpec | None
+) -> jax.Array:
+    """The routed-expert MLP on [B, S, D]: every token's top-k experts (models/moe.py). With
+    `lora_spec` naming expert projections, their grouped LoRA deltas join each grouped matmul."""
+    b, s, d = h.shape
+    x = h.reshape(b * s, d)
+    _, top_w, top_i = moe.route(x, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    names = ("we_gate", "we_up", "we_down")
+    adapters = {} if lora_spec is None else {n: p["lora"][n] for n in names if n in p["lora"]}
+    weights = {n: quant.dequantize(p[n], dt) for n in names}
+    if not adapters:
+        out = moe.experts(x, top_w, top_i, *weights.values())
+    else:
+
+        def matmul(xs: jax.Array, w: jax.Array, sizes: jax.Array, which: str) -> jax.Array:
+            y = moe.ragged_matmul(xs, w, sizes)
+            ab = adapters.get(f"we_{which}")
+            if ab is None:
+                return y
+            # Expert adapters are per expert (A [E, in, r], B [E, r, out]): grouped like W.
+            xa = moe.ragged_matmul(xs, ab["a"].astype(xs.dtype), sizes)
+            delta = moe.ragged_matmul(xa, ab["b"].astype(xs.dtype), sizes)
+            return y + delta * jnp.asarray(lora_spec.scale, xs.dtype)
+
+        out = moe.experts_ragged(x, top_w, top_i, *weights.values(), matmul=matmul)
+    return out.reshape(b, s, d)
 
 
 def mlp_in_chunks(mlp: Any, h: jax.Array, chunk: int) -> jax.Array:
