@@ -253,9 +253,13 @@ def _lora_rank(cfg: Any) -> str | None:
     lc = cfg.train.lora
     if not lc.rank:
         return None
-    from agentrefine_jax.models.lora import max_rank  # the projections' shapes (models/params.py)
+    from agentrefine_jax.models.lora import max_rank, missing_targets  # models/params.py's shapes
 
     targets = _names(lc.targets)
+    missing = missing_targets(targets, cfg.model)
+    if missing:
+        model = f"a {cfg.model.family} model"
+        return f"train.lora.targets={','.join(targets)}: {model} has no {', '.join(missing)} projections"
     cap = max_rank(targets, cfg.model)
     if lc.rank > cap:
         return (

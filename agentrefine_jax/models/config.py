@@ -1,6 +1,6 @@
 """Model configuration and the shipped presets.
 
-One `ModelConfig` describes every model we support (Llama-3, Mistral, Qwen2.5, Qwen3; the families
+One `ModelConfig` describes every model we support (Llama-3, Mistral, Qwen2.5, Qwen3, Qwen3-MoE; the families
 and what differs between them are in models/families.py), made of three parts: the `Architecture`
 (the function), its `Interface` (special tokens, context length) and its `Execution` settings (how
 it runs). The model code branches only on the architecture, the family's row and the resolved
@@ -344,6 +344,37 @@ for _name, _hidden, _inter, _layers, _heads, _kv, _tied in (
         tie_embeddings=_tied,
         **_QWEN3,
     )
+
+# Qwen/Qwen3-30B-A3B and Qwen3-235B-A22B (config.json): Qwen3's attention, every layer routed over
+# 128 experts, top 8, renormalised (norm_topk_prob), untied; intermediate_size is the dense MLP
+# width HF keeps in config.json for dense layers (none here: decoder_sparse_step 1). 30B-A3B:
+# 30.5B parameters, 3.3B active per token (tests/test_family_qwen3_moe.py).
+_QWEN3_MOE = dict(
+    _QWEN3,
+    family="qwen3_moe",
+    num_kv_heads=4,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    router_aux_loss_coef=0.001,
+    tie_embeddings=False,
+)
+PRESETS["qwen3_30b_a3b"] = ModelConfig(
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_layers=48,
+    num_heads=32,
+    **_QWEN3_MOE,
+)
+PRESETS["qwen3_235b_a22b"] = ModelConfig(
+    hidden_size=4096,
+    intermediate_size=12288,
+    moe_intermediate_size=1536,
+    num_layers=94,
+    num_heads=64,
+    **_QWEN3_MOE,
+)
 
 
 def preset(name: str, **overrides: object) -> ModelConfig:

@@ -147,9 +147,15 @@ def _moe_mlp(
 
         def matmul(xs: jax.Array, w: jax.Array, sizes: jax.Array, which: str) -> jax.Array:
             y = moe.ragged_matmul(xs, w, sizes)
-            ab = adapters.get(f"we_{which}")
+            name = f"we_{which}"
+            ab = adapters.get(name)
             if ab is None:
                 return y
+            key = p.get("lora_key")
+            if key is not None and lora_spec.dropout > 0:  # as lora.delta: dropout on the input
+                key = jax.random.fold_in(key, lora_spec.names.index(name))
+                keep = jax.random.bernoulli(key, 1.0 - lora_spec.dropout, xs.shape)
+                xs = jnp.where(keep, xs / (1.0 - lora_spec.dropout), 0).astype(xs.dtype)
             # Expert adapters are per expert (A [E, in, r], B [E, r, out]): grouped like W.
             xa = moe.ragged_matmul(xs, ab["a"].astype(xs.dtype), sizes)
             delta = moe.ragged_matmul(xa, ab["b"].astype(xs.dtype), sizes)

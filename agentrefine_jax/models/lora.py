@@ -6,6 +6,9 @@ B starts at zero, so a fresh adapter leaves the model's output unchanged. A and 
 logical axes of W's input/output sides plus "lora_rank" (no rule maps it: replicated), so they
 shard by the same rules as the base. Adapters are kept in float32 whatever the base's dtype.
 
+Routed experts (MoE families) get one adapter per expert: A [E, *in, r], B [E, r, *out] (stacked
+over layers as well), applied by the grouped matmul like the expert weights (models/llama.py).
+
 PEFT's layout (`peft_name`): lora_A.weight is [r, in] and lora_B.weight is [out, r], the
 HF-layout factors of the same product, under `base_model.model.` + the HF module name.
 """
@@ -32,6 +35,10 @@ TARGETS: dict[str, str] = {
     "gate": "w_gate",
     "up": "w_up",
     "down": "w_down",
+    # Routed experts (MoE families): one adapter per expert.
+    "expert_gate": "we_gate",
+    "expert_up": "we_up",
+    "expert_down": "we_down",
 }
 # "int8": the QLoRA-style base, projections quantised with qwix (`quant.py`).
 BASE_DTYPES = ("bfloat16", "float32", "int8")
@@ -72,15 +79,28 @@ def _row(name: str) -> params.Param:
     return params.BY_PATH[("layers", name)]
 
 
+def missing_targets(targets: Any, cfg: ModelConfig) -> list[str]:
+    """The `targets` a model under `cfg` does not hold (e.g. the dense MLP's in an MoE model)."""
+    return [t for t in targets if not params.holds(_row(TARGETS[t]), cfg)]
+
+
+def _check_held(spec: LoraSpec, cfg: ModelConfig) -> None:
+    missing = missing_targets(spec.targets, cfg)
+    if missing:
+        raise ValueError(f"train.lora.targets {missing}: a {cfg.family} model has no such projections")
+
+
 def shapes(spec: LoraSpec, cfg: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
+    _check_held(spec, cfg)
     out = {}
     for name in spec.names:
         row = _row(name)
-        own = params.shape(row, cfg, stacked=False)
+        own = params.slice_shape(row, cfg)
+        lead = (cfg.num_layers, cfg.num_experts) if row.per_expert else (cfg.num_layers,)
         n_in = row.n_in
         out[name] = {
-            "a": (cfg.num_layers, *own[:n_in], spec.rank),
-            "b": (cfg.num_layers, spec.rank, *own[n_in:]),
+            "a": (*lead, *own[:n_in], spec.rank),
+            "b": (*lead, spec.rank, *own[n_in:]),
         }
     return out
 
@@ -91,7 +111,7 @@ def max_rank(targets: Any, cfg: ModelConfig) -> int:
     ranks = []
     for t in targets:
         row = _row(TARGETS[t])
-        own = params.shape(row, cfg, stacked=False)
+        own = params.slice_shape(row, cfg)
         ranks.append(min(math.prod(own[: row.n_in]), math.prod(own[row.n_in :])))
     return min(ranks)
 
@@ -101,9 +121,12 @@ def logical_axes(spec: LoraSpec) -> dict[str, dict[str, tuple[str, ...]]]:
     for name in spec.names:
         row = _row(name)
         axes = params.logical_axes(row)[1:]  # without "layers"
+        lead: tuple[str, ...] = ("layers",)
+        if row.per_expert:
+            lead, axes = ("layers", axes[0]), axes[1:]
         out[name] = {
-            "a": ("layers", *axes[: row.n_in], RANK_AXIS),
-            "b": ("layers", RANK_AXIS, *axes[row.n_in :]),
+            "a": (*lead, *axes[: row.n_in], RANK_AXIS),
+            "b": (*lead, RANK_AXIS, *axes[row.n_in :]),
         }
     return out
 
@@ -112,7 +135,8 @@ def init(spec: LoraSpec, cfg: ModelConfig, key: jax.Array) -> Adapters:
     """A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (PEFT's default bound), B = 0."""
     out: Adapters = {}
     for i, (name, s) in enumerate(shapes(spec, cfg).items()):
-        fan_in = math.prod(s["a"][1:-1])
+        lead = 2 if _row(name).per_expert else 1
+        fan_in = math.prod(s["a"][lead:-1])
         bound = 1.0 / math.sqrt(fan_in)
         a = jax.random.uniform(jax.random.fold_in(key, i), s["a"], ADAPTER_DTYPE, -bound, bound)
         out[name] = {"a": a, "b": jnp.zeros(s["b"], ADAPTER_DTYPE)}
@@ -169,12 +193,23 @@ def peft_module(name: str, layer: int) -> str:
     return params.hf_name(_row(name), layer).removesuffix(".weight")
 
 
+def _no_expert_targets(spec: LoraSpec) -> None:
+    experts = [t for t in spec.targets if _row(TARGETS[t]).per_expert]
+    if experts:
+        raise ValueError(
+            f"PEFT adapters of routed experts {experts} are not supported (transformers 5 fuses the "
+            "experts into one tensor); export the merged model instead"
+        )
+
+
 def peft_target_modules(spec: LoraSpec) -> list[str]:
+    _no_expert_targets(spec)
     return [params.hf_name(_row(n), 0).removesuffix(".weight").rsplit(".", 1)[1] for n in spec.names]
 
 
 def to_peft(adapters: Adapters, spec: LoraSpec) -> dict[str, np.ndarray]:
     """PEFT tensor names -> float32 arrays: lora_A [r, in], lora_B [out, r] per layer."""
+    _no_expert_targets(spec)
     out: dict[str, np.ndarray] = {}
     for name, ab in adapters.items():
         a, b = np.asarray(ab["a"], np.float32), np.asarray(ab["b"], np.float32)

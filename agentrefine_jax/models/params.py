@@ -197,7 +197,9 @@ def hf_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
     if layer is not None and layer >= cfg.num_layers:
         raise KeyError(f"unexpected tensor in HF checkpoint: {name} (the config has {cfg.num_layers} layers)")
     if expert is not None and expert >= cfg.num_experts:
-        raise KeyError(f"unexpected tensor in HF checkpoint: {name} (the config has {cfg.num_experts} experts)")
+        raise KeyError(
+            f"unexpected tensor in HF checkpoint: {name} (the config has {cfg.num_experts} experts)"
+        )
     return hf_shape_of(p, cfg)
 
 
