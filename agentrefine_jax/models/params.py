@@ -234,8 +234,11 @@ def hf_set_problems(shapes: dict[str, tuple[int, ...]], cfg: ModelConfig, source
         parts.append(f"lacks {len(missing)} tensors: {missing[:10]}{more}")
     if extra:
         m = _HF_LAYER_RE.match(extra[0])
+        e = _HF_EXPERT_RE.match(m.group(2)) if m else None
         past = m is not None and int(m.group(1)) >= cfg.num_layers
         why = f"{source} says {cfg.num_layers} layers" if past else f"not part of a {cfg.family} model"
+        if not past and e is not None and cfg.num_experts and int(e.group(1)) >= cfg.num_experts:
+            why = f"{source} says {cfg.num_experts} experts"
         parts.append(f"unexpected tensor in HF checkpoint: {extra[0]} ({why}){_more(extra, 'unexpected')}")
     if misshapen:
         parts.append(misshapen[0] + _more(misshapen, "misshapen"))
