@@ -156,7 +156,7 @@ def test_trains_with_lora_from_hf_dir_and_exports_a_model_transformers_loads(hf_
     sets = ["data.max_length=256", "train.global_batch_size=8", "train.max_steps=2",
             "train.checkpoint_every=2", "train.eval_every=0", f"data.tokenizer={hf_dir}", "data.template=hf",
             "train.lora.rank=4", "train.lora.alpha=8",
-            "train.lora.targets=q,k,v,o,expert_gate,expert_up,expert_down"]  # fmt: skip
+            "train.lora.targets=q,k,v,o,expert_gate,expert_up,expert_down", "train.router_aux_loss=true"]  # fmt: skip
     r = F.train_from_hf(hf_dir, run, config="tiny", sets=sets)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -223,3 +223,37 @@ def test_qwen3_30b_a3b_preset_has_the_published_sizes() -> None:
     # FLOPs count the active experts (and the untied lm_head, not the embedding lookup).
     norms = 48 * (2 * 2048 + 2 * 128) + 2048
     assert flops.matmul_params(cfg) == active - cfg.vocab_size * cfg.hidden_size - norms
+
+
+def test_load_balancing_loss_is_transformers(hf_dir, loaded) -> None:
+    """train.router_aux_loss: our SFT loss sum / count is transformers' `loss` with
+    output_router_logits=True (cross-entropy + router_aux_loss_coef x load_balancing_loss_func)."""
+    from agentrefine_jax.train.step import loss_sums
+
+    hf, model = loaded
+    ids = F.random_ids(np.random.default_rng(5), model.cfg.vocab_size, 2, 24)
+    batch = {
+        "input_ids": jnp.asarray(ids, jnp.int32),
+        "positions": jnp.broadcast_to(jnp.arange(24, dtype=jnp.int32), (2, 24)),
+        "segment_ids": jnp.ones((2, 24), jnp.int32),
+        "loss_mask": jnp.ones((2, 24), jnp.int32),
+    }
+    graphdef, params = nnx.split(model, nnx.Param)
+    coef = model.cfg.router_aux_loss_coef
+    with torch.no_grad():
+        out = hf(input_ids=torch.tensor(ids), labels=torch.tensor(ids), output_router_logits=True)
+    total, count = loss_sums(graphdef, params, batch, 16, router_aux_coef=coef)
+    plain, _ = loss_sums(graphdef, params, batch, 16)
+    assert abs(float(total / count) - out.loss.item()) < 1e-5
+    # (float32 sums of ~300 cancel here: the aux term itself is held to 1e-5 just below)
+    np.testing.assert_allclose(float((total - plain) / count) / coef, out.aux_loss.item(), rtol=1e-3)
+    assert out.aux_loss.item() > model.cfg.num_experts_per_tok + 0.01  # routing not balanced: it bites
+    _, aux = model.forward_with_router_loss(batch["input_ids"], batch["positions"], batch["segment_ids"])
+    np.testing.assert_allclose(float(aux), out.aux_loss.item(), rtol=1e-5)
+    # Padding (segment 0) is left out, as transformers' attention_mask leaves it out.
+    seg = batch["segment_ids"].at[1, 16:].set(0)
+    with torch.no_grad():
+        mask = torch.tensor(np.asarray(seg))
+        ref = hf(input_ids=torch.tensor(ids), attention_mask=mask, output_router_logits=True).aux_loss.item()
+    _, aux = model.forward_with_router_loss(batch["input_ids"], batch["positions"], seg)
+    np.testing.assert_allclose(float(aux), ref, rtol=1e-5)

@@ -87,15 +87,21 @@ def experts_dense(
 experts = experts_ragged if hasattr(jax.lax, "ragged_dot") else experts_dense
 
 
-def load_balancing_loss(top_i: jax.Array, probs: jax.Array, mask: jax.Array, num_experts: int) -> jax.Array:
-    """transformers' `load_balancing_loss_func` (Switch Transformer) over one set of router
-    outputs: E * sum_e (share of the real tokens' top-k slots routed to e) * (their mean router
-    probability of e). top_i [T, k], probs [T, E] (float32 softmax), mask [T] (1 = a real token).
-    HF concatenates every layer's tokens into the one mean; the caller passes them stacked."""
-    k = top_i.shape[-1]
+def router_stats(logits: jax.Array, top_i: jax.Array, mask: jax.Array) -> jax.Array:
+    """One layer's share of the load-balancing loss: [2, E] = (how many of the real tokens' top-k
+    slots went to each expert, the sum of their router probabilities per expert). logits [T, E],
+    top_i [T, k], mask [T] (1 = a real token, as transformers' attention_mask)."""
+    e = logits.shape[-1]
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     m = mask.astype(jnp.float32)
-    counts = jnp.sum(jax.nn.one_hot(top_i, num_experts, dtype=jnp.float32) * m[:, None, None], axis=(0, 1))
-    n = jnp.maximum(jnp.sum(m), 1.0)
-    tokens_per_expert = counts / (n * k)
-    prob_per_expert = jnp.sum(probs * m[:, None], axis=0) / n
-    return jnp.sum(tokens_per_expert * prob_per_expert) * num_experts
+    counts = jnp.sum(jax.nn.one_hot(top_i, e, dtype=jnp.float32) * m[:, None, None], axis=(0, 1))
+    return jnp.stack([counts, jnp.sum(probs * m[:, None], axis=0)])
+
+
+def load_balancing_loss(stats: jax.Array, rows: jax.Array) -> jax.Array:
+    """transformers' `load_balancing_loss_func` (Switch Transformer) from the router statistics
+    summed over the layers and `rows` (real tokens x layers): E * sum_e (top-k slots routed to e /
+    rows) * (router probability of e summed / rows). Balanced routing gives k."""
+    counts, probs = stats[0], stats[1]
+    rows = jnp.maximum(rows, 1.0)
+    return jnp.sum((counts / rows) * (probs / rows)) * stats.shape[-1]

@@ -92,12 +92,26 @@ def loss_sums(
     impl: str = "remat",
     lora_spec: lora.LoraSpec | None = None,
     dropout_key: jax.Array | None = None,
+    router_aux_coef: float = 0.0,
 ) -> tuple[jax.Array, jax.Array]:
+    """(token-loss sum, token count) of a (micro) batch. With `router_aux_coef` (MoE models,
+    `train.router_aux_loss`), coef x the batch's load-balancing loss joins the sum weighted by its
+    token count, so after the one division by the global count it is transformers'
+    `loss + router_aux_loss_coef * aux_loss` (exactly so for one micro batch)."""
     params, adapters = forward_inputs(params, lora_spec, dropout_key)
     model: Transformer = nnx.merge(graphdef, params)
-    hidden, _ = model.forward(batch["input_ids"], batch["positions"], batch["segment_ids"], adapters=adapters)
+    ids, pos, seg = batch["input_ids"], batch["positions"], batch["segment_ids"]
+    aux = None
+    if router_aux_coef:
+        hidden, aux = model.forward_with_router_loss(ids, pos, seg, adapters=adapters)
+    else:
+        hidden, _ = model.forward(ids, pos, seg, adapters=adapters)
     targets, weights = target_weights(batch)
-    return chunked_cross_entropy(hidden[:, :-1], model.lm_head_weight(), targets, weights, chunk, impl)
+    lm_head = model.lm_head_weight()
+    total, count = chunked_cross_entropy(hidden[:, :-1], lm_head, targets, weights, chunk, impl)
+    if aux is not None:
+        total = total + router_aux_coef * aux * count
+    return total, count
 
 
 def preference_loss(
@@ -157,6 +171,7 @@ def build_steps(
     mode: ParamMode | None = None,
     objective: str = "sft",
     knobs: dict[str, float] | None = None,
+    router_aux_coef: float = 0.0,
 ) -> StepFns:
     """The jitted steps for `mode` (default: from model_cfg, lora_spec and lora_base_dtype) and
     `objective` (sft, or a preference objective with `knobs` beta/sft_weight/dpo_weight)."""
@@ -167,6 +182,7 @@ def build_steps(
     if global_batch % micro:
         raise ValueError(f"train.global_batch_size={global_batch} not divisible by micro_batch_size={micro}")
     n_micro = global_batch // micro
+    aux = router_aux_coef  # SFT: the MoE load-balancing loss's weight (0 = off)
     # Resolved against the mesh's devices (not the default backend): a TPU topology compiled from a
     # CPU host gets the TPU choice.
     loss_impl = resolve_loss_impl(loss_impl, mesh.devices.flat[0].platform)
@@ -185,7 +201,7 @@ def build_steps(
     def train_step(params: Params, opt_state: Any, batch: Batch) -> tuple[Params, Any, dict[str, jax.Array]]:
         micro_batches = {k: v.reshape(n_micro, micro, *v.shape[1:]) for k, v in batch.items()}
         trained = mode.trainable(params)
-        loss = mode.loss(loss_sums, graphdef, params, chunk=loss_chunk, impl=loss_impl)
+        loss = mode.loss(loss_sums, graphdef, params, chunk=loss_chunk, impl=loss_impl, router_aux_coef=aux)
         grads, loss_sum, n_tok = _accumulate(jax.value_and_grad(loss, has_aux=True), trained, micro_batches,
                                              mode.dropout_keys(opt_state, n_micro))  # fmt: skip
         # One division over the whole global batch: every loss token weighs the same.
@@ -205,7 +221,7 @@ def build_steps(
         return mode.with_trained(params, new_params), new_opt, metrics
 
     def eval_step(params: Params, batch: Batch) -> tuple[jax.Array, jax.Array]:
-        return mode.loss(loss_sums, graphdef, params, chunk=loss_chunk, impl=loss_impl)(
+        return mode.loss(loss_sums, graphdef, params, chunk=loss_chunk, impl=loss_impl, router_aux_coef=aux)(
             mode.trainable(params), batch, None
         )
 
