@@ -155,8 +155,8 @@ def test_trains_with_lora_from_hf_dir_and_exports_a_model_transformers_loads(hf_
     run = tmp_path / "run"
     sets = ["data.max_length=256", "train.global_batch_size=8", "train.max_steps=2",
             "train.checkpoint_every=2", "train.eval_every=0", f"data.tokenizer={hf_dir}", "data.template=hf",
-            "train.lora.rank=4", "train.lora.alpha=8",
-            "train.lora.targets=q,k,v,o,expert_gate,expert_up,expert_down", "train.router_aux_loss=true"]  # fmt: skip
+            "train.lora.rank=4", "train.lora.alpha=8", "train.router_aux_loss=true",
+            "train.lora.targets=q,k,v,o,expert_gate,expert_up,expert_down"]  # fmt: skip
     r = F.train_from_hf(hf_dir, run, config="tiny", sets=sets)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
