@@ -151,30 +151,10 @@ def _moe_mlp(
     x = h.reshape(b * s, d)
     logits, top_w, top_i = moe.route(x, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
     stats = None if router_mask is None else moe.router_stats(logits, top_i, router_mask.reshape(-1))
-    names = ("we_gate", "we_up", "we_down")
-    adapters = {} if lora_spec is None else {n: p["lora"][n] for n in names if n in p["lora"]}
-    weights = {n: quant.dequantize(p[n], dt) for n in names}
-    if not adapters:
-        out = moe.experts(x, top_w, top_i, *weights.values())
-    else:
-
-        def matmul(xs: jax.Array, w: jax.Array, sizes: jax.Array, which: str) -> jax.Array:
-            y = moe.ragged_matmul(xs, w, sizes)
-            name = f"we_{which}"
-            ab = adapters.get(name)
-            if ab is None:
-                return y
-            key = p.get("lora_key")
-            if key is not None and lora_spec.dropout > 0:  # as lora.delta: dropout on the input
-                key = jax.random.fold_in(key, lora_spec.names.index(name))
-                keep = jax.random.bernoulli(key, 1.0 - lora_spec.dropout, xs.shape)
-                xs = jnp.where(keep, xs / (1.0 - lora_spec.dropout), 0).astype(xs.dtype)
-            # Expert adapters are per expert (A [E, in, r], B [E, r, out]): grouped like W.
-            xa = moe.ragged_matmul(xs, ab["a"].astype(xs.dtype), sizes)
-            delta = moe.ragged_matmul(xa, ab["b"].astype(xs.dtype), sizes)
-            return y + delta * jnp.asarray(lora_spec.scale, xs.dtype)
-
-        out = moe.experts_ragged(x, top_w, top_i, *weights.values(), matmul=matmul)
+    weights = [quant.dequantize(p[name], dt) for name in params.EXPERT_NAMES]
+    # LoRA on the experts (when handed expert adapters) wraps the grouped matmul: models/lora.py.
+    matmul = lora.expert_matmul(p.get("lora"), lora_spec, p.get("lora_key"))
+    out = moe.experts(x, top_w, top_i, *weights, matmul=matmul)
     return out.reshape(b, s, d), stats
 
 

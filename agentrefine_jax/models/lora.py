@@ -161,6 +161,33 @@ def delta(
     return jnp.tensordot(xa, ab["b"].astype(x.dtype), axes=1) * jnp.asarray(spec.scale, x.dtype)
 
 
+def expert_matmul(layer_adapters: dict[str, Any] | None, spec: LoraSpec | None, key: jax.Array | None) -> Any:
+    """The grouped matmul of the routed experts (`moe.GroupedMatmul`) with this layer's expert
+    adapters' grouped deltas added, (dropout(x) @ A_e) @ B_e * alpha / r per expert e; None (the
+    plain grouped matmul) when there are none."""
+    from agentrefine_jax.models import moe
+
+    held = {} if spec is None or layer_adapters is None else layer_adapters
+    ours = {i: held[n] for i, n in enumerate(params.EXPERT_NAMES) if n in held}
+    if not ours:
+        return None
+
+    def matmul(xs: jax.Array, w: jax.Array, sizes: jax.Array, which: int) -> jax.Array:
+        y = moe.ragged_matmul(xs, w, sizes)
+        ab = ours.get(which)
+        if ab is None:
+            return y
+        name = params.EXPERT_NAMES[which]
+        drop = None if key is None else jax.random.fold_in(key, spec.names.index(name))
+        if drop is not None and spec.dropout > 0:  # as `delta`: dropout on the input
+            keep = jax.random.bernoulli(drop, 1.0 - spec.dropout, xs.shape)
+            xs = jnp.where(keep, xs / (1.0 - spec.dropout), 0).astype(xs.dtype)
+        xa = moe.ragged_matmul(xs, ab["a"].astype(xs.dtype), sizes)
+        return y + moe.ragged_matmul(xa, ab["b"].astype(xs.dtype), sizes) * jnp.asarray(spec.scale, xs.dtype)
+
+    return matmul
+
+
 def merged_weight(
     w: jax.Array, ab: dict[str, jax.Array], n_in: int, spec: LoraSpec, dtype: Any = None
 ) -> jax.Array:

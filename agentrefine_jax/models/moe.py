@@ -20,9 +20,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-# (x [T, in], w [E, in, out], group_sizes [E], which of "gate"/"up"/"down") -> [T, out]; the rows
-# of x sorted by expert.
-GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array, str], jax.Array]
+# (x [T, in], w [E, in, out], group_sizes [E], which projection: 0 gate, 1 up, 2 down) -> [T, out];
+# the rows of x sorted by expert.
+GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array, int], jax.Array]
 
 
 def route(
@@ -38,7 +38,7 @@ def route(
     return logits, top_w.astype(x.dtype), top_i
 
 
-def ragged_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, which: str = "") -> jax.Array:
+def ragged_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, which: int = 0) -> jax.Array:
     del which
     return jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32))
 
@@ -50,10 +50,11 @@ def experts_ragged(
     w_gate: jax.Array,
     w_up: jax.Array,
     w_down: jax.Array,
-    matmul: GroupedMatmul = ragged_matmul,
+    matmul: GroupedMatmul | None = None,
 ) -> jax.Array:
     """x [T, D]; w_gate/w_up [E, D, F], w_down [E, F, D] -> [T, D]. `matmul` is the grouped
-    projection (LoRA wraps it to add its own grouped delta)."""
+    projection (default `ragged_matmul`; LoRA wraps it to add its own grouped delta)."""
+    matmul = matmul or ragged_matmul
     t, d = x.shape
     e, k = w_gate.shape[0], top_i.shape[1]
     flat = top_i.reshape(-1)  # assignment j = token * k + slot
@@ -61,8 +62,8 @@ def experts_ragged(
     token = order // k
     xs = jnp.take(x, token, axis=0)  # [T*k, D], grouped by expert
     sizes = jnp.bincount(flat, length=e)
-    act = jax.nn.silu(matmul(xs, w_gate, sizes, "gate")) * matmul(xs, w_up, sizes, "up")
-    out = matmul(act, w_down, sizes, "down") * jnp.take(top_w.reshape(-1), order)[:, None]
+    act = jax.nn.silu(matmul(xs, w_gate, sizes, 0)) * matmul(xs, w_up, sizes, 1)
+    out = matmul(act, w_down, sizes, 2) * jnp.take(top_w.reshape(-1), order)[:, None]
     return jnp.zeros((t, d), out.dtype).at[token].add(out)
 
 
@@ -76,7 +77,8 @@ def experts_dense(
     matmul: Any = None,
 ) -> jax.Array:
     """Every expert on every token, combined by the routing weights (zero off the top k)."""
-    del matmul
+    if matmul is not None:  # a wrapped grouped matmul (expert adapters) needs ragged_dot
+        raise NotImplementedError("adapters on routed experts need jax.lax.ragged_dot (jax >= 0.4.31)")
     e = w_gate.shape[0]
     combine = jnp.sum(jax.nn.one_hot(top_i, e, dtype=x.dtype) * top_w[..., None], axis=1)  # [T, E]
     act = jax.nn.silu(jnp.einsum("td,edf->tef", x, w_gate)) * jnp.einsum("td,edf->tef", x, w_up)

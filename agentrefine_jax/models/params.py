@@ -91,6 +91,8 @@ TABLE: tuple[Param, ...] = (
 # fmt: on
 BY_PATH: dict[Path, Param] = {p.path: p for p in TABLE}
 LAYER_PARAMS: tuple[Param, ...] = tuple(p for p in TABLE if p.per_layer)
+# The routed experts' projections in the order the expert MLP takes them: gate, up, down.
+EXPERT_NAMES: tuple[str, ...] = tuple(p.path[1] for p in LAYER_PARAMS if p.per_expert)
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _BY_HF_LAYER_SUFFIX = {p.hf.removeprefix(_L): p for p in LAYER_PARAMS}
 _HF_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(.+)$")
