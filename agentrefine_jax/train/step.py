@@ -182,10 +182,10 @@ def build_steps(
     if global_batch % micro:
         raise ValueError(f"train.global_batch_size={global_batch} not divisible by micro_batch_size={micro}")
     n_micro = global_batch // micro
-    aux = router_aux_coef  # SFT: the MoE load-balancing loss's weight (0 = off)
     # Resolved against the mesh's devices (not the default backend): a TPU topology compiled from a
     # CPU host gets the TPU choice.
     loss_impl = resolve_loss_impl(loss_impl, mesh.devices.flat[0].platform)
+    sft = {"chunk": loss_chunk, "impl": loss_impl, "router_aux_coef": router_aux_coef}  # loss_sums' settings
     b_shard = shd.batch_sharding(mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
     built = mode.build(mesh, rules)
@@ -201,7 +201,7 @@ def build_steps(
     def train_step(params: Params, opt_state: Any, batch: Batch) -> tuple[Params, Any, dict[str, jax.Array]]:
         micro_batches = {k: v.reshape(n_micro, micro, *v.shape[1:]) for k, v in batch.items()}
         trained = mode.trainable(params)
-        loss = mode.loss(loss_sums, graphdef, params, chunk=loss_chunk, impl=loss_impl, router_aux_coef=aux)
+        loss = mode.loss(loss_sums, graphdef, params, **sft)
         grads, loss_sum, n_tok = _accumulate(jax.value_and_grad(loss, has_aux=True), trained, micro_batches,
                                              mode.dropout_keys(opt_state, n_micro))  # fmt: skip
         # One division over the whole global batch: every loss token weighs the same.
@@ -221,9 +221,7 @@ def build_steps(
         return mode.with_trained(params, new_params), new_opt, metrics
 
     def eval_step(params: Params, batch: Batch) -> tuple[jax.Array, jax.Array]:
-        return mode.loss(loss_sums, graphdef, params, chunk=loss_chunk, impl=loss_impl, router_aux_coef=aux)(
-            mode.trainable(params), batch, None
-        )
+        return mode.loss(loss_sums, graphdef, params, **sft)(mode.trainable(params), batch, None)
 
     if objective != "sft":  # a preference objective: train/objectives.py
         train_step, eval_step = _preference_steps(mode, graphdef, optimizer, n_micro, micro, loss_chunk, objective, knobs)  # noqa: F811,E501  # fmt: skip
