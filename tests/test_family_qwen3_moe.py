@@ -102,6 +102,17 @@ def test_grouped_matmul_equals_the_dense_oracle_forward_and_backward() -> None:
     assert moe.experts is moe.experts_ragged  # this jax has ragged_dot: the grouped path runs
 
 
+def test_kv_cache_greedy_matches_transformers(loaded) -> None:
+    """Decoding routes one token at a time through the experts, as transformers' `generate`."""
+    from agentrefine_jax.inference.engine import generate_ids
+
+    hf, model = loaded
+    eos = list(model.cfg.eos_token_ids)
+    prompts = F.random_prompts(model.cfg.vocab_size, [5, 23], eos, seed=7)
+    ours = generate_ids(model, prompts, max_new_tokens=12, stop_token_ids=eos)
+    assert ours == F.hf_greedy(hf, prompts, 12, eos)
+
+
 def test_export_round_trip_is_exact_and_transformers_loads_it(hf_dir, loaded, tmp_path) -> None:
     _, model = loaded
     out = tmp_path / "hf"
