@@ -134,6 +134,9 @@ class TrainConfig:
     # Loss gradient: "fused" (custom VJP, no recompute), "remat" (recompute per chunk), or "auto"
     # (per platform; see agentrefine_jax/train/loss.py). All are exact.
     loss_impl: typing.Literal["auto", "fused", "remat"] = "auto"
+    # MoE models (SFT): add model.router_aux_loss_coef x transformers' auxiliary load-balancing
+    # loss, as transformers does with output_router_logits=true (off there by default, as here).
+    router_aux_loss: bool = False
     seed: int = 0
     init_from_hf: str | None = None
     # Where the model (architecture, special tokens, context length) comes from: "config" = the

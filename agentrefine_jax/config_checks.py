@@ -240,6 +240,18 @@ def _warmup(cfg: Any) -> str | None:
     return None
 
 
+def _router_aux_loss(cfg: Any) -> str | None:
+    if not cfg.train.router_aux_loss:
+        return None
+    if not cfg.model.num_experts:
+        return f"train.router_aux_loss=true: a {cfg.model.family} model routes no experts"
+    if cfg.train.objective != "sft":
+        return f"train.router_aux_loss=true: only with train.objective=sft, not {cfg.train.objective}"
+    if not cfg.model.router_aux_loss_coef > 0:
+        return "train.router_aux_loss=true: needs model.router_aux_loss_coef > 0"
+    return None
+
+
 def _lora_int8(cfg: Any) -> str | None:
     if not cfg.train.lora.rank and cfg.train.lora.base_dtype == "int8":
         return "train.lora.base_dtype=int8: needs train.lora.rank >= 1 (only a LoRA run has a frozen base)"
@@ -255,9 +267,13 @@ def _lora_rank(cfg: Any) -> str | None:
     lc = cfg.train.lora
     if not lc.rank:
         return None
-    from agentrefine_jax.models.lora import max_rank  # the projections' shapes (models/params.py)
+    from agentrefine_jax.models.lora import max_rank, missing_targets  # models/params.py's shapes
 
     targets = _names(lc.targets)
+    missing = missing_targets(targets, cfg.model)
+    if missing:
+        model = f"a {cfg.model.family} model"
+        return f"train.lora.targets={','.join(targets)}: {model} has no {', '.join(missing)} projections"
     cap = max_rank(targets, cfg.model)
     if lc.rank > cap:
         return (
@@ -376,6 +392,7 @@ CROSS_CHECKS: list[Callable[[Any], str | None]] = [
     _micro_batch,
     _warmup,
     _lora_int8,
+    _router_aux_loss,
     _lora_rank,
     _context,
     _export_target,

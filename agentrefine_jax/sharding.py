@@ -40,6 +40,13 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("norm", None),
+    # Routed experts (MoE families): the expert axis of the stacked expert weights is split over
+    # fsdp (expert parallelism in memory: each fsdp shard holds E/fsdp whole experts; the grouped
+    # matmul gathers them as FSDP gathers a dense weight, no all-to-all token dispatch yet), each
+    # expert's MLP width over tensor. The router's expert axis stays replicated.
+    ("experts", "fsdp"),
+    ("moe_mlp", "tensor"),
+    ("router_experts", None),
 )
 
 

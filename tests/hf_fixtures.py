@@ -110,6 +110,32 @@ def qwen3_config(**overrides: Any) -> transformers.Qwen3Config:
     return transformers.Qwen3Config(**kw)
 
 
+def qwen3_moe_config(**overrides: Any) -> transformers.Qwen3MoeConfig:
+    """Tiny Qwen3-MoE: Qwen3's attention, every layer routed over 8 experts, top 2, renormalised."""
+    kw: dict[str, Any] = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        moe_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="eager",
+    )
+    kw.update(overrides)
+    return transformers.Qwen3MoeConfig(**kw)
+
+
 # Llama-3.2's rope scaling (factor 32, low 1, high 4) over a short original context, so test
 # positions reach all three frequency bands (as LLAMA3_ROPE does for Llama-3.1's factor 8).
 LLAMA32_ROPE = {**LLAMA3_ROPE, "factor": 32.0}
@@ -365,6 +391,12 @@ _ARCH_SETS = (
     "max_position_embeddings",
     "tie_embeddings",
     "bos_token_id",
+    # Routed experts (0 / False / 0.0 for the dense families, whose configs already say so).
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "router_aux_loss_coef",
 )
 
 

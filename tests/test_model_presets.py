@@ -27,6 +27,9 @@ NEWER = [
     ("qwen3_8b", 8_190_735_360),
     ("qwen3_14b", 14_768_307_200),
     ("qwen3_32b", 32_762_123_264),
+    # Qwen3-MoE: 30.5B (3.3B active) and 235B (22B active), their model cards' totals.
+    ("qwen3_30b_a3b", 30_532_122_624),
+    ("qwen3_235b_a22b", 235_093_634_560),
 ]
 
 

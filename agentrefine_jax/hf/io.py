@@ -203,6 +203,15 @@ def read_hf_config(
         eos += [e for e in _eos_list(_load_json(gen_path).get("eos_token_id")) if e not in eos]
     window = c.get("sliding_window") if fam.sliding_window else None
     defaults = ModelConfig()
+    moe: dict[str, Any] = {}
+    if fam.moe:  # transformers 5 writes num_experts as num_local_experts (its attribute_map)
+        moe = dict(
+            num_experts=int(c.get("num_experts") or c["num_local_experts"]),
+            num_experts_per_tok=int(c["num_experts_per_tok"]),
+            moe_intermediate_size=int(c["moe_intermediate_size"]),
+            norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+            router_aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)),
+        )
     return ModelConfig(
         family=family,
         vocab_size=int(c["vocab_size"]),
@@ -224,6 +233,7 @@ def read_hf_config(
         bos_token_id=int(c.get("bos_token_id") if c.get("bos_token_id") is not None else 1),
         eos_token_ids=tuple(eos),
         pad_token_id=c.get("pad_token_id"),
+        **moe,
     )
 
 
@@ -502,12 +512,16 @@ def _check_complete(missing_names: set[str], hf_dir: Any) -> None:
 
 
 def _set_layer(stacked: jax.Array, piece: jax.Array, index: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_update_index_in_dim(stacked, piece.astype(stacked.dtype), index, 0)
+    """Write `piece` at `index` (a layer, or a [layer, expert] pair) of the leading axes."""
+    lead = index.shape[0] if index.ndim else 1
+    at = (*jnp.atleast_1d(index), *[0] * (stacked.ndim - lead))
+    return jax.lax.dynamic_update_slice(stacked, piece.astype(stacked.dtype)[(None,) * lead], at)
 
 
 @functools.cache
 def _layer_setter(sharding: jax.sharding.Sharding) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
-    """In-place (donated) write of one layer into a stacked parameter that keeps `sharding`."""
+    """In-place (donated) write of one layer (or one layer's expert) into a stacked parameter that
+    keeps `sharding`."""
     return jax.jit(_set_layer, donate_argnums=0, out_shardings=sharding)
 
 
@@ -518,10 +532,11 @@ def _zeros(
     return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
 
 
-def _slice_sharding(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
-    """Sharding of one layer of a stacked parameter: the stacked spec without its layer entry."""
+def _slice_sharding(sharding: jax.sharding.Sharding, lead: int = 1) -> jax.sharding.Sharding:
+    """Sharding of one layer (`lead` 2: one layer's expert) of a stacked parameter: the stacked
+    spec without its leading entries."""
     if isinstance(sharding, NamedSharding):
-        return NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
+        return NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[lead:]))
     return sharding
 
 
@@ -577,11 +592,13 @@ def load_hf_model(
             if path not in arrays:
                 # Every layer slot is overwritten below and checked by `seen`: nothing stays zero.
                 arrays[path] = _zeros(tuple(flat_abs[path].shape), pdt, sh)()
-            piece = _to_device(ours, _slice_sharding(sh), pdt)
-            arrays[path] = _layer_setter(sh)(arrays[path], piece, jnp.int32(layer))
+            index = jnp.asarray(layer, jnp.int32)  # a layer, or a (layer, expert) pair
+            piece = _to_device(ours, _slice_sharding(sh, max(1, index.size)), pdt)
+            arrays[path] = _layer_setter(sh)(arrays[path], piece, index)
         del ours
         seen.add(name)
-        log(f"  [{len(seen)}/{total}] {name} -> {'/'.join(path)}" + ("" if layer is None else f"[{layer}]"))
+        where = "" if layer is None else f"{list(layer)}" if isinstance(layer, tuple) else f"[{layer}]"
+        log(f"  [{len(seen)}/{total}] {name} -> {'/'.join(path)}{where}")
 
     _check_complete(expected - seen, hf_dir)
     if skipped:
@@ -611,7 +628,7 @@ def parse_size(text: str | int) -> int:
 
 def _hf_plan(
     cfg: ModelConfig, flat_abs: Mapping[tuple[str, ...], Any]
-) -> list[tuple[str, tuple[str, ...], int | None]]:
+) -> list[tuple[str, tuple[str, ...], params.Index]]:
     """(HF name, our path, layer) in transformers' order: embed, layer 0..L-1, norm, lm_head."""
     plan = [(name, row.path, layer) for name, row, layer in params.hf_order(cfg)]
     missing = sorted({"/".join(p) for _, p, _ in plan} - {"/".join(p) for p in flat_abs})
@@ -662,10 +679,9 @@ def save_hf(
     plan = _hf_plan(model_cfg, flat)
 
     def nbytes(path: tuple[str, ...]) -> int:
-        shape = flat[path].shape
-        return math.prod(shape[1:] if path[0] == "layers" else shape) * np_dtype.itemsize
+        return math.prod(params.slice_shape(params.BY_PATH[path], model_cfg)) * np_dtype.itemsize
 
-    shards: list[list[tuple[str, tuple[str, ...], int | None]]] = [[]]
+    shards: list[list[tuple[str, tuple[str, ...], params.Index]]] = [[]]
     size = 0
     for entry in plan:
         n = nbytes(entry[1])

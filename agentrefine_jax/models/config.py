@@ -1,6 +1,6 @@
 """Model configuration and the shipped presets.
 
-One `ModelConfig` describes every model we support (Llama-3, Mistral, Qwen2.5, Qwen3; the families
+One `ModelConfig` describes every model we support (Llama-3, Mistral, Qwen2.5, Qwen3, Qwen3-MoE; the families
 and what differs between them are in models/families.py), made of three parts: the `Architecture`
 (the function), its `Interface` (special tokens, context length) and its `Execution` settings (how
 it runs). The model code branches only on the architecture, the family's row and the resolved
@@ -46,13 +46,31 @@ class Architecture:
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = False
     sliding_window: int | None = None
+    # Routed experts (families with `moe`, models/moe.py); all zero for dense families.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = False  # renormalise the top-k router weights to sum to 1
 
     def __post_init__(self) -> None:
-        families.get(self.family)  # ValueError naming the supported families
+        fam = families.get(self.family)  # ValueError naming the supported families
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
             )
+        moe = (self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size)
+        if fam.moe and not (min(moe) >= 1 and self.num_experts_per_tok <= self.num_experts):
+            raise ValueError(
+                f"family {self.family!r} routes experts: num_experts, moe_intermediate_size >= 1 and "
+                f"1 <= num_experts_per_tok <= num_experts are needed, got {moe}"
+            )
+        if not fam.moe and any(moe):
+            raise ValueError(f"family {self.family!r} is dense: num_experts etc. must stay 0, got {moe}")
+
+    @property
+    def active_experts_fraction(self) -> float:
+        """The share of the expert weights one token runs through (k / E; 1 for dense models)."""
+        return self.num_experts_per_tok / self.num_experts if self.num_experts else 1.0
 
     @property
     def q_per_kv(self) -> int:
@@ -73,6 +91,9 @@ class Interface:
     bos_token_id: int = 128000
     eos_token_ids: tuple[int, ...] = (128001, 128009)
     pad_token_id: int | None = None
+    # HF's weight of the auxiliary load-balancing loss (MoE families; config.json's value, which
+    # transformers applies only with output_router_logits). Changes the training loss, not logits.
+    router_aux_loss_coef: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,6 +344,37 @@ for _name, _hidden, _inter, _layers, _heads, _kv, _tied in (
         tie_embeddings=_tied,
         **_QWEN3,
     )
+
+# Qwen/Qwen3-30B-A3B and Qwen3-235B-A22B (config.json): Qwen3's attention, every layer routed over
+# 128 experts, top 8, renormalised (norm_topk_prob), untied; intermediate_size is the dense MLP
+# width HF keeps in config.json for dense layers (none here: decoder_sparse_step 1). 30B-A3B:
+# 30.5B parameters, 3.3B active per token (tests/test_family_qwen3_moe.py).
+_QWEN3_MOE = dict(
+    _QWEN3,
+    family="qwen3_moe",
+    num_kv_heads=4,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    router_aux_loss_coef=0.001,
+    tie_embeddings=False,
+)
+PRESETS["qwen3_30b_a3b"] = ModelConfig(
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_layers=48,
+    num_heads=32,
+    **_QWEN3_MOE,
+)
+PRESETS["qwen3_235b_a22b"] = ModelConfig(
+    hidden_size=4096,
+    intermediate_size=12288,
+    moe_intermediate_size=1536,
+    num_layers=94,
+    num_heads=64,
+    **_QWEN3_MOE,
+)
 
 
 def preset(name: str, **overrides: object) -> ModelConfig:

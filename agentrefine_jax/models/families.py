@@ -33,6 +33,9 @@ class Family:
     qk_norm: bool = False
     # Reads/writes HF `sliding_window` (one window for every layer).
     sliding_window: bool = False
+    # Routed experts (Qwen3-MoE) in every layer in place of the dense MLP: a router and stacked
+    # expert projections (models/moe.py); the dense w_gate/w_up/w_down rows are not held.
+    moe: bool = False
     # Extra HF config.json keys: read check (raises on what we cannot run) and written constants.
     check_hf: Callable[[Mapping[str, Any]], None] = lambda c: None
     # Takes the ModelConfig (typed Any: models/config.py imports this table, not the reverse).
@@ -71,6 +74,23 @@ def _qwen3_check(c: Mapping[str, Any]) -> None:
     if c.get("attention_bias"):
         raise ValueError("attention_bias=true is not supported for Qwen3: its projections have no biases")
     _full_attention_only(c, "Qwen3")
+
+
+def _qwen3_moe_check(c: Mapping[str, Any]) -> None:
+    """Qwen3-MoE as published: every layer sparse. HF can mix dense-MLP layers in
+    (`decoder_sparse_step` > 1 or `mlp_only_layers`); our stacked layers have one kind."""
+    _qwen3_check(c)
+    step = c.get("decoder_sparse_step", 1)
+    if step != 1 or c.get("mlp_only_layers"):
+        raise ValueError(
+            f"decoder_sparse_step={step}, mlp_only_layers={c.get('mlp_only_layers')}: layers with a dense "
+            "MLP among the sparse ones are not supported for Qwen3-MoE (every layer routed only)"
+        )
+    for key in ("moe_intermediate_size", "num_experts_per_tok"):
+        if key not in c:
+            raise ValueError(f"config.json lacks {key}")
+    if not (c.get("num_experts") or c.get("num_local_experts")):
+        raise ValueError("config.json lacks num_experts (or num_local_experts)")
 
 
 FAMILIES: dict[str, Family] = {
@@ -114,6 +134,29 @@ FAMILIES: dict[str, Family] = {
                 "use_sliding_window": False,
                 "sliding_window": None,
                 "max_window_layers": cfg.num_layers,
+            },
+        ),
+        # Qwen3-MoE: Qwen3's attention; every layer's MLP is routed over `num_experts` experts
+        # (top-`num_experts_per_tok` of a float32 softmax, renormalised when norm_topk_prob).
+        Family(
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            qk_norm=True,
+            moe=True,
+            check_hf=_qwen3_moe_check,
+            hf_constants=lambda cfg: {
+                "attention_bias": False,
+                "use_sliding_window": False,
+                "sliding_window": None,
+                "max_window_layers": cfg.num_layers,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+                "num_experts": cfg.num_experts,
+                "num_experts_per_tok": cfg.num_experts_per_tok,
+                "moe_intermediate_size": cfg.moe_intermediate_size,
+                "norm_topk_prob": cfg.norm_topk_prob,
+                "router_aux_loss_coef": cfg.router_aux_loss_coef,
+                "output_router_logits": False,
             },
         ),
     )

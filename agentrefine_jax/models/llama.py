@@ -1,4 +1,4 @@
-"""One config-driven decoder (Llama-3, Mistral, Qwen2.5, Qwen3: models/families.py) in Flax NNX.
+"""One config-driven decoder (Llama-3, Mistral, Qwen2.5, Qwen3, Qwen3-MoE: models/families.py) in Flax NNX.
 
 Layer parameters are always stored stacked along a leading "layers" axis, so the
 checkpoint layout does not depend on `scan_layers`: scanning only changes how the
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from agentrefine_jax.models import cpu_layout, execution, lora, params, quant, rope
+from agentrefine_jax.models import cpu_layout, execution, lora, moe, params, quant, rope
 from agentrefine_jax.models.attention import Segments, attend
 from agentrefine_jax.models.config import Architecture, ModelConfig
 from agentrefine_jax.models.execution import ExecutionPlan
@@ -76,8 +76,11 @@ def layer_forward(
     index: jax.Array | None,
     lora_spec: lora.LoraSpec | None = None,
     mlp_chunk: int = 0,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-    """One decoder layer on per-layer weights `p` (a slice of DecoderLayers); with `lora_spec`,
+    router_mask: jax.Array | None = None,
+) -> tuple[Any, ...]:
+    """One decoder layer on per-layer weights `p` (a slice of DecoderLayers): (x, new kv); with
+    `router_mask` ([B, S], 1 = a real token; MoE layers) also its router statistics [2, E]
+    (`moe.router_stats`) for the load-balancing loss. With `lora_spec`,
     `p["lora"]` holds this layer's adapters and `p["lora_key"]` (optional) its dropout key.
     `mlp_chunk`: the MLP's sequence chunk in a full-sequence pass (0 = whole; `forward` decides)."""
     dt = jnp.dtype(plan.dtype)
@@ -118,14 +121,41 @@ def layer_forward(
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
 
     def mlp(h: jax.Array) -> jax.Array:
+        if "router" in p:  # routed experts (families with `moe`): models/moe.py
+            return _moe_mlp(cfg, p, h, dt, lora_spec)[0]
         gate = proj(proj_in, h, "w_gate")
         up = proj(proj_in, h, "w_up")
         act = constrain(jax.nn.silu(gate) * up, ("batch", "activation_seq", "activation_mlp"))
         return proj(proj_out, act, "w_down")
 
+    if router_mask is not None:  # the whole sequence at once: the statistics are over all of it
+        out, stats = _moe_mlp(cfg, p, h, dt, lora_spec, router_mask)
+        return constrain(x + out, ("batch", "activation_seq", "activation_embed")), new_kv, stats
     chunked = kv is None and not flat
     x = x + (mlp_in_chunks(mlp, h, mlp_chunk) if chunked else mlp(h))
     return constrain(x, ("batch", "activation_seq", "activation_embed")), new_kv
+
+
+def _moe_mlp(
+    cfg: Architecture,
+    p: dict[str, Any],
+    h: jax.Array,
+    dt: Any,
+    lora_spec: lora.LoraSpec | None,
+    router_mask: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """The routed-expert MLP on [B, S, D]: every token's top-k experts (models/moe.py), and with
+    `router_mask` the router statistics (else None). With `lora_spec` naming expert projections,
+    their grouped LoRA deltas join each grouped matmul."""
+    b, s, d = h.shape
+    x = h.reshape(b * s, d)
+    logits, top_w, top_i = moe.route(x, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    stats = None if router_mask is None else moe.router_stats(logits, top_i, router_mask.reshape(-1))
+    weights = [quant.dequantize(p[name], dt) for name in params.EXPERT_NAMES]
+    # LoRA on the experts (when handed expert adapters) wraps the grouped matmul: models/lora.py.
+    matmul = lora.expert_matmul(p.get("lora"), lora_spec, p.get("lora_key"))
+    out = moe.experts(x, top_w, top_i, *weights, matmul=matmul)
+    return out.reshape(b, s, d), stats
 
 
 def mlp_in_chunks(mlp: Any, h: jax.Array, chunk: int) -> jax.Array:
@@ -205,6 +235,35 @@ class Transformer(nnx.Module):
         tokens are written at `cache["index"]` and attend to every live cache slot.
         `adapters` = (spec, stacked LoRA weights, dropout key or None) adds LoRA deltas.
         """
+        hidden, new_cache, _ = self._forward(input_ids, positions, segment_ids, cache, adapters)
+        return hidden, new_cache
+
+    def forward_with_router_loss(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        adapters: tuple[lora.LoraSpec, lora.Adapters, jax.Array | None] | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """A full-sequence pass of an MoE model: hidden states and transformers' auxiliary
+        load-balancing loss over every layer's routing of the real (segment > 0) tokens."""
+        if not self.cfg.num_experts:
+            raise ValueError(f"a {self.cfg.family} model routes no experts: it has no load-balancing loss")
+        hidden, _, stats = self._forward(input_ids, positions, segment_ids, None, adapters, router_stats=True)
+        n = jnp.sum(segment_ids > 0).astype(jnp.float32) * self.cfg.num_layers
+        return hidden, moe.load_balancing_loss(stats, n)
+
+    def _forward(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array | None,
+        segment_ids: jax.Array | None,
+        cache: Cache | None,
+        adapters: tuple[lora.LoraSpec, lora.Adapters, jax.Array | None] | None,
+        router_stats: bool = False,
+    ) -> tuple[jax.Array, Cache | None, jax.Array | None]:
+        """`forward`, and with `router_stats` (no cache) the router statistics summed over the
+        layers ([2, E], `moe.router_stats`)."""
         cfg, plan = self.cfg, self.plan
         b, s = input_ids.shape
         if positions is None:
@@ -234,9 +293,15 @@ class Transformer(nnx.Module):
         if dropout_keys is not None:
             weights["lora_key"] = dropout_keys
 
-        def body(carry: jax.Array, xs: tuple[dict[str, jax.Array], Any]) -> tuple[jax.Array, Any]:
+        real = (segment_ids > 0).astype(jnp.float32) if router_stats else None
+
+        def body(carry: Any, xs: tuple[dict[str, jax.Array], Any]) -> tuple[Any, Any]:
             p, kv = xs
-            return layer_forward(cfg, plan, p, carry, sin, cos, seg, kv, index, spec, mlp_chunk)
+            if real is None:
+                return layer_forward(cfg, plan, p, carry, sin, cos, seg, kv, index, spec, mlp_chunk)
+            x, acc = carry  # the router statistics ride in the carry, summed over the layers
+            x, new_kv, stats = layer_forward(cfg, plan, p, x, sin, cos, seg, kv, index, spec, 0, real)
+            return (x, acc + stats), new_kv
 
         # The CPU layout unrolls the layers of a full-sequence pass (models/cpu_layout.py); decoding
         # keeps the scan unless the cache comes as one array per layer (see `unstack_cache`).
@@ -245,6 +310,9 @@ class Transformer(nnx.Module):
         if plan.remat_policy != "none":
             body = jax.checkpoint(body, policy=_REMAT[plan.remat_policy], prevent_cse=not scan)
         kv_stack = None if cache is None else (cache["k"], cache["v"])
+        stats = None
+        if real is not None:
+            x = (x, jnp.zeros((2, cfg.num_experts), jnp.float32))
         if scan:
             x, new_kv = jax.lax.scan(body, x, (weights, kv_stack))
         else:
@@ -258,6 +326,8 @@ class Transformer(nnx.Module):
             if kv_stack is not None:
                 new_kv = tuple((tuple if layered else jnp.stack)(t) for t in zip(*outs, strict=True))
 
+        if real is not None:
+            x, stats = x
         hidden = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
         new_cache = None
         if cache is not None:
@@ -268,7 +338,7 @@ class Transformer(nnx.Module):
                 "positions": k_pos,
                 "index": index + s,
             }
-        return hidden, new_cache
+        return hidden, new_cache, stats
 
 
 def _unstack_layers(weights: dict[str, Any], n: int) -> list[dict[str, Any]]:

@@ -6,6 +6,9 @@ B starts at zero, so a fresh adapter leaves the model's output unchanged. A and 
 logical axes of W's input/output sides plus "lora_rank" (no rule maps it: replicated), so they
 shard by the same rules as the base. Adapters are kept in float32 whatever the base's dtype.
 
+Routed experts (MoE families) get one adapter per expert: A [E, *in, r], B [E, r, *out] (stacked
+over layers as well), applied by the grouped matmul like the expert weights (models/llama.py).
+
 PEFT's layout (`peft_name`): lora_A.weight is [r, in] and lora_B.weight is [out, r], the
 HF-layout factors of the same product, under `base_model.model.` + the HF module name.
 """
@@ -32,6 +35,10 @@ TARGETS: dict[str, str] = {
     "gate": "w_gate",
     "up": "w_up",
     "down": "w_down",
+    # Routed experts (MoE families): one adapter per expert.
+    "expert_gate": "we_gate",
+    "expert_up": "we_up",
+    "expert_down": "we_down",
 }
 # "int8": the QLoRA-style base, projections quantised with qwix (`quant.py`); "auto": the model's
 # own param_dtype (a float32 model keeps a float32 base: no rounding the user did not ask for).
@@ -78,15 +85,28 @@ def _row(name: str) -> params.Param:
     return params.BY_PATH[("layers", name)]
 
 
+def missing_targets(targets: Any, cfg: ModelConfig) -> list[str]:
+    """The `targets` a model under `cfg` does not hold (e.g. the dense MLP's in an MoE model)."""
+    return [t for t in targets if not params.holds(_row(TARGETS[t]), cfg)]
+
+
+def _check_held(spec: LoraSpec, cfg: ModelConfig) -> None:
+    missing = missing_targets(spec.targets, cfg)
+    if missing:
+        raise ValueError(f"train.lora.targets {missing}: a {cfg.family} model has no such projections")
+
+
 def shapes(spec: LoraSpec, cfg: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
+    _check_held(spec, cfg)
     out = {}
     for name in spec.names:
         row = _row(name)
-        own = params.shape(row, cfg, stacked=False)
+        own = params.slice_shape(row, cfg)
+        lead = (cfg.num_layers, cfg.num_experts) if row.per_expert else (cfg.num_layers,)
         n_in = row.n_in
         out[name] = {
-            "a": (cfg.num_layers, *own[:n_in], spec.rank),
-            "b": (cfg.num_layers, spec.rank, *own[n_in:]),
+            "a": (*lead, *own[:n_in], spec.rank),
+            "b": (*lead, spec.rank, *own[n_in:]),
         }
     return out
 
@@ -97,7 +117,7 @@ def max_rank(targets: Any, cfg: ModelConfig) -> int:
     ranks = []
     for t in targets:
         row = _row(TARGETS[t])
-        own = params.shape(row, cfg, stacked=False)
+        own = params.slice_shape(row, cfg)
         ranks.append(min(math.prod(own[: row.n_in]), math.prod(own[row.n_in :])))
     return min(ranks)
 
@@ -107,9 +127,12 @@ def logical_axes(spec: LoraSpec) -> dict[str, dict[str, tuple[str, ...]]]:
     for name in spec.names:
         row = _row(name)
         axes = params.logical_axes(row)[1:]  # without "layers"
+        lead: tuple[str, ...] = ("layers",)
+        if row.per_expert:
+            lead, axes = ("layers", axes[0]), axes[1:]
         out[name] = {
-            "a": ("layers", *axes[: row.n_in], RANK_AXIS),
-            "b": ("layers", RANK_AXIS, *axes[row.n_in :]),
+            "a": (*lead, *axes[: row.n_in], RANK_AXIS),
+            "b": (*lead, RANK_AXIS, *axes[row.n_in :]),
         }
     return out
 
@@ -118,7 +141,8 @@ def init(spec: LoraSpec, cfg: ModelConfig, key: jax.Array) -> Adapters:
     """A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (PEFT's default bound), B = 0."""
     out: Adapters = {}
     for i, (name, s) in enumerate(shapes(spec, cfg).items()):
-        fan_in = math.prod(s["a"][1:-1])
+        lead = 2 if _row(name).per_expert else 1
+        fan_in = math.prod(s["a"][lead:-1])
         bound = 1.0 / math.sqrt(fan_in)
         a = jax.random.uniform(jax.random.fold_in(key, i), s["a"], ADAPTER_DTYPE, -bound, bound)
         out[name] = {"a": a, "b": jnp.zeros(s["b"], ADAPTER_DTYPE)}
@@ -141,6 +165,33 @@ def delta(
         x = jnp.where(keep, x / (1.0 - spec.dropout), 0).astype(x.dtype)
     xa = jnp.tensordot(x, ab["a"].astype(x.dtype), axes=n_in)
     return jnp.tensordot(xa, ab["b"].astype(x.dtype), axes=1) * jnp.asarray(spec.scale, x.dtype)
+
+
+def expert_matmul(layer_adapters: dict[str, Any] | None, spec: LoraSpec | None, key: jax.Array | None) -> Any:
+    """The grouped matmul of the routed experts (`moe.GroupedMatmul`) with this layer's expert
+    adapters' grouped deltas added, (dropout(x) @ A_e) @ B_e * alpha / r per expert e; None (the
+    plain grouped matmul) when there are none."""
+    from agentrefine_jax.models import moe
+
+    held = {} if spec is None or layer_adapters is None else layer_adapters
+    ours = {i: held[n] for i, n in enumerate(params.EXPERT_NAMES) if n in held}
+    if not ours:
+        return None
+
+    def matmul(xs: jax.Array, w: jax.Array, sizes: jax.Array, which: int) -> jax.Array:
+        y = moe.ragged_matmul(xs, w, sizes)
+        ab = ours.get(which)
+        if ab is None:
+            return y
+        name = params.EXPERT_NAMES[which]
+        drop = None if key is None else jax.random.fold_in(key, spec.names.index(name))
+        if drop is not None and spec.dropout > 0:  # as `delta`: dropout on the input
+            keep = jax.random.bernoulli(drop, 1.0 - spec.dropout, xs.shape)
+            xs = jnp.where(keep, xs / (1.0 - spec.dropout), 0).astype(xs.dtype)
+        xa = moe.ragged_matmul(xs, ab["a"].astype(xs.dtype), sizes)
+        return y + moe.ragged_matmul(xa, ab["b"].astype(xs.dtype), sizes) * jnp.asarray(spec.scale, xs.dtype)
+
+    return matmul
 
 
 def merged_weight(
@@ -175,12 +226,23 @@ def peft_module(name: str, layer: int) -> str:
     return params.hf_name(_row(name), layer).removesuffix(".weight")
 
 
+def _no_expert_targets(spec: LoraSpec) -> None:
+    experts = [t for t in spec.targets if _row(TARGETS[t]).per_expert]
+    if experts:
+        raise ValueError(
+            f"PEFT adapters of routed experts {experts} are not supported (transformers 5 fuses the "
+            "experts into one tensor); export the merged model instead"
+        )
+
+
 def peft_target_modules(spec: LoraSpec) -> list[str]:
+    _no_expert_targets(spec)
     return [params.hf_name(_row(n), 0).removesuffix(".weight").rsplit(".", 1)[1] for n in spec.names]
 
 
 def to_peft(adapters: Adapters, spec: LoraSpec) -> dict[str, np.ndarray]:
     """PEFT tensor names -> float32 arrays: lora_A [r, in], lora_B [out, r] per layer."""
+    _no_expert_targets(spec)
     out: dict[str, np.ndarray] = {}
     for name, ab in adapters.items():
         a, b = np.asarray(ab["a"], np.float32), np.asarray(ab["b"], np.float32)

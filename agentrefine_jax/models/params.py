@@ -6,6 +6,10 @@ tensor (a bias, a q-norm) means adding one row here and using it in the forward 
 Layouts: HF stores a linear weight as [out, in]; we store [*in, *out] with heads split out so
 sharding rules can name the head axis. The conversion is a transpose and a reshape — exact.
 Both stacks use the same rotate-half RoPE layout, so q/k need no permutation.
+
+Routed experts (MoE families) are stacked once more: ours [layers, experts, *in, *out], HF one
+[out, in] tensor per layer and expert ("{e}" in its name); an HF tensor is then one (layer, expert)
+slice of ours, and `Index` is that (layer, expert) pair.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ import numpy as np
 from agentrefine_jax.models.config import ModelConfig
 
 Path = tuple[str, ...]
+# Which slice of a stacked parameter one HF tensor is: None (not per layer), a layer, or for
+# per-expert rows a (layer, expert) pair.
+Index = int | tuple[int, int] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,16 +43,23 @@ class Param:
     # Presence rule (None = always): "untied" = only when the output projection is not tied to
     # the embedding; "qkv_bias" / "qk_norm" = only in families whose row sets that flag
     # (models/families.py: q/k/v biases, q/k RMSNorm).
-    when: Literal["untied", "qkv_bias", "qk_norm"] | None = None
+    # "moe" = only in families that route experts, "dense_mlp" = only in the others.
+    when: Literal["untied", "qkv_bias", "qk_norm", "moe", "dense_mlp"] | None = None
 
     @property
     def per_layer(self) -> bool:
         return self.path[0] == "layers"
 
+    @property
+    def per_expert(self) -> bool:
+        """One HF tensor per layer and expert; our `dims` then start with "experts"."""
+        return "{e}" in self.hf
+
 
 _L = "model.layers.{i}."  # transformers' per-layer prefix
 _QKV = ("hidden", "heads", "head_dim")
 _KV = ("hidden", "kv_heads", "head_dim")
+_E = _L + "mlp.experts.{e}."  # one expert's projections
 
 # fmt: off
 TABLE: tuple[Param, ...] = (
@@ -62,17 +76,26 @@ TABLE: tuple[Param, ...] = (
     Param(("layers", "k_norm"),     _L + "self_attn.k_norm.weight",           ("head_dim",),                      ("head_dim",),                          "copy", init="ones", when="qk_norm"),
     Param(("layers", "wo"),         _L + "self_attn.o_proj.weight",           ("heads", "head_dim", "hidden"),    ("heads", "head_dim", "embed"),         "linear", n_in=2),
     Param(("layers", "mlp_norm"),   _L + "post_attention_layernorm.weight",   ("hidden",),                        ("norm",),                              "copy", init="ones"),
-    Param(("layers", "w_gate"),     _L + "mlp.gate_proj.weight",              ("hidden", "mlp"),                  ("embed", "mlp"),                       "linear"),
-    Param(("layers", "w_up"),       _L + "mlp.up_proj.weight",                ("hidden", "mlp"),                  ("embed", "mlp"),                       "linear"),
-    Param(("layers", "w_down"),     _L + "mlp.down_proj.weight",              ("mlp", "hidden"),                  ("mlp", "embed"),                       "linear"),
+    Param(("layers", "w_gate"),     _L + "mlp.gate_proj.weight",              ("hidden", "mlp"),                  ("embed", "mlp"),                       "linear", when="dense_mlp"),
+    Param(("layers", "w_up"),       _L + "mlp.up_proj.weight",                ("hidden", "mlp"),                  ("embed", "mlp"),                       "linear", when="dense_mlp"),
+    Param(("layers", "w_down"),     _L + "mlp.down_proj.weight",              ("mlp", "hidden"),                  ("mlp", "embed"),                       "linear", when="dense_mlp"),
+    # Routed experts (models/moe.py): the router [hidden, experts], then per-expert projections
+    # stacked on an "experts" axis (n_in counts the input dims after it).
+    Param(("layers", "router"),     _L + "mlp.gate.weight",                   ("hidden", "experts"),              ("embed", "router_experts"),            "linear", when="moe"),
+    Param(("layers", "we_gate"),    _E + "gate_proj.weight",                  ("experts", "hidden", "moe_mlp"),   ("experts", "embed", "moe_mlp"),        "linear", when="moe"),
+    Param(("layers", "we_up"),      _E + "up_proj.weight",                    ("experts", "hidden", "moe_mlp"),   ("experts", "embed", "moe_mlp"),        "linear", when="moe"),
+    Param(("layers", "we_down"),    _E + "down_proj.weight",                  ("experts", "moe_mlp", "hidden"),   ("experts", "moe_mlp", "embed"),        "linear", when="moe"),
     Param(("final_norm",),          "model.norm.weight",                      ("hidden",),                        ("norm",),                              "copy", init="ones"),
     Param(("lm_head",),             "lm_head.weight",                         ("hidden", "vocab"),                ("embed", "vocab"),                     "linear", when="untied"),
 )
 # fmt: on
 BY_PATH: dict[Path, Param] = {p.path: p for p in TABLE}
 LAYER_PARAMS: tuple[Param, ...] = tuple(p for p in TABLE if p.per_layer)
+# The routed experts' projections in the order the expert MLP takes them: gate, up, down.
+EXPERT_NAMES: tuple[str, ...] = tuple(p.path[1] for p in LAYER_PARAMS if p.per_expert)
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _BY_HF_LAYER_SUFFIX = {p.hf.removeprefix(_L): p for p in LAYER_PARAMS}
+_HF_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(.+)$")
 _BY_HF_TOP = {p.hf: p for p in TABLE if not p.per_layer}
 
 
@@ -84,6 +107,8 @@ def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
         "kv_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim,
         "mlp": cfg.intermediate_size,
+        "experts": cfg.num_experts,
+        "moe_mlp": cfg.moe_intermediate_size,
     }
 
 
@@ -93,8 +118,10 @@ def holds(p: Param, cfg: ModelConfig) -> bool:
 
     if p.when == "untied":
         return not cfg.tie_embeddings
-    if p.when in ("qkv_bias", "qk_norm"):
+    if p.when in ("qkv_bias", "qk_norm", "moe"):
         return bool(getattr(families.get(cfg.family), p.when))
+    if p.when == "dense_mlp":
+        return not families.get(cfg.family).moe
     return True
 
 
@@ -115,12 +142,18 @@ def shape(p: Param, cfg: ModelConfig, *, stacked: bool = True) -> tuple[int, ...
     return (cfg.num_layers, *own) if stacked and p.per_layer else own
 
 
+def slice_shape(p: Param, cfg: ModelConfig) -> tuple[int, ...]:
+    """Our shape of the slice one HF tensor fills: one layer's, for per-expert rows one expert's."""
+    own = shape(p, cfg, stacked=False)
+    return own[1:] if p.per_expert else own
+
+
 def logical_axes(p: Param) -> tuple[str, ...]:
     return ("layers", *p.axes) if p.per_layer else p.axes
 
 
 def hf_shape_of(p: Param, cfg: ModelConfig) -> tuple[int, ...]:
-    own = shape(p, cfg, stacked=False)
+    own = slice_shape(p, cfg)
     if p.kind == "copy":
         return own
     if p.kind == "flat":
@@ -128,17 +161,30 @@ def hf_shape_of(p: Param, cfg: ModelConfig) -> tuple[int, ...]:
     return (math.prod(own[p.n_in :]), math.prod(own[: p.n_in]))
 
 
-def hf_name(p: Param, layer: int | None = None) -> str:
+def hf_name(p: Param, layer: Index = None) -> str:
+    if p.per_expert:
+        assert isinstance(layer, tuple), (p.hf, layer)
+        return p.hf.format(i=layer[0], e=layer[1])
     return p.hf.format(i=layer) if p.per_layer else p.hf
 
 
-def lookup_hf(name: str) -> tuple[Param, int | None]:
-    """HF tensor name -> (row, layer index or None). KeyError for a tensor we do not know."""
+def indices(p: Param, cfg: ModelConfig) -> list[Index]:
+    """Every slice index of row `p` under `cfg`: one HF tensor each."""
+    if p.per_expert:
+        return [(i, e) for i in range(cfg.num_layers) for e in range(cfg.num_experts)]
+    return list(range(cfg.num_layers)) if p.per_layer else [None]
+
+
+def lookup_hf(name: str) -> tuple[Param, Index]:
+    """HF tensor name -> (row, its Index). KeyError for a tensor we do not know."""
     if name in _BY_HF_TOP:
         return _BY_HF_TOP[name], None
     m = _HF_LAYER_RE.match(name)
     if m and m.group(2) in _BY_HF_LAYER_SUFFIX:
         return _BY_HF_LAYER_SUFFIX[m.group(2)], int(m.group(1))
+    e = _HF_EXPERT_RE.match(m.group(2)) if m else None
+    if m and e and f"mlp.experts.{{e}}.{e.group(2)}" in _BY_HF_LAYER_SUFFIX:
+        return _BY_HF_LAYER_SUFFIX[f"mlp.experts.{{e}}.{e.group(2)}"], (int(m.group(1)), int(e.group(1)))
     raise KeyError(f"unexpected tensor in HF checkpoint: {name}")
 
 
@@ -146,11 +192,16 @@ def hf_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
     """The HF shape a tensor named `name` must have under `cfg` (KeyError for names that are not
     tensors of a model under `cfg`: unknown ones, rows its family does not hold, e.g. a q_norm in
     a Llama checkpoint, and layers past `num_layers`, which would be dropped or overwrite one)."""
-    p, layer = lookup_hf(name)
+    p, index = lookup_hf(name)
     if not holds(p, cfg):
         raise KeyError(f"unexpected tensor in HF checkpoint: {name}")
+    layer, expert = index if isinstance(index, tuple) else (index, None)
     if layer is not None and layer >= cfg.num_layers:
         raise KeyError(f"unexpected tensor in HF checkpoint: {name} (the config has {cfg.num_layers} layers)")
+    if expert is not None and expert >= cfg.num_experts:
+        raise KeyError(
+            f"unexpected tensor in HF checkpoint: {name} (the config has {cfg.num_experts} experts)"
+        )
     return hf_shape_of(p, cfg)
 
 
@@ -185,8 +236,11 @@ def hf_set_problems(shapes: dict[str, tuple[int, ...]], cfg: ModelConfig, source
         parts.append(f"lacks {len(missing)} tensors: {missing[:10]}{more}")
     if extra:
         m = _HF_LAYER_RE.match(extra[0])
+        e = _HF_EXPERT_RE.match(m.group(2)) if m else None
         past = m is not None and int(m.group(1)) >= cfg.num_layers
         why = f"{source} says {cfg.num_layers} layers" if past else f"not part of a {cfg.family} model"
+        if not past and e is not None and cfg.num_experts and int(e.group(1)) >= cfg.num_experts:
+            why = f"{source} says {cfg.num_experts} experts"
         parts.append(f"unexpected tensor in HF checkpoint: {extra[0]} ({why}){_more(extra, 'unexpected')}")
     if misshapen:
         parts.append(misshapen[0] + _more(misshapen, "misshapen"))
@@ -196,38 +250,42 @@ def hf_set_problems(shapes: dict[str, tuple[int, ...]], cfg: ModelConfig, source
 def expected_hf_names(cfg: ModelConfig) -> set[str]:
     names: set[str] = set()
     for p in present(cfg):
-        layers = range(cfg.num_layers) if p.per_layer else [None]
-        names.update(hf_name(p, i) for i in layers)
+        names.update(hf_name(p, i) for i in indices(p, cfg))
     return names
 
 
-def hf_order(cfg: ModelConfig) -> Iterator[tuple[str, Param, int | None]]:
-    """(HF name, row, layer) in writing order: embed, layer 0..L-1, final norm, lm_head."""
+def hf_order(cfg: ModelConfig) -> Iterator[tuple[str, Param, Index]]:
+    """(HF name, row, index) in writing order: embed, layer 0..L-1 (a per-expert row's experts in
+    order), final norm, lm_head."""
     rows = present(cfg)
     for p in rows:
         if p.path == ("embed",):
             yield hf_name(p), p, None
     for i in range(cfg.num_layers):
         for p in rows:
-            if p.per_layer:
+            if p.per_expert:
+                for e in range(cfg.num_experts):
+                    yield hf_name(p, (i, e)), p, (i, e)
+            elif p.per_layer:
                 yield hf_name(p, i), p, i
     for p in rows:
         if not p.per_layer and p.path != ("embed",):
             yield hf_name(p), p, None
 
 
-def hf_to_ours(name: str, tensor: np.ndarray, cfg: ModelConfig) -> tuple[Path, int | None, np.ndarray]:
-    """One HF tensor -> (our path, layer index or None, array in our layout, one layer's slice)."""
+def hf_to_ours(name: str, tensor: np.ndarray, cfg: ModelConfig) -> tuple[Path, Index, np.ndarray]:
+    """One HF tensor -> (our path, its Index, array in our layout: the slice that Index names)."""
     p, layer = lookup_hf(name)
     if p.kind == "copy":
         return p.path, layer, tensor
     if p.kind == "flat":
-        return p.path, layer, tensor.reshape(shape(p, cfg, stacked=False))
-    return p.path, layer, tensor.T.reshape(shape(p, cfg, stacked=False))
+        return p.path, layer, tensor.reshape(slice_shape(p, cfg))
+    return p.path, layer, tensor.T.reshape(slice_shape(p, cfg))
 
 
-def ours_to_hf(p: Param, array: np.ndarray, layer: int | None = None) -> tuple[str, np.ndarray]:
-    """One (layer's slice of a) parameter in our layout -> (HF tensor name, HF-layout array)."""
+def ours_to_hf(p: Param, array: np.ndarray, layer: Index = None) -> tuple[str, np.ndarray]:
+    """One slice (`layer` names it, see `Index`) of a parameter in our layout -> (HF tensor name,
+    HF-layout array)."""
     if p.kind == "copy":
         out = array
     elif p.kind == "flat":

@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from agentrefine_jax.models import params
 
-QUANTIZED = tuple(p.path[1] for p in params.LAYER_PARAMS if p.kind == "linear")
+# The dense projections (the router and routed experts of MoE families are not quantised).
+QUANTIZED = tuple(p.path[1] for p in params.LAYER_PARAMS if p.kind == "linear" and p.when != "moe")
 SOURCE_DTYPE = "bfloat16"  # the dtype the base is built in before it is quantised
 SCALE_DTYPE = jnp.float32
 QTYPE = jnp.int8
@@ -58,7 +59,7 @@ def quantize_base(base: dict[str, Any]) -> dict[str, Any]:
     """A base's pure-dict params with every projection replaced by an int8 QArray."""
     qwix = _qwix()
     layers = dict(base["layers"])
-    for name in QUANTIZED:
+    for name in (n for n in QUANTIZED if n in layers):  # an MoE model holds no dense MLP
         w = layers[name].astype(jnp.float32)  # scales computed in float32 whatever W's dtype
         layers[name] = qwix.quantize(w, QTYPE, channelwise_axes=_channel_axes(name, w.ndim))
     return {**base, "layers": layers}
@@ -87,7 +88,7 @@ def shardings(base_shardings: dict[str, Any]) -> dict[str, Any]:
     (their input axes have size 1, so those are replicated)."""
     qwix = _qwix()
     layers = dict(base_shardings["layers"])
-    for name in QUANTIZED:
+    for name in (n for n in QUANTIZED if n in layers):
         s: NamedSharding = layers[name]
         row = params.BY_PATH[("layers", name)]
         spec = list(s.spec) + [None] * (len(params.logical_axes(row)) - len(s.spec))

@@ -20,8 +20,15 @@ from agentrefine_jax.train.topology import chip_of_device_kind
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Every linear row of the parameter table; the output projection counts even when tied."""
-    return sum(math.prod(params.shape(row, cfg)) for row in params.TABLE if row.kind == "linear")
+    """Every linear row the model holds; the output projection counts even when tied. Routed
+    experts count the k of E experts a token runs through (the active parameters)."""
+    total = 0.0
+    for row in params.TABLE:
+        if row.kind != "linear" or not (row.when == "untied" or params.holds(row, cfg)):
+            continue
+        n = math.prod(params.shape(row, cfg))
+        total += n * cfg.active_experts_fraction if row.per_expert else n
+    return int(total)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -90,6 +90,7 @@ def build_train_step(cfg: Config, mesh: jax.sharding.Mesh, total_steps: int) -> 
             "sft_weight": cfg.train.sft_weight,
             "dpo_weight": cfg.train.dpo_weight,
         },
+        router_aux_coef=cfg.model.router_aux_loss_coef if cfg.train.router_aux_loss else 0.0,
     )
     return fns, schedule
 

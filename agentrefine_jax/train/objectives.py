@@ -58,6 +58,7 @@ class Settings:
     beta: float = 0.1
     sft_weight: float = 1.0
     dpo_weight: float = 1.0
+    router_aux_coef: float = 0.0  # MoE load-balancing loss weight (train.router_aux_loss), SFT only
 
 
 @dataclasses.dataclass(frozen=True)

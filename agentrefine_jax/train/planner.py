@@ -148,13 +148,23 @@ def _leaf_layout(
     )
 
 
-def matmul_params(layout: list[LeafLayout], tie_embeddings: bool) -> int:
+def matmul_params(layout: list[LeafLayout], tie_embeddings: bool, active_experts: float = 1.0) -> int:
     """Weights that enter a matmul (flops.py convention): every >= 2-D leaf except the
-    embedding table, which is a lookup -- unless tied, when it is also the output projection."""
-    return sum(
-        leaf.size
-        for leaf in layout
-        if len(leaf.shape) >= 2 + leaf.path.startswith("layers.") and (leaf.path != "embed" or tie_embeddings)
+    embedding table, which is a lookup -- unless tied, when it is also the output projection.
+    Routed experts' leaves count `active_experts` (k / E) of their size: what one token runs."""
+    from agentrefine_jax.models import params
+
+    def per_expert(path: str) -> bool:
+        row = params.BY_PATH.get(tuple(path.split(".")))
+        return row is not None and row.per_expert
+
+    return int(
+        sum(
+            leaf.size * (active_experts if per_expert(leaf.path) else 1.0)
+            for leaf in layout
+            if len(leaf.shape) >= 2 + leaf.path.startswith("layers.")
+            and (leaf.path != "embed" or tie_embeddings)
+        )
     )
 
 
@@ -505,7 +515,7 @@ def plan(
     if splits:
         notes += _batch_notes(micro, gb, max_global, max_batch_shards, total, usable,
                               held.held + 3 * held.trained + opt_bytes, sizing)  # fmt: skip
-    counted = matmul_params(layout, model_cfg.tie_embeddings)
+    counted = matmul_params(layout, model_cfg.tie_embeddings, model_cfg.active_experts_fraction)
     fpt = _flops_per_token(model_cfg, counted, seq, notes)
     flops_step = fpt * gb * seq
     peak = PEAK_FLOPS[chip]

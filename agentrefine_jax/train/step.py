@@ -109,15 +109,25 @@ def objective_loss(
     off, a full run's frozen copy (params {"model", "ref"})."""
     policy, ref = policy_and_reference(params, lora_spec, dropout_key, objective.reference)
 
-    def head(model_params: Params, adapters: Any) -> objectives.Head:
+    def head(model_params: Params, adapters: Any, router_aux: bool = False) -> tuple[objectives.Head, Any]:
         model: Transformer = nnx.merge(graphdef, model_params)
-        hidden, _ = model.forward(
-            batch["input_ids"], batch["positions"], batch["segment_ids"], adapters=adapters
-        )
-        return hidden[:, :-1], model.lm_head_weight()
+        inputs = (batch["input_ids"], batch["positions"], batch["segment_ids"])
+        if router_aux:
+            hidden, aux = model.forward_with_router_loss(*inputs, adapters=adapters)
+        else:
+            (hidden, _), aux = model.forward(*inputs, adapters=adapters), None
+        return (hidden[:, :-1], model.lm_head_weight()), aux
 
     loss = objectives.loss_of(objective)
-    return loss.micro(head(*policy), None if ref is None else head(*ref), batch, counts, settings)
+    policy_head, router_aux = head(*policy, router_aux=bool(settings.router_aux_coef))
+    ref_head = None if ref is None else head(*ref)[0]
+    value, sums = loss.micro(policy_head, ref_head, batch, counts, settings)
+    if router_aux is not None:
+        # MoE load balancing (SFT only: config_checks): weighted by the micro batch's loss tokens,
+        # so after the step's one division by the global count it is transformers'
+        # `loss + router_aux_loss_coef * aux_loss` (exactly so for one micro batch).
+        value = value + settings.router_aux_coef * router_aux * sums
+    return value, sums
 
 
 def loss_sums(
@@ -128,11 +138,14 @@ def loss_sums(
     impl: str = "remat",
     lora_spec: lora.LoraSpec | None = None,
     dropout_key: jax.Array | None = None,
+    router_aux_coef: float = 0.0,
 ) -> tuple[jax.Array, jax.Array]:
     """(token loss sum, loss tokens) of `batch`: the default objective's (refinement tuning's)
-    `objective_loss`, as the planner and the tests call it."""
+    `objective_loss`, as the planner and the tests call it. With `router_aux_coef` (MoE models,
+    `train.router_aux_loss`), coef x the batch's load-balancing loss joins the sum (see
+    `objective_loss`)."""
     default = objective_table.get(objective_table.DEFAULT)
-    settings = objectives.Settings(chunk=chunk, impl=impl)
+    settings = objectives.Settings(chunk=chunk, impl=impl, router_aux_coef=router_aux_coef)
     return objective_loss(graphdef, params, batch, default, (), settings, lora_spec, dropout_key)
 
 
@@ -171,6 +184,7 @@ def build_steps(
     mode: ParamMode | None = None,
     objective: str = objective_table.DEFAULT,
     knobs: dict[str, float] | None = None,
+    router_aux_coef: float = 0.0,
 ) -> StepFns:
     """The jitted steps for `mode` (default: from model_cfg, lora_spec and lora_base_dtype) and
     `objective` (a name in the objective table; `knobs`: train.beta/sft_weight/dpo_weight)."""
@@ -196,7 +210,9 @@ def build_steps(
     init_opt = jax.jit(
         lambda p: optimizer.init(mode.trainable(p)), in_shardings=(p_shard,), out_shardings=opt_shard
     )
-    settings = objectives.Settings(chunk=loss_chunk, impl=loss_impl, **(knobs or {}))
+    settings = objectives.Settings(
+        chunk=loss_chunk, impl=loss_impl, router_aux_coef=router_aux_coef, **(knobs or {})
+    )
     train_step, eval_step = _steps(mode, graphdef, optimizer, spec, settings, n_micro, micro)
     batch_tree = {k: b_shard for k in BATCH_KEYS}
     train_jit = jax.jit(train_step, in_shardings=(p_shard, opt_shard, batch_tree),

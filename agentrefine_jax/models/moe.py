@@ -1,0 +1,109 @@
+"""Routed experts (Qwen3-MoE): the top-k softmax router and the grouped expert MLP.
+
+Semantics are transformers' `Qwen3MoeSparseMoeBlock`: router logits in the compute dtype, a
+float32 softmax over all experts, the top-k probabilities (renormalised to sum 1 when
+`norm_topk_prob`) cast back to the compute dtype, and each token's output the weighted sum of its
+k experts' SwiGLU MLPs.
+
+The grouped matmul (`ragged`) sorts the B*S*k (token, expert) assignments by expert and runs each
+projection as one `jax.lax.ragged_dot` over the expert groups: the work is that of k dense MLPs
+per token, whatever the number of experts. `dense` runs every expert on every token and masks
+by the routing weights (E/k times the work): the fallback where ragged_dot is missing, and the
+oracle the tests hold `ragged` to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+# (x [T, in], w [E, in, out], group_sizes [E], which projection: 0 gate, 1 up, 2 down) -> [T, out];
+# the rows of x sorted by expert.
+GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array, int], jax.Array]
+
+
+def route(
+    x: jax.Array, router: jax.Array, k: int, norm_topk_prob: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [T, D], router [D, E] -> (logits [T, E] in x's dtype, top-k weights [T, k] in x's dtype,
+    top-k expert ids [T, k]). Ties go to the lower expert id, as torch.topk on CPU."""
+    logits = x @ router.astype(x.dtype)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top_w, top_i = jax.lax.top_k(probs, k)
+    if norm_topk_prob:
+        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    return logits, top_w.astype(x.dtype), top_i
+
+
+def ragged_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, which: int = 0) -> jax.Array:
+    del which
+    return jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32))
+
+
+def experts_ragged(
+    x: jax.Array,
+    top_w: jax.Array,
+    top_i: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    matmul: GroupedMatmul | None = None,
+) -> jax.Array:
+    """x [T, D]; w_gate/w_up [E, D, F], w_down [E, F, D] -> [T, D]. `matmul` is the grouped
+    projection (default `ragged_matmul`; LoRA wraps it to add its own grouped delta)."""
+    matmul = matmul or ragged_matmul
+    t, d = x.shape
+    e, k = w_gate.shape[0], top_i.shape[1]
+    flat = top_i.reshape(-1)  # assignment j = token * k + slot
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    xs = jnp.take(x, token, axis=0)  # [T*k, D], grouped by expert
+    sizes = jnp.bincount(flat, length=e)
+    act = jax.nn.silu(matmul(xs, w_gate, sizes, 0)) * matmul(xs, w_up, sizes, 1)
+    out = matmul(act, w_down, sizes, 2) * jnp.take(top_w.reshape(-1), order)[:, None]
+    return jnp.zeros((t, d), out.dtype).at[token].add(out)
+
+
+def experts_dense(
+    x: jax.Array,
+    top_w: jax.Array,
+    top_i: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    matmul: Any = None,
+) -> jax.Array:
+    """Every expert on every token, combined by the routing weights (zero off the top k)."""
+    if matmul is not None:  # a wrapped grouped matmul (expert adapters) needs ragged_dot
+        raise NotImplementedError("adapters on routed experts need jax.lax.ragged_dot (jax >= 0.4.31)")
+    e = w_gate.shape[0]
+    combine = jnp.sum(jax.nn.one_hot(top_i, e, dtype=x.dtype) * top_w[..., None], axis=1)  # [T, E]
+    act = jax.nn.silu(jnp.einsum("td,edf->tef", x, w_gate)) * jnp.einsum("td,edf->tef", x, w_up)
+    return jnp.einsum("tef,efd,te->td", act, w_down, combine)
+
+
+# The grouped matmul where this jax has it, else the dense fallback.
+experts = experts_ragged if hasattr(jax.lax, "ragged_dot") else experts_dense
+
+
+def router_stats(logits: jax.Array, top_i: jax.Array, mask: jax.Array) -> jax.Array:
+    """One layer's share of the load-balancing loss: [2, E] = (how many of the real tokens' top-k
+    slots went to each expert, the sum of their router probabilities per expert). logits [T, E],
+    top_i [T, k], mask [T] (1 = a real token, as transformers' attention_mask)."""
+    e = logits.shape[-1]
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    m = mask.astype(jnp.float32)
+    counts = jnp.sum(jax.nn.one_hot(top_i, e, dtype=jnp.float32) * m[:, None, None], axis=(0, 1))
+    return jnp.stack([counts, jnp.sum(probs * m[:, None], axis=0)])
+
+
+def load_balancing_loss(stats: jax.Array, rows: jax.Array) -> jax.Array:
+    """transformers' `load_balancing_loss_func` (Switch Transformer) from the router statistics
+    summed over the layers and `rows` (real tokens x layers): E * sum_e (top-k slots routed to e /
+    rows) * (router probability of e summed / rows). Balanced routing gives k."""
+    counts, probs = stats[0], stats[1]
+    rows = jnp.maximum(rows, 1.0)
+    return jnp.sum((counts / rows) * (probs / rows)) * stats.shape[-1]
