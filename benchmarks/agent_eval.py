@@ -33,6 +33,7 @@ from typing import Any
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))  # the test checkout and checkpoint writers
+import _machine  # noqa: E402
 import _paired  # noqa: E402
 
 SHARED = HERE.parent.parent / "shared" / "agentboard"
@@ -189,6 +190,7 @@ def main() -> int:
             f"flight; tiny random checkpoint (context {args.context}); jax {jax.__version__} on "
             f"{jax.default_backend()} ({os.cpu_count()} cores), load {_paired.load_now():.2f}"
         )
+        log(_machine.header())
         reuse, plain = Ours(gen, True, run), Ours(gen, False, run, record=True)
         plain()  # records the prompts transformers replays (and compiles today's path)
         hf = Transformers(root / "hf", gen, plain.batches, args.threads)
@@ -219,6 +221,7 @@ def main() -> int:
         "transformers_vs_no_reuse": hf.replies == [r for b in plain.call_replies for r in b],
     }
     doc = {
+        "machine": _machine.machine(),
         "setting": {
             "episodes": len(specs),
             "max_steps": args.max_steps,

@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from agentrefine_jax import host_memory  # noqa: E402
 
 host_memory.relaunch_with_huge_pages()  # the trainer's own process set-up (agentrefine_jax/host_memory.py)
+import _machine  # noqa: E402
 import _paired  # noqa: E402
 
 # ~198M parameters: 12 bytes each with AdamW's moments -> ~2.4 GB per checkpoint.
@@ -112,6 +113,7 @@ def main() -> None:
 
     root = args.dir or tempfile.mkdtemp(prefix="agentrefine-ckpt-bench-")
     step, ckpts, held, nbytes = _setup(os.path.join(root, "checkpoints"), args.batch, args.seq)
+    _log(_machine.header())
     _log(f"checkpoint size {nbytes / 1e9:.2f} GB (params + AdamW moments, float32)")
     counter: dict[str, Any] = {"step": 0, "save_steps": [], "save_seconds": [], "extra": [], "blocking": []}
 
@@ -148,6 +150,7 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
     r = res["ratio"]["save"]  # throughput with a save / without; the step-time ratio is its inverse
     out = {
+        "machine": _machine.machine(),
         "checkpoint_gb": nbytes / 1e9,
         "rounds": res["rounds"],
         "steps_per_round": args.steps,

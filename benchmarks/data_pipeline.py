@@ -27,6 +27,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _machine  # noqa: E402
 import _paired  # noqa: E402
 
 
@@ -59,7 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tokenizer {args.template} ready in {time.perf_counter() - t:.1f}s", file=sys.stderr)
     rows = [json.loads(line) for line in DEMO_TRAIN.read_text(encoding="utf-8").splitlines()]
     records = [(f"demo:{i}", r) for i, r in enumerate(rows * args.repeat)]
-    results: dict = {"template": args.template, "threads": args.threads, "records": len(records)}
+    print(_machine.header(), file=sys.stderr)
+    results: dict = {
+        "machine": _machine.machine(),
+        "template": args.template,
+        "threads": args.threads,
+        "records": len(records),
+    }
 
     report = DataReport()
     t = time.perf_counter()

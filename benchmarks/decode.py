@@ -45,6 +45,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _machine  # noqa: E402
 import _paired  # noqa: E402
 
 
@@ -267,7 +268,12 @@ def main() -> int:
     args = parse_args()
     import jax
 
-    result: dict[str, object] = {"model": args.model or args.hf_dir or "random", "dtype": args.dtype}
+    print(_machine.header(), flush=True)
+    result: dict[str, object] = {
+        "machine": _machine.machine(),
+        "model": args.model or args.hf_dir or "random",
+        "dtype": args.dtype,
+    }
     with tempfile.TemporaryDirectory(prefix="decode-bench-") as tmp:
         if args.model:
             hf_dir = smollm2_dir()

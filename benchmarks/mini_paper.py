@@ -55,6 +55,9 @@ from agentrefine_jax.analyze.tables import wilson_interval  # noqa: E402
 from agentrefine_jax.cli_errors import TERMINATED  # noqa: E402 - the trainer's and eval's exit after SIGTERM
 from agentrefine_jax.outputs import write_json, write_text  # noqa: E402
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _machine  # noqa: E402
+
 TOOL = "mini_paper"
 MANIFEST = "mini_paper.json"
 HELD_OUT = ("babyai", "pddl", "sciworld", "textworld")
@@ -322,20 +325,12 @@ def merge_results(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import jax
 
     dev = jax.devices()[0]
     return {
+        **_machine.machine(),  # the CPU's model, ISA and XLA flags, as every benchmark's JSON
         "cpu_count": os.cpu_count(),
-        "cpu_model": cpu,
         "platform": platform.platform(),
         "python": platform.python_version(),
         "jax": jax.__version__,
@@ -455,6 +450,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{TOOL}] {msg}", flush=True)
 
     info = machine()
+    log(_machine.header(info))
     log(
         f"machine: {info['cpu_count']} CPUs ({info['cpu_model']}), {info['device']}; budget {args.tokens} "
         f"tokens = {steps} steps x {args.batch} x {args.max_length}"

@@ -38,6 +38,7 @@ from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _machine  # noqa: E402
 import _paired  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -169,7 +170,13 @@ def run(args: argparse.Namespace, tmp: pathlib.Path) -> dict[str, Any]:
     old_root = _old_tree(args.old_ref, tmp / "old")
     servers = {"old": Server("old", old_root, checkpoint, tmp), "new": Server("new", ROOT, checkpoint, tmp)}
     try:
-        results: dict[str, Any] = {"old_ref": args.old_ref, "max_tokens": args.max_tokens, "levels": {}}
+        print(_machine.header(), file=sys.stderr, flush=True)
+        results: dict[str, Any] = {
+            "machine": _machine.machine(),
+            "old_ref": args.old_ref,
+            "max_tokens": args.max_tokens,
+            "levels": {},
+        }
         for clients in LEVELS:
             per_round: dict[str, list[list[float]]] = {name: [] for name in servers}
 

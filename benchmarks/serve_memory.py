@@ -29,6 +29,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _machine  # noqa: E402
 from serve_load import ROOT, _tiny_checkpoint  # noqa: E402
 
 WORDS = "look around the kitchen then take the apple from the fridge and put it on the table".split()
@@ -67,6 +68,7 @@ def main() -> int:
     ap.add_argument("--checkpoint", default=None)
     ap.add_argument("--bound-mb", type=float, default=100.0)
     args = ap.parse_args()
+    print(_machine.header(), flush=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="serve-memory-"))
     checkpoint = pathlib.Path(args.checkpoint) if args.checkpoint else _tiny_checkpoint(tmp / "tiny")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -112,6 +114,7 @@ def main() -> int:
     first_cycle = max((mb for n, mb in samples if n <= cycle), default=samples[0][1])
     last = samples[-1][1]
     result = {
+        "machine": _machine.machine(),
         "requests": args.requests,
         "shapes_in_cycle": cycle,
         "statuses": statuses,

@@ -26,6 +26,9 @@ import sys
 import time
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _machine  # noqa: E402
+
 GiB = 1024**3
 
 # (config, slice, overrides that map the config's mesh onto the slice)
@@ -176,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     versions = interpreter_versions(args.python)
+    print(f"# {_machine.header()}", file=sys.stderr, flush=True)
     print(f"# compiler: {compiler_name(versions)} (jaxlib {versions['jaxlib']}) via {args.python}",
           file=sys.stderr, flush=True)  # fmt: skip
     wanted = [a.strip() for a in args.attention.split(",") if a.strip()]
@@ -218,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.out:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
-    out = {"rows": rows, "note": skipped, "versions": versions}
+    out = {"machine": _machine.machine(), "rows": rows, "note": skipped, "versions": versions}
     print(json.dumps(out, indent=2) if args.json else table(rows, skipped))
     return 0 if rows and all("error" not in r for r in rows) else 1
 

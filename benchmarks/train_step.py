@@ -44,6 +44,7 @@ from agentrefine_jax import host_memory  # noqa: E402
 
 # The trainer's own process set-up (agentrefine_jax/host_memory.py); every contender shares it.
 host_memory.relaunch_with_huge_pages()
+import _machine  # noqa: E402
 import _paired  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -292,6 +293,10 @@ def _child(args: argparse.Namespace) -> None:
     _paired.serve(setup, imports_rss_mb=base)
 
 
+# The workers' XLA flags (one host device: the step is compiled for one CPU device, as the trainer's).
+WORKER_XLA_FLAGS = "--xla_force_host_platform_device_count=1"
+
+
 def _worker(kind: str, args: argparse.Namespace, lengths: list[int] | None = None) -> _paired.Worker:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind]
     cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
@@ -299,7 +304,7 @@ def _worker(kind: str, args: argparse.Namespace, lengths: list[int] | None = Non
         cmd += ["--lengths", json.dumps(lengths)]
     if args.hf_dir:
         cmd += ["--hf-dir", args.hf_dir, "--tokens", args.tokens]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=WORKER_XLA_FLAGS, JAX_PLATFORMS="cpu")
     return _paired.Worker(cmd, env)
 
 
@@ -334,6 +339,7 @@ def _main_real(args: argparse.Namespace) -> None:
     hf_dir = smollm2_dir()
     cfg = read_hf_config(hf_dir)
     peak, peak_file, cached = cpu_peak.peak()
+    _log(_machine.header(_machine.machine(WORKER_XLA_FLAGS)))
     _log(
         f"{args.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}; batch {args.batch} x seq "
         f"{args.seq}, {args.rounds} alternating rounds of {args.steps} steps (after 1 warm-up round); "
@@ -350,6 +356,7 @@ def _main_real(args: argparse.Namespace) -> None:
     per_token = flops.flops_per_token(cfg, args.seq)
     mfu = {k: {q: v * per_token / peak for q, v in t.items()} for k, t in res["throughput"].items()}
     out: dict[str, Any] = {
+        "machine": _machine.machine(WORKER_XLA_FLAGS),
         "model": args.model,
         "note": args.note,
         "ratio_vs_torch_fp32": res["ratio"]["ours"],
@@ -447,6 +454,7 @@ def main() -> None:
         p.error(f"unknown contender(s) {bad}" if bad else "--rounds and --steps must be >= 1")
     if "torch_fp32" not in kinds:
         kinds.append("torch_fp32")
+    _log(_machine.header(_machine.machine(WORKER_XLA_FLAGS)))
     _log(
         f"model {MODEL}, batch {args.batch} x seq {args.seq}, {args.rounds} alternating rounds of "
         f"{args.steps} steps (after 1 warm-up round), load {_paired.load_now():.2f}"
@@ -456,6 +464,7 @@ def main() -> None:
     ours_measured = [k for k in OURS if k in res["ratio"]]
     best = max(ours_measured, key=lambda k: res["ratio"][k]["median"]) if ours_measured else None
     out: dict[str, Any] = {
+        "machine": _machine.machine(WORKER_XLA_FLAGS),
         "ratio_vs_torch_fp32": res["ratio"].get(best),
         "setting": {"contender": best, **OURS[best]} if best else None,
         "rounds": res["rounds"],
