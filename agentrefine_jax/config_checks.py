@@ -245,8 +245,11 @@ def _router_aux_loss(cfg: Any) -> str | None:
         return None
     if not cfg.model.num_experts:
         return f"train.router_aux_loss=true: a {cfg.model.family} model routes no experts"
-    if cfg.train.objective != "sft":
-        return f"train.router_aux_loss=true: only with train.objective=sft, not {cfg.train.objective}"
+    if objective_table.get(cfg.train.objective).pairs:  # the aux term joins the token loss only
+        return (
+            f"train.router_aux_loss=true: only with {objective_table.DEFAULT} (the token loss alone), "
+            f"not train.objective={cfg.train.objective}"
+        )
     if not cfg.model.router_aux_loss_coef > 0:
         return "train.router_aux_loss=true: needs model.router_aux_loss_coef > 0"
     return None

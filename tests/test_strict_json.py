@@ -18,6 +18,9 @@ from agentrefine_jax.eval.perturb import summary
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "agentrefine_jax"
 # Network payloads, not files: request bodies and server replies (their bytes are the peers' protocol).
 NOT_FILES = {
+    # Renders tool definitions, calls and results in each vendor's own JSON text (their
+    # separators and indentation): model input, not a file or a reply we write.
+    "data/templates.py",
     "http_client.py",
     "inference/api_errors.py",
     "inference/server.py",
