@@ -166,12 +166,40 @@ class TrainConfig:
 
 
 @dataclasses.dataclass
+class RLConfig:
+    """Reinforcement learning on the one episode engine (train.objective=grpo; docs/rl.md): each
+    phase plays `worlds_per_phase` training-seed worlds of `task`, `group_size` sampled episodes per
+    world (the same seed), in the trainer's own process with its current parameters; rewards are
+    normalised within each world's group (GRPO) and `updates_per_phase` optimizer steps follow, each
+    on an equal share of the phase's episodes. The loss is PPO's clipped ratio with separate low and
+    high clips (DAPO's clip-higher) and an optional KL term to the reference policy, aggregated over
+    the trainable (sampled) tokens of the optimizer step's episodes (token-level mean)."""
+
+    task: str = "demo_world"  # a built-in task with training seeds (eval registry)
+    worlds_per_phase: int = 4
+    group_size: int = 4  # G: sampled episodes per world
+    max_turns: int = 8  # an episode's actions; the task's own limit when lower
+    max_new_tokens: int = 96  # per model turn
+    temperature: float = 1.0  # sampling; log-probabilities are recorded at temperature 1
+    top_p: float = 1.0
+    reward: typing.Literal["success", "progress"] = "success"  # progress: success + shaping by progress
+    progress_weight: float = 0.5  # reward = success + progress_weight * progress, when reward=progress
+    advantage_norm: typing.Literal["std", "none"] = "std"  # "none": Dr. GRPO (mean-centred only)
+    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.28
+    kl_coef: float = 0.0  # > 0: k3 KL to the reference (LoRA adapters off, or a frozen copy)
+    updates_per_phase: int = 2  # optimizer steps per rollout phase
+    seed: int = 0  # worlds and sampling; a phase's worlds come from (seed, phase)
+
+
+@dataclasses.dataclass
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    rl: RLConfig = dataclasses.field(default_factory=RLConfig)
     # The `--set key=value` items this config was loaded with (a record; not itself settable).
     overrides: tuple[str, ...] = ()
 

@@ -178,6 +178,21 @@ RULES: dict[str, Check | Callable[[], Check]] = {
     "train.lora.dropout": fraction(upper_open=True),
     "train.lora.targets": lambda: subset_of(*_lora_targets()),
     "train.lora.base_dtype": lambda: one_of(*_lora_base_dtypes()),
+    # rl (train.objective=grpo; docs/rl.md)
+    "rl.task": Check(lambda v: isinstance(v, str) and bool(v.strip()), "must name a built-in task"),
+    "rl.worlds_per_phase": at_least(1),
+    "rl.group_size": at_least(2),
+    "rl.max_turns": at_least(1),
+    "rl.max_new_tokens": at_least(1),
+    "rl.temperature": greater_than(0),
+    "rl.top_p": Check(lambda v: _number(v) and 0 < v <= 1, "must be in (0, 1]"),
+    "rl.reward": one_of("success", "progress"),
+    "rl.progress_weight": at_least(0),
+    "rl.advantage_norm": one_of("std", "none"),
+    "rl.clip_low": fraction(upper_open=True),
+    "rl.clip_high": at_least(0),
+    "rl.kl_coef": at_least(0),
+    "rl.updates_per_phase": at_least(1),
 }
 
 
