@@ -157,7 +157,18 @@ def _oracle(models, batch: dict[str, np.ndarray], kl_coef: float) -> tuple[torch
     return loss, metrics
 
 
+_STEPS: dict[tuple, object] = {}
+
+
 def _steps(cfg, kl_coef: float, n_dev: int = 1, micro: int | None = None, lr: float = 0.1):
+    """The jitted GRPO steps, built (and compiled) once per setting for the module."""
+    key = (kl_coef, n_dev, micro, lr)
+    if key not in _STEPS:
+        _STEPS[key] = _build(cfg, kl_coef, n_dev, micro, lr)
+    return _STEPS[key]
+
+
+def _build(cfg, kl_coef: float, n_dev: int, micro: int | None, lr: float):
     mesh = shd.make_mesh(1, n_dev, 1, devices=jax.devices()[:n_dev])
     knobs = {"clip_low": CLIP_LOW, "clip_high": CLIP_HIGH, "kl_coef": kl_coef}
     return build_steps(
@@ -197,28 +208,27 @@ def test_step_loss_and_metrics_equal_the_oracle(models, kl_coef):
                                rtol=2e-5, atol=1e-6)  # fmt: skip
 
 
-def _grads(models, batch, settings, spec):
-    """The loss's value and gradient in the policy's params, as the step computes a micro batch."""
-    _, (policy, ref), _, graphdef = models
-    jb = {k: jnp.asarray(v) for k, v in batch.items()}
+def _value_and_grad(graphdef, spec, settings):
+    """The loss's value and gradient in the policy's params, as the step computes a micro batch
+    (jitted once: the batch is an argument)."""
     loss = objectives.loss_of(spec)
-    counts = loss.counts(jb)
 
-    def f(p):
-        return objective_loss(graphdef, {"model": p, "ref": ref}, jb, spec, counts, settings)[0]
+    def f(policy, ref, jb):
+        return objective_loss(graphdef, {"model": policy, "ref": ref}, jb, spec, loss.counts(jb), settings)[0]
 
-    return jax.value_and_grad(f)(policy)
+    return jax.jit(jax.value_and_grad(f))
 
 
 def test_gradients_equal_torch_autograd_and_skip_unsampled_tokens(models):
     """With the KL term: the gradient equals PyTorch's of the oracle; garbage in the old
     log-probabilities and advantages of every token that is not sampled (prompt, environment,
     padding row) changes neither the loss nor any gradient."""
-    (t_policy, _), _, _, _ = models
     spec = dataclasses.replace(GRPO, reference=True, reference_knob="")
     settings = objectives.Settings(chunk=8, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, kl_coef=KL)
+    (t_policy, _), (policy, ref), _, graphdef = models
+    grad_fn = _value_and_grad(graphdef, spec, settings)
     batch = _batch(models, seed=2)
-    value, grads = _grads(models, batch, settings, spec)
+    value, grads = grad_fn(policy, ref, batch)
     t_policy.zero_grad()
     want, _ = _oracle(models, batch, KL)
     want.backward()
@@ -234,7 +244,7 @@ def test_gradients_equal_torch_autograd_and_skip_unsampled_tokens(models):
 
     noisy = _batch(models, seed=2, garbage=True)
     assert not np.array_equal(noisy["advantages"], batch["advantages"])
-    value2, grads2 = _grads(models, noisy, settings, spec)
+    value2, grads2 = grad_fn(policy, ref, noisy)
     assert float(value2) == float(value)
     jax.tree.map(np.testing.assert_array_equal, grads2, grads)
 
