@@ -285,3 +285,30 @@ def test_config_validates_and_the_reference_follows_kl_coef():
     # Rollouts are its batches: the data pipeline builds none, with one line saying why.
     with pytest.raises(DataError, match="trains on rollouts"):
         build_data(cfg_on.data, "train", objective=GRPO.name)
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, KL], ids=["no_reference", "kl_to_reference"])
+def test_the_trainers_step_lowers_for_rollout_batches(kl_coef):
+    """The step the trainer builds from a config (train/loop.py's build_train_step; train/aot.py
+    compiles the same one for a TPU slice) takes rl/batch.py's arrays and lowers; lowered, not run."""
+    from agentrefine_jax.rl.batch import ARRAY_KEYS
+    from agentrefine_jax.train.loop import build_train_step
+
+    cfg = load_config("tiny", [f"train.objective={GRPO.name}", f"rl.kl_coef={kl_coef}", "model.num_layers=1"])
+    fns, _ = build_train_step(cfg, shd.make_mesh(1, 1, 1, devices=jax.devices()[:1]), total_steps=10)
+    assert set(fns.batch_dtypes) == set(ARRAY_KEYS) and ("ref" in fns.abstract_params) == (kl_coef > 0)
+    shape = (cfg.train.global_batch_size, 32)
+    batch = {
+        k: jax.ShapeDtypeStruct(shape, dtype, sharding=fns.batch_sharding)
+        for k, dtype in fns.batch_dtypes.items()
+    }
+    params = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        fns.abstract_params,
+        fns.param_shardings,
+    )
+    opt = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), fns.abstract_opt, fns.opt_shardings
+    )
+    metrics = fns.train.lower(params, opt, batch).out_info[2]
+    assert set(metrics) == {"loss", "loss_tokens", "tokens", "grad_norm", *GRPO.metrics}
