@@ -248,6 +248,17 @@ def test_gradients_equal_torch_autograd_and_skip_unsampled_tokens(models):
     assert float(value2) == float(value)
     jax.tree.map(np.testing.assert_array_equal, grads2, grads)
 
+    # A sampled token far below its trainer log-probability (a stale or broken rollout: log ratio
+    # ~ +80, exp overflows float32) with a negative advantage: the ratio is clamped at e^20, the
+    # loss and every gradient stay finite.
+    stale = {k: v.copy() for k, v in batch.items()}
+    r, t = np.argwhere((stale["loss_mask"] > 0) & (stale["advantages"] < 0))[0]
+    stale["old_logprobs"][r, t] -= 80.0
+    value3, grads3 = grad_fn(policy, ref, stale)
+    n = float(batch["loss_mask"].sum())
+    assert np.isfinite(float(value3)) and float(value3) > float(value) + 1e6 / n
+    assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads3))
+
 
 def test_unsampled_tokens_change_no_metric(models):
     fns = _steps(models[2], KL)

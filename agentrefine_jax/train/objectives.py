@@ -30,7 +30,9 @@ independent PyTorch implementation):
   + kl_coef (1/N) sum_t k3_t, k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1 (the k3 estimator
   of KL(policy || reference); the term only while the reference is on). Token-level aggregation:
   every sampled token of the step weighs the same, whichever episode it is in (DAPO's, not
-  GRPO's original per-episode mean).
+  GRPO's original per-episode mean). Both exponents are clamped to [-20, 20] (as verl does), so
+  that a token far off its sampling log-probability gives a huge but finite ratio, never an
+  inf (and a NaN gradient).
 Every pair (token) mean is over the global batch: a micro batch's value is its share of it (the
 global counts given), so micro batches and devices add (never a mean of means).
 """
@@ -53,6 +55,8 @@ Batch = dict[str, jax.Array]
 # A model's output for the loss: (the hidden state before each target [B, T-1, D], lm_head [D, V]).
 Head = tuple[jax.Array, jax.Array]
 METRICS = ("rewards_chosen", "rewards_rejected", "margin", "accuracy")
+# GRPO's exponents (log ratios) are clamped to +-this: exp(20) ~ 4.9e8 is finite in float32.
+MAX_LOG_RATIO = 20.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,7 +371,7 @@ class PolicyGradient(Loss):
         # Off the trained tokens, delta is 0 (ratio 1) and every term below is masked out: neither
         # their values nor their gradients reach the loss.
         delta = jnp.where(on, logp - old, 0.0)
-        ratio = jnp.exp(delta)
+        ratio = jnp.exp(jnp.clip(delta, -MAX_LOG_RATIO, MAX_LOG_RATIO))
         lo, hi = 1.0 - s.clip_low, 1.0 + s.clip_high
         surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, lo, hi) * adv)
         n = jnp.maximum(counts["tokens"], 1.0)
@@ -375,6 +379,7 @@ class PolicyGradient(Loss):
         kl_sum = jnp.zeros((), jnp.float32)
         if ref is not None:
             d = jnp.where(on, jax.lax.stop_gradient(token_logps(*ref, targets, s.chunk)) - logp, 0.0)
+            d = jnp.clip(d, -MAX_LOG_RATIO, MAX_LOG_RATIO)
             kl_sum = jnp.sum(jnp.where(on, jnp.exp(d) - d - 1.0, 0.0))
             value = value + s.kl_coef * kl_sum / n
         sg = jax.lax.stop_gradient
