@@ -3,10 +3,10 @@
 An entry says what an objective is to every stage that asks: its name (config validation), the
 data it trains on (data/pipeline.py: the split's examples or pairs; or the rollouts the RL loop
 collects, rl/), whether its loss compares with a frozen reference policy (the parameter mode:
-full fine-tuning then holds a copy; train/param_mode.py, train/planner.py) — always, or while a
-config knob switches it on —
-the `train.*` knobs weighting its terms (config validation), the metrics its step logs and its
-loss (train/step.py's one step body), and its name in the paper's tables (analyze/tables.py).
+full fine-tuning then holds a copy; train/param_mode.py, train/planner.py) — always, or only
+while a config knob such as rl.kl_coef is > 0 —, the `train.*` knobs weighting its terms (config
+validation), the metrics its step logs and its loss (train/step.py's one step body), and its name
+in the paper's tables (analyze/tables.py).
 
 This module sits at the config layer (docs/architecture.md), below data and train, and imports
 nothing: the loss is named here — an attribute of train/objectives.py, resolved there by

@@ -3,9 +3,10 @@
 * no objective name is written in the package outside the table (an AST scan of every string
   constant; a planted one is found);
 * every stage reads the table: config validation accepts exactly its names, the data pipeline
-  builds the data an entry declares, the parameter mode holds a reference copy exactly where an
-  entry says so, and the one train step logs exactly the metrics an entry declares, from the loss
-  the entry names (resolved in train/objectives.py, every loss there named by some entry).
+  builds the data an entry declares (none for one trained on rollouts), the parameter mode holds a
+  reference copy exactly where an entry says so (with its reference knob, only while it is on),
+  and the one train step logs exactly the metrics an entry declares, from the loss the entry
+  names (resolved in train/objectives.py, every loss there named by some entry).
 """
 
 from __future__ import annotations

@@ -108,8 +108,9 @@ def objective_loss(
     dropout_key: jax.Array | None = None,
 ) -> tuple[Any, Any]:
     """A (micro) batch's (value, aux sums) of `objective`'s loss (train/objectives.py), `counts`
-    the global batch's. The reference, when the entry has one: a LoRA run's base with the adapters
-    off, a full run's frozen copy (params {"model", "ref"})."""
+    the global batch's. The reference, when the entry has one (`objective.reference`: the entry as
+    `build_steps` resolved it, its reference knob read): a LoRA run's base with the adapters off,
+    a full run's frozen copy (params {"model", "ref"})."""
     policy, ref = policy_and_reference(params, lora_spec, dropout_key, objective.reference)
 
     def head(model_params: Params, adapters: Any, router_aux: bool = False) -> tuple[objectives.Head, Any]:
