@@ -26,7 +26,8 @@ PAIR_METRICS = ("pair_loss", "sft_loss", "rewards_chosen", "rewards_rejected", "
 # What a policy-gradient objective's step logs (over the global batch's trainable tokens; see
 # train/objectives.py's PolicyGradient): the share of tokens whose ratio was clipped, the mean k3
 # KL to the reference (0 when off), the policy's mean entropy, the mean ratio, the advantages'
-# mean and std, and max |log p - old log p| (the trainer's forward vs the rollout's sampling).
+# mean and std, and max |log p - old log p| (the trainer's forward vs the rollout's sampling: on a
+# phase's first update, with the parameters that sampled, their mismatch alone; after, plus drift).
 RL_METRICS = (
     "clip_fraction", "kl", "entropy", "ratio_mean", "advantage_mean", "advantage_std", "max_abs_logp_delta",
 )  # fmt: skip

@@ -31,6 +31,7 @@ from agentrefine_jax import sharding as shd
 from agentrefine_jax.config import load_config
 from agentrefine_jax.data.pipeline import DataError, build_data
 from agentrefine_jax.hf.io import load_hf_model
+from agentrefine_jax.models import lora
 from agentrefine_jax.train import objectives, planner
 from agentrefine_jax.train.param_mode import ParamMode
 from agentrefine_jax.train.step import build_steps, objective_loss
@@ -279,6 +280,50 @@ def test_two_devices_two_micro_batches_equal_one_device(models):
     for k in m1:
         np.testing.assert_allclose(m2[k], m1[k], rtol=1e-5, atol=1e-7, err_msg=k)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p2, p1)
+
+
+def test_lora_reference_is_the_base_with_adapters_off(models):
+    """A LoRA run holds no copy; its KL term's reference is the base with the adapters off: the
+    step's kl is the mean k3 between our policy (adapters on) and transformers on the base."""
+    (t_base, _), (base, _), cfg, graphdef = models
+    spec = lora.LoraSpec(("q", "v", "down"), rank=4, alpha=8.0)
+    mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    knobs = {"clip_low": CLIP_LOW, "clip_high": CLIP_HIGH, "kl_coef": KL}
+    fns = build_steps(  # adam: LoRA's dropout keys come from the optimizer's update count
+        cfg, optax.adam(1e-3), mesh, shd.DEFAULT_RULES, global_batch=ROWS, micro_batch=None, loss_chunk=8,
+        lora_spec=spec, objective=GRPO.name, knobs=knobs,
+    )  # fmt: skip
+    assert set(fns.abstract_params) == {"base", "lora"}  # no "ref": nothing copied
+    # Non-zero B, so the policy differs from the base (fresh adapters would make them equal).
+    adapters = jax.tree.map(
+        lambda a: 0.05 * jax.random.normal(jax.random.key(3), a.shape, a.dtype),
+        lora.init(spec, cfg, jax.random.key(2)),
+    )
+    batch = _batch(models, seed=5)
+    jb = {k: jnp.asarray(v) for k, v in batch.items()}
+
+    @jax.jit
+    def policy_logps(base, adapters, jb):
+        model = nnx.merge(graphdef, base)
+        hidden, _ = model.forward(
+            jb["input_ids"], jb["positions"], jb["segment_ids"], adapters=(spec, adapters, None)
+        )
+        return objectives.token_logps(hidden[:, :-1], model.lm_head_weight(), jb["input_ids"][:, 1:], 8)
+
+    logp = np.asarray(policy_logps(base, adapters, jb))
+    k3 = []
+    for r in range(len(EPISODES)):
+        n = int(batch["segment_ids"][r].sum())
+        sampled = np.flatnonzero(batch["loss_mask"][r, :n])
+        with torch.no_grad():
+            ref = _torch_stats(t_base, batch["input_ids"][r, :n])[0].numpy()[sampled - 1]
+        d = ref - logp[r, sampled - 1].astype(np.float64)
+        k3.append(np.exp(d) - d - 1)
+    want = float(np.concatenate(k3).mean())
+    assert want > 1e-4  # the adapters are on in the policy
+    params = jax.device_put({"base": jax.tree.map(jnp.copy, base), "lora": adapters}, fns.param_shardings)
+    _, _, m = fns.train(params, fns.init_opt(params), jax.device_put(batch, fns.batch_sharding))
+    np.testing.assert_allclose(float(m["kl"]), want, rtol=1e-4, atol=1e-7)
 
 
 def test_config_validates_and_the_reference_follows_kl_coef():
