@@ -3,10 +3,10 @@
 `collect(model, cfg, phase)` plays `cfg.rl.worlds_per_phase` training worlds of the built-in task
 `cfg.rl.task` (`eval/onpolicy.plan`: the task's training split, every world checked against its eval
 split and an eval world refused) x `cfg.rl.group_size` sampled episodes per world (the same world
-seed; each episode its own cache row and sampling key), all in flight together on the one episode
-engine (`eval/core.run_episodes`) under our chat protocol (`eval/loop.ChatProtocol`: the same prompts,
-parser, step counting and terminations as an eval run), answered by the KV-cache engine with the
-model's current parameters (`inference/chat.ChatGenerator.complete_ids`, one batched call a round).
+seed; each episode its own cache row and sampling key), up to `max_in_flight` together on the one
+episode engine (`eval/core.run_episodes`) under our chat protocol (`eval/loop.ChatProtocol`: the
+same prompts, parser, step counting and terminations as an eval run), answered by the KV-cache
+engine with the model's current parameters (`inference/chat.ChatGenerator.complete_ids`, one batched call a round).
 
 An episode is built by appending token ids, never by re-rendering its text (rl/scaffold.py):
 
@@ -152,6 +152,7 @@ class RolloutProtocol(ChatProtocol):
         gains = [b - a for a, b in zip([0.0, *progress], progress, strict=False)]
         seq: _Sequence = run.seq
         rollout = Rollout(
+            # the world's seed; a task whose worlds have none (pddl): its index in the phase
             world=int(r.spec["seed"]) if "seed" in r.spec else r.episode,
             sample=r.sample,
             token_ids=tuple(seq.ids),
@@ -214,10 +215,13 @@ def play(
     progress: Callable[[str], None] | None = None,
     template: Any = None,
     workdir: str | None = None,
+    max_in_flight: int = 64,
 ) -> list[Played]:
     """`collect`, with what each rollout was made from (`Played`)."""
     from agentrefine_jax.inference.chat import ChatGenerator
 
+    if max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
     template = template if template is not None else build_template(cfg)
     if len(template.tokenizer) > model.cfg.vocab_size:
         raise ValueError(
@@ -231,7 +235,7 @@ def play(
         worlds, jobs = phase_jobs(cfg, phase, workdir or scratch)
         try:
             protocol = RolloutProtocol(
-                generator, scaffold, len(jobs), max_new_tokens=cfg.rl.max_new_tokens,
+                generator, scaffold, min(len(jobs), max_in_flight), max_new_tokens=cfg.rl.max_new_tokens,
                 temperature=cfg.rl.temperature, top_p=cfg.rl.top_p,
             )  # fmt: skip
             count = [0]
@@ -258,10 +262,17 @@ def collect(
     progress: Callable[[str], None] | None = None,
     template: Any = None,
     workdir: str | None = None,
+    max_in_flight: int = 64,
 ) -> list[Rollout]:
     """The phase's rollouts, world-major (world i's G samples together, sample 0 first).
 
     `model`: the policy's current nnx Transformer; `template`: the run's chat template (default: as
     the trainer resolves it from `cfg`); `workdir`: scratch for tasks that write files (default: a
-    temporary directory); `progress(line)` after each finished episode."""
-    return [p.rollout for p in play(model, cfg, phase, progress=progress, template=template, workdir=workdir)]
+    temporary directory); `max_in_flight`: episodes decoded together (one KV-cache row each; the
+    phase's rollouts depend on it, so a run keeps it fixed); `progress(line)` after each finished
+    episode. A world whose environment fails to start raises RuntimeError; an episode that fills the
+    model's context ends there (termination context_overflow), its turns so far kept."""
+    played = play(
+        model, cfg, phase, progress=progress, template=template, workdir=workdir, max_in_flight=max_in_flight
+    )
+    return [p.rollout for p in played]
