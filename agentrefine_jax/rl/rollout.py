@@ -6,7 +6,8 @@ split and an eval world refused) x `cfg.rl.group_size` sampled episodes per worl
 seed; each episode its own cache row and sampling key), up to `max_in_flight` together on the one
 episode engine (`eval/core.run_episodes`) under our chat protocol (`eval/loop.ChatProtocol`: the
 same prompts, parser, step counting and terminations as an eval run), answered by the KV-cache
-engine with the model's current parameters (`inference/chat.ChatGenerator.complete_ids`, one batched call a round).
+engine with the model's current parameters (`inference/chat.ChatGenerator.complete_ids`, one
+batched call a round).
 
 An episode is built by appending token ids, never by re-rendering its text (rl/scaffold.py):
 
