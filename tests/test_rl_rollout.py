@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from hf_fixtures import chatml_llama_dir, qwen_tokenizer
 
 from agentrefine_jax.config import Config, RLConfig, TrainConfig
@@ -169,7 +170,12 @@ def test_environment_and_template_tokens_carry_no_loss(case: Case) -> None:
 
 
 def test_rollout_logprobs_equal_a_trainer_forward_on_the_same_ids(case: Case) -> None:
-    rows = [p.rollout for p in case.played]
+    """Also when sampling at another temperature with top-p: the recorded log-probabilities are
+    still those of temperature 1 over the whole vocabulary (what the GRPO ratio needs)."""
+    tempered = dataclasses.replace(case.cfg, rl=dataclasses.replace(case.cfg.rl, temperature=0.6, top_p=0.8))
+    # one world's group of each (the forward over Llama-3's 128k vocabulary is most of this test's time)
+    g = case.cfg.rl.group_size
+    rows = [p.rollout for p in case.played][:g] + rollout.collect(case.model, tempered, 0, template=case.template)[:g]
     n = max(len(r.token_ids) for r in rows)
     ids = np.zeros((len(rows), n), np.int32)
     seg = np.zeros((len(rows), n), np.int32)
@@ -178,9 +184,15 @@ def test_rollout_logprobs_equal_a_trainer_forward_on_the_same_ids(case: Case) ->
         ids[i, : len(r.token_ids)] = r.token_ids
         seg[i, : len(r.token_ids)] = 1
         pos[i, : len(r.token_ids)] = np.arange(len(r.token_ids))
-    hidden, _ = case.model.forward(jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg))
-    # target t scored from position t - 1, over the whole vocabulary at temperature 1 (objectives.py)
-    logp = np.asarray(token_logps(hidden[:, :-1], case.model.lm_head_weight(), jnp.asarray(ids[:, 1:]), 64))
+
+    @nnx.jit
+    def trainer_forward(model: Any, ids: jax.Array, pos: jax.Array, seg: jax.Array) -> tuple:
+        hidden, _ = model.forward(ids, pos, seg)
+        # target t scored from position t - 1, over the whole vocabulary at temperature 1 (objectives.py)
+        return hidden, token_logps(hidden[:, :-1], model.lm_head_weight(), ids[:, 1:], 64)
+
+    hidden, logp = trainer_forward(case.model, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg))
+    logp = np.asarray(logp)
     worst = 0.0
     for i, r in enumerate(rows):
         t = np.flatnonzero(np.asarray(r.trainable))
