@@ -175,7 +175,8 @@ def test_rollout_logprobs_equal_a_trainer_forward_on_the_same_ids(case: Case) ->
     tempered = dataclasses.replace(case.cfg, rl=dataclasses.replace(case.cfg.rl, temperature=0.6, top_p=0.8))
     # one world's group of each (the forward over Llama-3's 128k vocabulary is most of this test's time)
     g = case.cfg.rl.group_size
-    rows = [p.rollout for p in case.played][:g] + rollout.collect(case.model, tempered, 0, template=case.template)[:g]
+    again = rollout.collect(case.model, tempered, 0, template=case.template)
+    rows = [p.rollout for p in case.played][:g] + again[:g]
     n = max(len(r.token_ids) for r in rows)
     ids = np.zeros((len(rows), n), np.int32)
     seg = np.zeros((len(rows), n), np.int32)
