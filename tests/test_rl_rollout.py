@@ -103,8 +103,8 @@ def _runs(flags: Any) -> list[tuple[int, int]]:
 
 
 def _key(p: rollout.Played, case: Case) -> tuple:
-    world = p.rollout.world - (case.cfg.rl.seed + 0 * case.cfg.rl.worlds_per_phase)  # phase 0's episode index
-    return ("demo_world", 0, world, p.rollout.sample)
+    """The episode's conversation key (eval/loop.job_key): phase 0 plays worlds rl.seed, rl.seed + 1."""
+    return ("demo_world", 0, p.rollout.world - case.cfg.rl.seed, p.rollout.sample)
 
 
 def test_trained_ids_are_the_ids_the_engine_sampled_turn_by_turn(case: Case) -> None:
