@@ -128,8 +128,8 @@ def experts_per_shard(
         return local(x, top_w, top_i, w_gate, w_up, w_down)
     rows = PartitionSpec(bax, None, None)
     whole = PartitionSpec()
-    # check_vma off: ragged_dot's replication rule would refuse the unmapped weights; their
-    # cotangents are summed over the batch shards by shard_map's transpose.
+    # check_vma off, as for the splash kernel's shard_map. The weights are unmapped inputs, so
+    # shard_map's transpose sums their cotangents over the batch shards (an all-reduce).
     return jax.shard_map(
         local,
         mesh=ctx.mesh,
