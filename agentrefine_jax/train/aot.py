@@ -87,8 +87,9 @@ def make_mesh(devices: list[Any], sizes: dict[str, int], num_slices: int) -> Any
     return Mesh(arr, MESH_AXES)
 
 
-def compile_train_step(cfg: Any, sl: Slice, num_slices: int = 1) -> dict[str, Any]:
-    """Compile the trainer's step for the slice; per-device bytes from the XLA TPU compiler."""
+def lower_train_step(cfg: Any, sl: Slice, num_slices: int = 1) -> tuple[Any, dict[str, int]]:
+    """The trainer's step lowered for the slice over abstract inputs (nothing allocated), and
+    the mesh sizes it was lowered for; `.compile()` runs the XLA TPU compiler."""
     import jax
 
     from agentrefine_jax.train.loop import TrainingError, build_train_step
@@ -114,8 +115,13 @@ def compile_train_step(cfg: Any, sl: Slice, num_slices: int = 1) -> dict[str, An
     }
     params = abstract(fns.abstract_params, fns.param_shardings)
     opt_state = abstract(fns.abstract_opt, fns.opt_shardings)
+    return fns.train.lower(params, opt_state, batch), sizes
+
+
+def compile_train_step(cfg: Any, sl: Slice, num_slices: int = 1) -> dict[str, Any]:
+    """Compile the trainer's step for the slice; per-device bytes from the XLA TPU compiler."""
     t0 = time.perf_counter()
-    lowered = fns.train.lower(params, opt_state, batch)
+    lowered, sizes = lower_train_step(cfg, sl, num_slices)
     try:
         compiled = lowered.compile()
     except Exception as e:  # the TPU compiler refuses a program that cannot fit HBM
