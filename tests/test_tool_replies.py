@@ -38,10 +38,11 @@ from agentrefine_jax.data.tool_replies import (
     tool_format,
 )
 
-# Two calls, one with a list, a number and non-ASCII arguments (as deep as Meta's ToolCall allows): what the parsers must give back exactly.
+# Two calls, one with a list, a number and non-ASCII arguments (as deep as Meta's ToolCall allows):
+# what the parsers must give back exactly.
 CALLS = [
     {"name": "act", "arguments": {"command": "go to kitchen"}},
-    {"name": "search", "arguments": {"query": "mug 😀 \"blue\"", "rooms": ["kitchen", "hall"], "n": 2}},
+    {"name": "search", "arguments": {"query": 'mug 😀 "blue"', "rooms": ["kitchen", "hall"], "n": 2}},
 ]
 OFFERED = {"act", "search"}
 CONTENT = "The mug is in the kitchen."
@@ -73,8 +74,10 @@ def _meta_turn(calls, content=""):
     raw = RawMessage(
         role="assistant",
         content=content,
-        tool_calls=[ToolCall(call_id=f"c{i}", tool_name=c["name"], arguments=c["arguments"]) for i, c in
-                    enumerate(calls)],  # fmt: skip
+        tool_calls=[
+            ToolCall(call_id=f"c{i}", tool_name=c["name"], arguments=c["arguments"])
+            for i, c in enumerate(calls)
+        ],  # fmt: skip
         stop_reason=StopReason.end_of_message,
     )
     toks, _ = cf.encode_message(raw, ToolPromptFormat.json)
@@ -126,8 +129,12 @@ def vendor():
 def test_mistral_v3_reads_the_calls_mistral_common_renders(mistral, vendor, n):
     message = AssistantMessage(
         tool_calls=[
-            MistralToolCall(id=c["id"], function=FunctionCall(name=c["function"]["name"],
-                            arguments=json.dumps(c["function"]["arguments"])))  # fmt: skip
+            MistralToolCall(
+                id=c["id"],
+                function=FunctionCall(
+                    name=c["function"]["name"], arguments=json.dumps(c["function"]["arguments"])
+                ),
+            )  # fmt: skip
             for c in openai_calls(CALLS[:n])
         ]
     )
