@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from agentrefine_jax.layout import CHECK_VALID_ACTIONS
 from agentrefine_jax.layout import assistant_turn as format_response
+from agentrefine_jax.outputs import json_dumps
 
 # The model's turn ends with its action; a hallucinated next observation is cut here.
 DEFAULT_STOP = ("\nObservation:",)
@@ -290,7 +291,7 @@ def _wire(message: dict[str, Any]) -> dict[str, Any]:
     if not message.get("tool_calls"):
         return message
     calls = [
-        {**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
+        {**c, "function": {**c["function"], "arguments": json_dumps(c["function"]["arguments"])}}
         for c in message["tool_calls"]
     ]
     return {**message, "tool_calls": calls}
