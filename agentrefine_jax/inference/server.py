@@ -491,7 +491,7 @@ class ChatService:
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
         finish = c.finish_reason
         if req.tool_names is not None and self.tool_format is not None:
-            reply = self._read_calls(req.tool_names, c)
+            reply = self._read_calls(self.tool_format, req.tool_names, c)
             if reply.error is not None:
                 self.malformed_tool_calls += 1
                 self.log(
@@ -511,12 +511,11 @@ class ChatService:
                 finish = "tool_calls"
         return {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
 
-    def _read_calls(self, names: frozenset[str], c: Completion) -> ToolReply:
+    def _read_calls(self, fmt: str, names: frozenset[str], c: Completion) -> ToolReply:
         ids = list(c.token_ids)
         if c.finish_reason == "stop" and ids and ids[-1] in self.generator.stop_token_ids:
             ids = ids[:-1]  # the end token (a stop string's cut is in the text; only Mistral reads ids)
-        assert self.tool_format is not None
-        return parse_tool_reply(self.tool_format, c.text, ids, self.generator.template, names)
+        return parse_tool_reply(fmt, c.text, ids, self.generator.template, names)
 
     def stream(
         self,
