@@ -9,8 +9,8 @@ OpenAI's `tool_calls`. The rendering oracle is transformers' apply_chat_template
 directory (the prompt's token count, which the server reports as usage). The parsers of the three
 families against the vendors' own renderers and decoders are tests/test_tool_replies.py.
 
-Cost: every request but the eval CLI's shares one compiled shape (prompt bucket 256, 40 new tokens);
-the eval CLI's prompts (the task's instructions) compile one more.
+Cost: two compiled shapes serve every request (40 new tokens; prompt buckets 256 and 512: a first
+turn, then follow-ups and the eval task's prompts).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def test_server_returns_tool_calls_to_the_openai_client(server, hermes_dir):
     # The next turn carries the call and its result (multi-turn): rendered as the template renders them.
     turn = choice.message.model_dump(exclude_none=True)
     follow = [*ASK, turn, {"role": "tool", "tool_call_id": call.id, "content": "You see a mug."}]
-    again = c.chat.completions.create(messages=follow, tools=[ACT_TOOL], **{**kw, "max_tokens": 4})
+    again = c.chat.completions.create(messages=follow, tools=[ACT_TOOL], **kw)
     assert again.usage.prompt_tokens == prompt_tokens(hermes_dir, follow, [ACT_TOOL])
 
     # A named function: only it is offered (the prompt is rendered with it alone), and it is read back.
