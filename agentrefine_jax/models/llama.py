@@ -157,9 +157,8 @@ def _moe_mlp(
     # LoRA on the experts (when handed expert adapters) wraps the grouped matmul: models/lora.py.
     matmul = lora.expert_matmul(p.get("lora"), lora_spec, p.get("lora_key"))
     k = top_i.shape[-1]
-    out = moe.experts_per_shard(
-        h, top_w.reshape(b, s, k), top_i.reshape(b, s, k), *weights, matmul=matmul, expert_axis=plan.expert_axis
-    )
+    top_w, top_i = top_w.reshape(b, s, k), top_i.reshape(b, s, k)
+    out = moe.experts_per_shard(h, top_w, top_i, *weights, matmul=matmul, expert_axis=plan.expert_axis)
     return out, stats
 
 

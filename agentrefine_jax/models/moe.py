@@ -49,7 +49,9 @@ def route(
     return logits, top_w.astype(x.dtype), top_i
 
 
-def ragged_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, which: int = 0, first: Any = 0) -> jax.Array:
+def ragged_matmul(
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, which: int = 0, first: Any = 0
+) -> jax.Array:
     del which, first
     return jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32))
 
