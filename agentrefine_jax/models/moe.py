@@ -16,7 +16,10 @@ shard_map over the batch's mesh axes: sorting the flattened global batch would m
 every token's [T*k, D] row to every device (Qwen3-30B-A3B at 64 x 8192 tokens: 16 GiB per copy;
 the XLA TPU compiler asked for 137 GiB of temporaries for two layers on v5p-16). The expert
 weights enter whole (the compiler all-gathers their fsdp shards, one layer at a time, as FSDP does
-for a dense weight); tokens are not exchanged between devices (no all-to-all dispatch).
+for a dense weight) -- unless the execution plan runs them expert-parallel over a mesh axis
+(`tensor`, whose ranks all hold the same tokens): then each rank gathers and runs only its E/n
+experts and a psum over that axis adds the ranks' shares. Tokens are never exchanged between
+devices (no all-to-all dispatch).
 """
 
 from __future__ import annotations
