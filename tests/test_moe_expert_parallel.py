@@ -13,6 +13,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
 
@@ -106,9 +107,11 @@ def test_forward_and_every_gradient_equal_the_unsharded_model_and_experts_stay_s
     assert "8" in expert_shapes(whole.as_text())  # the check can fail: the replicated path holds all 8
 
 
-def _train_one_step(mesh: jax.sharding.Mesh) -> tuple[float, dict]:
+def _train_one_step(mesh: jax.sharding.Mesh, spec: lora.LoraSpec | None) -> tuple[float, dict]:
     opt, _ = make_optimizer(OptimConfig(learning_rate=1e-3), 10)
-    fns = build_steps(CFG, opt, mesh, MeshConfig().rules, global_batch=8, micro_batch=None, loss_chunk=16)
+    fns = build_steps(
+        CFG, opt, mesh, MeshConfig().rules, global_batch=8, micro_batch=None, loss_chunk=16, lora_spec=spec
+    )
     params = fns.init_params(0)
     rng = np.random.default_rng(3)
     batch = {
@@ -122,13 +125,16 @@ def _train_one_step(mesh: jax.sharding.Mesh) -> tuple[float, dict]:
     return float(metrics["loss"]), params
 
 
-def test_a_train_step_with_expert_parallelism_equals_one_device() -> None:
+@pytest.mark.parametrize("spec", [None, SPEC], ids=["full", "lora"])
+def test_a_train_step_with_expert_parallelism_equals_one_device(spec: lora.LoraSpec | None) -> None:
     """The real train step (train/step.py: the plan decided from the mesh, AdamW). AdamW's first
     update is lr * g / (|g| + eps), so a near-zero gradient's float32 rounding shows at lr scale:
-    lr 1e-3 keeps it under the 1e-5 held here (at 1e-2 one of 24576 elements moved 1.2e-5)."""
-    one_loss, one = _train_one_step(shd.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
-    ep_loss, ep = _train_one_step(_mesh())
-    assert ep["layers"]["we_down"].sharding.spec == PartitionSpec(None, ("tensor", "fsdp"), None, None)
+    lr 1e-3 keeps it under the 1e-5 held here (at 1e-2 one of 24576 elements moved 1.2e-5). With
+    LoRA the expert adapters are stored split like their experts and trained through the slice."""
+    one_loss, one = _train_one_step(shd.make_mesh(1, 1, 1, devices=jax.devices()[:1]), spec)
+    ep_loss, ep = _train_one_step(_mesh(), spec)
+    experts = ep["lora"]["we_down"]["a"] if spec else ep["layers"]["we_down"]
+    assert experts.sharding.spec == PartitionSpec(None, ("tensor", "fsdp"), None, None)
     np.testing.assert_allclose(ep_loss, one_loss, rtol=1e-6)
     for (path, a), (_, b) in zip(
         jax.tree_util.tree_leaves_with_path(ep), jax.tree_util.tree_leaves_with_path(one), strict=True
