@@ -178,8 +178,9 @@ def test_qwen3_moe_step_with_a_tensor_axis_is_expert_parallel_for_tpu() -> None:
     """The same small MoE step on v5p-8 as fsdp=2 x tensor=2: the plan runs the experts
     expert-parallel over tensor (models/moe.py), so every grouped matmul of the compiled step takes
     one tensor rank's 4 of the 8 experts (weights [4, 64, 32], gathered over fsdp from the 2 each
-    device stores) and the 8-expert stack appears nowhere; the rows are the batch shard's (4 rows x 128 tokens x top 2 = 1024), the
-    same on both tensor ranks (tokens are replicated over tensor, none is sent anywhere)."""
+    device stores) and the 8-expert stack appears nowhere; the rows are the batch shard's
+    (4 rows x 128 tokens x top 2 = 1024), the same on both tensor ranks (tokens are replicated
+    over tensor, none is sent anywhere). Without expert parallelism the same step holds all 8."""
     import re
 
     from agentrefine_jax.config import load_config
