@@ -142,16 +142,16 @@ def _keep(cache: dict, keep: jax.Array) -> dict:
 def _compact(cache: dict, src: jax.Array, valid: jax.Array, index: jax.Array) -> dict:
     """Column j of row r becomes old column src[r, j] where `valid`, else empty (segment 0)."""
 
-    def take(a: jax.Array, axis: int) -> jax.Array:
+    def take(a: jax.Array, batch_axis: int, axis: int) -> jax.Array:
         shape = [1] * a.ndim
-        shape[axis - 1], shape[axis] = src.shape
+        shape[batch_axis], shape[axis] = src.shape
         return jnp.take_along_axis(a, src.reshape(shape), axis=axis)
 
     return {
-        "k": take(cache["k"], 2),
-        "v": take(cache["v"], 2),
-        "segment_ids": jnp.where(valid, take(cache["segment_ids"], 1), 0),
-        "positions": jnp.where(valid, take(cache["positions"], 1), 0),
+        "k": take(cache["k"], 1, 3),  # [layers, batch, kv_heads, columns, head_dim]
+        "v": take(cache["v"], 1, 3),
+        "segment_ids": jnp.where(valid, take(cache["segment_ids"], 0, 1), 0),
+        "positions": jnp.where(valid, take(cache["positions"], 0, 1), 0),
         "index": index,
     }
 
@@ -167,8 +167,8 @@ def _resize(cache: dict, columns: int) -> dict:
         return jnp.pad(a, widths)
 
     return {
-        "k": fit(cache["k"], 2),
-        "v": fit(cache["v"], 2),
+        "k": fit(cache["k"], 3),
+        "v": fit(cache["v"], 3),
         "segment_ids": fit(cache["segment_ids"], 1),
         "positions": fit(cache["positions"], 1),
         "index": cache["index"],

@@ -109,9 +109,10 @@ def layer_forward(
     k = constrain(rope.apply(k, sin, cos), ("batch", "activation_seq", "activation_kv_heads", None))
     v = constrain(v, ("batch", "activation_seq", "activation_kv_heads", None))
     new_kv = None
-    if kv is not None:
-        k_cache = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), index, axis=1)
-        v_cache = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), index, axis=1)
+    if kv is not None:  # the cache is [B, KVH, T, D] (`init_cache`): the new columns go in along T
+        k_new, v_new = (t.transpose(0, 2, 1, 3).astype(kv[0].dtype) for t in (k, v))
+        k_cache = jax.lax.dynamic_update_slice_in_dim(kv[0], k_new, index, axis=2)
+        v_cache = jax.lax.dynamic_update_slice_in_dim(kv[1], v_new, index, axis=2)
         new_kv = (k_cache, v_cache)
         k, v = k_cache.astype(dt), v_cache.astype(dt)
     attn = attend(cfg, plan, q, k, v, seg, cached=kv is not None)
@@ -381,9 +382,14 @@ def stack_cache(cache: Cache) -> Cache:
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = None) -> Cache:
-    """An empty KV cache: every slot has segment 0, which no real query (segment >= 1) sees."""
+    """An empty KV cache: every slot has segment 0, which no real query (segment >= 1) sees.
+
+    K and V are [layers, batch, kv_heads, max_len, head_dim]: heads before columns, so attention reads
+    each (row, head)'s keys as one contiguous [max_len, head_dim] block; with columns before heads
+    XLA:CPU transposed every layer's whole cache on every decode step to get that form.
+    """
     dt = jnp.dtype(dtype or cfg.dtype)
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     return {
         "k": jnp.zeros(shape, dt),
         "v": jnp.zeros(shape, dt),
