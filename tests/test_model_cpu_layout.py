@@ -117,3 +117,34 @@ def test_cpu_layout_gradient_stacks_the_layers_grads_without_padding_each():
         if " pad(" in line and any(f"= {s}" in line for s in stacked)
     ]
     assert not padded, padded
+
+
+def test_layer_weights_share_the_parameters_memory_and_compute_the_same_decode_step():
+    """`engine.layer_weights` (per-layer arrays for the unrolled stack, so XLA:CPU does not copy each
+    layer's weight slice on every decode step) are views of the stacked parameters, not copies, and a
+    forward pass with them equals one that slices the stacked arrays."""
+    from agentrefine_jax.inference.engine import layer_weights
+    from agentrefine_jax.models.llama import init_cache
+
+    model = create(dataclasses.replace(CFG, cpu_layout=True), seed=3)
+    layers = layer_weights(model)
+    assert layers is not None and len(layers) == CFG.num_layers
+    for name, view in layers[1].items():
+        stacked = getattr(model.layers, name)[...]
+        assert view.unsafe_buffer_pointer() == stacked.unsafe_buffer_pointer() + stacked[0].nbytes
+        np.testing.assert_array_equal(np.asarray(view), np.asarray(stacked[1]))
+    assert layer_weights(model) is layers  # made once per loaded model
+
+    ids = jnp.asarray(np.random.RandomState(3).randint(0, 500, (2, 5)), jnp.int32)
+    step = jnp.asarray([[7], [9]], jnp.int32)
+    outs = []
+    for per_layer in (None, layers):
+        _, cache = model.forward(ids, cache=init_cache(model.cfg, 2, 8), layers=per_layer)
+        pos = jnp.full((2, 1), 5, jnp.int32)
+        outs.append(model.forward(step, pos, cache=cache, layers=per_layer))
+    # Same products, float32 accumulation; the matmul kernels may round differently by buffer alignment.
+    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+    model.layers.wq[...] = model.layers.wq[...] + 1.0  # replaced parameters get new views
+    assert layer_weights(model) is not layers

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import jax
@@ -27,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from agentrefine_jax.inference.sampling import row_keys, sample
+from agentrefine_jax.models import cpu_layout, params
 from agentrefine_jax.models.llama import Transformer, init_cache, stack_cache, unstack_cache
 
 DEFAULT_CHUNK = 16
@@ -121,10 +123,37 @@ def left_pad(
     return ids, pos, seg
 
 
+# Per-layer weights of each loaded model (`layer_weights`), with the ids of the stacked arrays they
+# view: a model whose parameters were replaced gets new ones. The views keep those arrays alive, so
+# an id cannot be reused while its entry exists.
+_LAYER_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+Layers = tuple[dict[str, jax.Array], ...] | None
+
+
+def layer_weights(model: Transformer) -> Layers:
+    """The model's layer weights as one dict of arrays per layer, made once per loaded model, for
+    programs that unroll the layers (the CPU layout); None where the stacked arrays serve as they are.
+
+    Sharing memory with the parameters (`cpu_layout.layer_views`), they spare every prefill and
+    every decode step the copy XLA:CPU makes of each layer's slice of a stacked weight.
+    """
+    if not model.plan.cpu_layout:
+        return None
+    stacked = {name: getattr(model.layers, name)[...] for name in params.layer_names(model.cfg)}
+    ids = tuple(id(a) for a in jax.tree.leaves(stacked))
+    held = _LAYER_WEIGHTS.get(model)
+    if held is None or held[0] != ids:
+        held = (ids, cpu_layout.layer_views(stacked, model.cfg.num_layers))
+        _LAYER_WEIGHTS[model] = held
+    return held[1]
+
+
 def _prefill(
     graphdef: nnx.GraphDef,
     cache_len: int,
     state: nnx.State,
+    layers: Layers,
     ids: jax.Array,
     positions: jax.Array,
     segments: jax.Array,
@@ -138,7 +167,7 @@ def _prefill(
     if ids.shape[1] > PREFILL_BLOCK and not model.plan.attention_block_size:
         model.plan = dataclasses.replace(model.plan, attention_block_size=PREFILL_BLOCK)
     cache = init_cache(model.cfg, ids.shape[0], cache_len)
-    hidden, cache = model.forward(ids, positions, segments, cache)
+    hidden, cache = model.forward(ids, positions, segments, cache, layers=layers)
     # Left padding puts every row's last real token in the last column.
     return model.logits(hidden[:, -1:])[:, 0], cache
 
@@ -148,6 +177,7 @@ def _decode_chunk(
     chunk: int,
     greedy: bool,
     state: nnx.State,
+    layers: Layers,
     cache: dict[str, jax.Array],
     logits: jax.Array,
     pos: jax.Array,
@@ -183,7 +213,7 @@ def _decode_chunk(
         out = out.at[:, i].set(tok)
         lps = lps.at[:, i].set(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)[rows, tok])
         done = done | jnp.isin(tok, stop_ids)
-        hidden, cache = model.forward(tok[:, None], pos[:, None], seg, cache)
+        hidden, cache = model.forward(tok[:, None], pos[:, None], seg, cache, layers=layers)
         return i + 1, cache, model.logits(hidden)[:, 0], pos + 1, done, out, lps
 
     # CPU: per-layer cache arrays inside the loop, so a step writes its column in place rather
@@ -205,11 +235,10 @@ def _decode_chunk(
 
 @functools.cache
 def _compiled() -> tuple[Callable, Callable]:
-    # Donating the cache lets XLA update it in place; the CPU backend cannot donate and
-    # would warn on every call, so only ask for it elsewhere.
-    donate = jax.default_backend() != "cpu"
+    # Donating the cache lets XLA update it in place rather than allocate (and, on CPU, page in) a
+    # new one per call; every caller replaces its cache with the returned one.
     prefill = jax.jit(_prefill, static_argnums=(0, 1))
-    decode = jax.jit(_decode_chunk, static_argnums=(0, 1, 2), donate_argnums=(4,) if donate else ())
+    decode = jax.jit(_decode_chunk, static_argnums=(0, 1, 2), donate_argnums=(5,))
     return prefill, decode
 
 
@@ -242,6 +271,7 @@ def decode_rows(
     stops: Stops,
     seed: int,
     chunk_size: int = DEFAULT_CHUNK,
+    layers: Layers = None,
 ) -> tuple[dict[int, Generation], dict[str, jax.Array], int]:
     """Sample up to `max_new_tokens` tokens for the cache rows in `live` from their next-token
     `logits`; every row's next token goes at `positions[row]`. Rows not in `live` run as filler
@@ -250,6 +280,8 @@ def decode_rows(
     Every sampled token is fed to the model, so afterwards a live row's cache holds its prompt
     followed by all of its generated tokens (filler rows and steps after a row ended hold
     tokens in segment 1 that a cache kept across calls must mask: see `inference/sessions.py`).
+    `layers`: the model's `layer_weights` (None: the decode loop slices the stacked weights). The
+    cache is donated: use the returned one.
     """
     batch = logits.shape[0]
     host_done = np.ones(batch, bool)
@@ -277,8 +309,9 @@ def decode_rows(
                     host_done[r], reason[r] = True, CANCELLED
             break
         n, cache, logits, cur_pos, _, new, new_lp = decode(
-            graphdef, chunk, temperature == 0.0, state, cache, logits, cur_pos, jnp.asarray(host_done),
-            jnp.int32(steps), jnp.int32(max_new_tokens - steps), base_key, temp, tp, stops.array,
+            graphdef, chunk, temperature == 0.0, state, layers, cache, logits, cur_pos,
+            jnp.asarray(host_done), jnp.int32(steps), jnp.int32(max_new_tokens - steps), base_key, temp, tp,
+            stops.array,
         )  # fmt: skip
         n, new, new_lp = int(n), np.asarray(new), np.asarray(new_lp)
         for r in live:  # append this chunk's tokens; a stop token ends the row (and is kept)
@@ -333,16 +366,17 @@ def generate(
     new_len = bucket(max_new_tokens)
     ids, pos, seg = left_pad(prompts, plen, batch, cfg.pad_token_id or 0)
     graphdef, state = nnx.split(model)
+    layers = layer_weights(model)
     prefill, _ = _compiled()
 
     t0 = time.perf_counter()
-    logits, cache = prefill(graphdef, plen + new_len, state, ids, pos, seg)
+    logits, cache = prefill(graphdef, plen + new_len, state, layers, ids, pos, seg)
     logits.block_until_ready()
     t1 = time.perf_counter()
     positions = [len(p) for p in prompts] + [1] * (batch - n_rows)
     gens, _, steps = decode_rows(
         graphdef, state, cache, logits, positions, range(n_rows), max_new_tokens=max_new_tokens,
-        temperature=temperature, top_p=top_p, stops=stops, seed=seed, chunk_size=chunk_size,
+        temperature=temperature, top_p=top_p, stops=stops, seed=seed, chunk_size=chunk_size, layers=layers,
     )  # fmt: skip
     if timings is not None:
         timings.update(

@@ -49,11 +49,13 @@ from agentrefine_jax.inference.engine import (
     PREFILL_BLOCK,
     CancelFn,
     Generation,
+    Layers,
     StopFn,
     Stops,
     batch_bucket,
     bucket,
     decode_rows,
+    layer_weights,
     validate_request,
 )
 from agentrefine_jax.models.llama import Transformer, init_cache
@@ -70,6 +72,7 @@ class _Slot:
 def _extend(
     graphdef: nnx.GraphDef,
     state: nnx.State,
+    layers: Layers,
     cache: dict,
     ids: jax.Array,
     pos: jax.Array,
@@ -93,7 +96,7 @@ def _extend(
             "positions": cache["positions"][rows],
             "index": cache["index"],
         }
-        logits, sub = _extend(graphdef, state, sub, ids, pos, seg, last, end)
+        logits, sub = _extend(graphdef, state, layers, sub, ids, pos, seg, last, end)
         return logits, {
             "k": cache["k"].at[:, rows].set(sub["k"]),
             "v": cache["v"].at[:, rows].set(sub["v"]),
@@ -104,7 +107,7 @@ def _extend(
     model = nnx.merge(graphdef, state)
     if ids.shape[1] > PREFILL_BLOCK and not model.plan.attention_block_size:
         model.plan = dataclasses.replace(model.plan, attention_block_size=PREFILL_BLOCK)
-    hidden, cache = model.forward(ids, pos, seg, cache)
+    hidden, cache = model.forward(ids, pos, seg, cache, layers=layers)
     hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
     return model.logits(hidden)[:, 0], {**cache, "index": end}
 
@@ -139,16 +142,16 @@ def _keep(cache: dict, keep: jax.Array) -> dict:
 def _compact(cache: dict, src: jax.Array, valid: jax.Array, index: jax.Array) -> dict:
     """Column j of row r becomes old column src[r, j] where `valid`, else empty (segment 0)."""
 
-    def take(a: jax.Array, axis: int) -> jax.Array:
+    def take(a: jax.Array, batch_axis: int, axis: int) -> jax.Array:
         shape = [1] * a.ndim
-        shape[axis - 1], shape[axis] = src.shape
+        shape[batch_axis], shape[axis] = src.shape
         return jnp.take_along_axis(a, src.reshape(shape), axis=axis)
 
     return {
-        "k": take(cache["k"], 2),
-        "v": take(cache["v"], 2),
-        "segment_ids": jnp.where(valid, take(cache["segment_ids"], 1), 0),
-        "positions": jnp.where(valid, take(cache["positions"], 1), 0),
+        "k": take(cache["k"], 1, 3),  # [layers, batch, kv_heads, columns, head_dim]
+        "v": take(cache["v"], 1, 3),
+        "segment_ids": jnp.where(valid, take(cache["segment_ids"], 0, 1), 0),
+        "positions": jnp.where(valid, take(cache["positions"], 0, 1), 0),
         "index": index,
     }
 
@@ -164,8 +167,8 @@ def _resize(cache: dict, columns: int) -> dict:
         return jnp.pad(a, widths)
 
     return {
-        "k": fit(cache["k"], 2),
-        "v": fit(cache["v"], 2),
+        "k": fit(cache["k"], 3),
+        "v": fit(cache["v"], 3),
         "segment_ids": fit(cache["segment_ids"], 1),
         "positions": fit(cache["positions"], 1),
         "index": cache["index"],
@@ -195,6 +198,7 @@ class SessionCache:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.model = model
         self.graphdef, self.state = nnx.split(model)
+        self.layers = layer_weights(model)
         self.slots = [_Slot() for _ in range(slots)]
         self.max_columns = max_columns or 4 * model.cfg.max_position_embeddings
         self.cache: dict | None = None
@@ -354,7 +358,7 @@ class SessionCache:
             end = start + max(widths[i] for i in group)
             sub = None if g == 0 else jnp.asarray(cache_rows, jnp.int32)
             out, self.cache = extend(
-                self.graphdef, self.state, self.cache, ids, pos, seg, last, jnp.int32(end), sub
+                self.graphdef, self.state, self.layers, self.cache, ids, pos, seg, last, jnp.int32(end), sub
             )
             if g == 0:
                 logits = out
@@ -364,7 +368,7 @@ class SessionCache:
         positions = [len(s.tokens) for s in self.slots]
         gens, self.cache, steps = decode_rows(
             self.graphdef, self.state, self.cache, logits, positions, rows, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_p=top_p, stops=stops, seed=seed,
+            temperature=temperature, top_p=top_p, stops=stops, seed=seed, layers=self.layers,
         )  # fmt: skip
         self.index = end + steps
         for r in rows:  # every sampled token was fed: the row now holds prompt + reply

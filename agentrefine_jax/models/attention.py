@@ -71,53 +71,65 @@ def attend(
 ) -> jax.Array:
     """q: [B, S, H, D]; k, v: [B, T, KVH, D] -> [B, S, H, D] in q's dtype.
 
-    `cached`: keys come from a KV cache (T != S, slots beyond the written ones), so only
-    the XLA path applies, never in the CPU layout.
+    `cached`: keys come from a KV cache, in the cache's layout [B, KVH, T, D] (T != S, slots beyond
+    the written ones), so only the XLA path applies; in the CPU layout a decode step (S = 1) takes
+    the flat dots, for which that layout is already [B*KVH, T, D].
     """
     impl = "xla" if cached else plan.attention
     if impl == "splash":
         return splash_attention(cfg, plan, q, k, v, seg.q_seg)
     if impl == "cudnn":
         return cudnn_attention(cfg, q, k, v, seg)
-    flat = not cached and plan.cpu_layout
-    return xla_attention(cfg, q, k, v, seg, block=plan.attention_block_size, flat=flat)
+    flat = plan.cpu_layout and (not cached or q.shape[1] == 1)
+    return xla_attention(cfg, q, k, v, seg, block=plan.attention_block_size, flat=flat, heads_first=cached)
 
 
 # ----------------------------------------------------------------------------- XLA
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """q: [B, S, KVH, G, D]; k, v: [B, T, KVH, D]; mask: [B, S, T] -> [B, S, KVH, G, D]."""
-    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
+def _attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, heads_first: bool = False
+) -> jax.Array:
+    """q: [B, S, KVH, G, D]; k, v: [B, T, KVH, D] ([B, KVH, T, D] `heads_first`); mask: [B, S, T]
+    -> [B, S, KVH, G, D]."""
+    kv = "bktd" if heads_first else "btkd"
+    scores = jnp.einsum(f"bskgd,{kv}->bkgst", q, k, preferred_element_type=jnp.float32)
     scores = scores * (q.shape[-1] ** -0.5)
     scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgst,btkd->bskgd", probs, v)
+    return jnp.einsum(f"bkgst,{kv}->bskgd", probs, v)
 
 
-def _attend_blocked(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, block: int) -> jax.Array:
+def _attend_blocked(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, block: int, heads_first: bool = False
+) -> jax.Array:
     """Exact attention over query blocks; each block is rematerialised in the backward pass."""
     b, s = q.shape[:2]
     if block <= 0 or s <= block or s % block:
-        return _attend(q, k, v, mask)
+        return _attend(q, k, v, mask, heads_first)
     n = s // block
     qb = jnp.moveaxis(q.reshape(b, n, block, *q.shape[2:]), 1, 0)
     mb = jnp.moveaxis(mask.reshape(b, n, block, mask.shape[-1]), 1, 0)
-    out = jax.lax.map(jax.checkpoint(lambda args: _attend(args[0], k, v, args[1])), (qb, mb))
+    out = jax.lax.map(jax.checkpoint(lambda args: _attend(args[0], k, v, args[1], heads_first)), (qb, mb))
     return jnp.moveaxis(out, 0, 1).reshape(q.shape)
 
 
-def attend_flat(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """q: [B, S, KVH, G, D]; k, v: [B, T, KVH, D]; mask: [B, S, T] -> [B, S, KVH, G, D].
+def attend_flat(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, heads_first: bool = False
+) -> jax.Array:
+    """q: [B, S, KVH, G, D]; k, v: [B, T, KVH, D] ([B, KVH, T, D] `heads_first`: the KV cache's
+    layout, reshaped without a copy); mask: [B, S, T] -> [B, S, KVH, G, D].
 
     The grouped queries of one KV head are stacked along the query axis, so each dot has the
     single batch dimension B*KVH.
     """
     b, s, kvh, g, d = q.shape
-    t = k.shape[1]
+    if not heads_first:
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    t = k.shape[2]
     qf = q.transpose(0, 2, 3, 1, 4).reshape(b * kvh, g * s, d)
-    kf = k.transpose(0, 2, 1, 3).reshape(b * kvh, t, d)
-    vf = v.transpose(0, 2, 1, 3).reshape(b * kvh, t, d)
+    kf = k.reshape(b * kvh, t, d)
+    vf = v.reshape(b * kvh, t, d)
     scores = jnp.einsum("nqd,ntd->nqt", qf, kf, preferred_element_type=jnp.float32) * (d**-0.5)
     scores = scores.reshape(b, kvh, g, s, t)
     scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
@@ -135,15 +147,17 @@ def xla_attention(
     *,
     block: int = 0,
     flat: bool = False,
+    heads_first: bool = False,
 ) -> jax.Array:
     """Exact softmax attention, queries in blocks of `block` tokens (0: one); GQA by grouping.
-    With `flat` (model.cpu_layout, training only) one-batch-dimension dots, fast on XLA:CPU."""
+    With `flat` (model.cpu_layout: full sequences and decode steps) one-batch-dimension dots, fast on
+    XLA:CPU. `heads_first`: k, v are [B, KVH, T, D] (the KV cache's layout)."""
     b, s, h, d = q.shape
     mask = attention_mask(seg, cfg.sliding_window)
     qg = q.reshape(b, s, cfg.num_kv_heads, h // cfg.num_kv_heads, d)
     if flat:
-        return attend_flat(qg, k, v, mask).reshape(b, s, h, d)
-    return _attend_blocked(qg, k, v, mask, block).reshape(b, s, h, d)
+        return attend_flat(qg, k, v, mask, heads_first).reshape(b, s, h, d)
+    return _attend_blocked(qg, k, v, mask, block, heads_first).reshape(b, s, h, d)
 
 
 # ----------------------------------------------------------------------------- cuDNN

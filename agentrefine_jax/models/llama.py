@@ -109,9 +109,10 @@ def layer_forward(
     k = constrain(rope.apply(k, sin, cos), ("batch", "activation_seq", "activation_kv_heads", None))
     v = constrain(v, ("batch", "activation_seq", "activation_kv_heads", None))
     new_kv = None
-    if kv is not None:
-        k_cache = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), index, axis=1)
-        v_cache = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), index, axis=1)
+    if kv is not None:  # the cache is [B, KVH, T, D] (`init_cache`): the new columns go in along T
+        k_new, v_new = (t.transpose(0, 2, 1, 3).astype(kv[0].dtype) for t in (k, v))
+        k_cache = jax.lax.dynamic_update_slice_in_dim(kv[0], k_new, index, axis=2)
+        v_cache = jax.lax.dynamic_update_slice_in_dim(kv[1], v_new, index, axis=2)
         new_kv = (k_cache, v_cache)
         k, v = k_cache.astype(dt), v_cache.astype(dt)
     attn = attend(cfg, plan, q, k, v, seg, cached=kv is not None)
@@ -211,8 +212,14 @@ class Transformer(nnx.Module):
         return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        w = self.lm_head_weight().astype(hidden.dtype)
-        out = jnp.einsum("bsd,dv->bsv", hidden, w, preferred_element_type=jnp.float32)
+        if self.cfg.tie_embeddings:
+            # The embedding as stored, [vocab, hidden], contracted on its last axis: `embed.T` made
+            # XLA:CPU copy (transpose) the whole 113 MB table on every decode step of SmolLM2.
+            w = self.embed[...].astype(hidden.dtype)
+            out = jnp.einsum("bsd,vd->bsv", hidden, w, preferred_element_type=jnp.float32)
+        else:
+            w = self.lm_head[...].astype(hidden.dtype)
+            out = jnp.einsum("bsd,dv->bsv", hidden, w, preferred_element_type=jnp.float32)
         return constrain(out, ("batch", "activation_seq", "activation_vocab"))
 
     def __call__(
@@ -232,14 +239,19 @@ class Transformer(nnx.Module):
         segment_ids: jax.Array | None = None,
         cache: Cache | None = None,
         adapters: tuple[lora.LoraSpec, lora.Adapters, jax.Array | None] | None = None,
+        layers: tuple[dict[str, Any], ...] | None = None,
     ) -> tuple[jax.Array, Cache | None]:
         """Final-normed hidden states [B, S, hidden] (compute dtype) and the updated cache.
 
         `segment_ids` 0 marks padding; `positions` restart per segment. With a cache the
         tokens are written at `cache["index"]` and attend to every live cache slot.
         `adapters` = (spec, stacked LoRA weights, dropout key or None) adds LoRA deltas.
+        `layers`: the layer weights again, one dict per layer, for an unrolled stack to read instead
+        of slicing the stacked parameters (`cpu_layout.layer_views`: the same memory, no copy).
         """
-        hidden, new_cache, _ = self._forward(input_ids, positions, segment_ids, cache, adapters)
+        hidden, new_cache, _ = self._forward(
+            input_ids, positions, segment_ids, cache, adapters, layers=layers
+        )
         return hidden, new_cache
 
     def forward_with_router_loss(
@@ -265,6 +277,7 @@ class Transformer(nnx.Module):
         cache: Cache | None,
         adapters: tuple[lora.LoraSpec, lora.Adapters, jax.Array | None] | None,
         router_stats: bool = False,
+        layers: tuple[dict[str, Any], ...] | None = None,
     ) -> tuple[jax.Array, Cache | None, jax.Array | None]:
         """`forward`, and with `router_stats` (no cache) the router statistics summed over the
         layers ([2, E], `moe.router_stats`)."""
@@ -311,6 +324,9 @@ class Transformer(nnx.Module):
         # keeps the scan unless the cache comes as one array per layer (see `unstack_cache`).
         layered = cache is not None and isinstance(cache["k"], tuple)
         scan = plan.scan_full_sequence if cache is None else plan.scan_layers and not layered
+        if layers is not None and (adapters is not None or len(layers) != cfg.num_layers):
+            raise ValueError("per-layer weights serve a forward pass without adapters, one dict per layer")
+        scan = scan and layers is None
         if plan.remat_policy != "none":
             body = jax.checkpoint(body, policy=_REMAT[plan.remat_policy], prevent_cse=not scan)
         kv_stack = None if cache is None else (cache["k"], cache["v"])
@@ -321,7 +337,7 @@ class Transformer(nnx.Module):
             x, new_kv = jax.lax.scan(body, x, (weights, kv_stack))
         else:
             outs = []
-            per_layer = _unstack_layers(weights, cfg.num_layers)
+            per_layer = _unstack_layers(weights, cfg.num_layers) if layers is None else layers
             for i in range(cfg.num_layers):
                 layer_kv = None if kv_stack is None else (kv_stack[0][i], kv_stack[1][i])
                 x, kv_i = body(x, (per_layer[i], layer_kv))
@@ -370,9 +386,14 @@ def stack_cache(cache: Cache) -> Cache:
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = None) -> Cache:
-    """An empty KV cache: every slot has segment 0, which no real query (segment >= 1) sees."""
+    """An empty KV cache: every slot has segment 0, which no real query (segment >= 1) sees.
+
+    K and V are [layers, batch, kv_heads, max_len, head_dim]: heads before columns, so attention reads
+    each (row, head)'s keys as one contiguous [max_len, head_dim] block; with columns before heads
+    XLA:CPU transposed every layer's whole cache on every decode step to get that form.
+    """
     dt = jnp.dtype(dtype or cfg.dtype)
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     return {
         "k": jnp.zeros(shape, dt),
         "v": jnp.zeros(shape, dt),
