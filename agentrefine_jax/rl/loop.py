@@ -139,6 +139,10 @@ def _train(cfg: Config, paths: RunPaths) -> dict[str, Any]:
     )
     with run.closing():
         for phase in range(state.step // ph.updates, ph.phases):
+            # The previous phase's checkpoint committed (and hashed) before this phase plays: a kill
+            # during the long rollouts then loses no update; then the journals it no longer needs go.
+            run.ckpts.poll(wait=True)
+            _prune(run, journal, ph, phase)
             played = _phase_rollouts(run, journal, ph, phase)
             arrays, stats = phase_batch(cfg, ph, played, phase)
             first = state.step - phase * ph.updates  # a resume inside the phase: its next mini-batch
@@ -149,13 +153,18 @@ def _train(cfg: Config, paths: RunPaths) -> dict[str, Any]:
                 _mini_batches(run, ph, arrays, first),
                 [*hooks, run.preemption],
             )
-            if jax.process_index() == 0:
-                journal.prune(keep_phases(run.ckpts.mngr.all_steps(), ph.updates, phase + 1))
         for h in hooks:
             h.at_end(state)
+    _prune(run, journal, ph, ph.phases)  # every save finished: the checkpoints that remain
     log.info(f"done: step {state.step} (phase {state.step // ph.updates}), checkpoint {paths.checkpoints}")
     run.export_at_end()
     return {"step": state.step, "losses": run.metrics_log.losses, "run_dir": str(paths.root)}
+
+
+def _prune(run: Run, journal: RolloutJournal, ph: Phases, current: int) -> None:
+    """Delete the journals that no retained checkpoint (nor the phase under way) resumes into."""
+    if jax.process_index() == 0:
+        journal.prune(keep_phases(run.ckpts.mngr.all_steps(), ph.updates, current))
 
 
 def check_rl_resume(paths: RunPaths, cfg: Config) -> None:
