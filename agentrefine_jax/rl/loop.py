@@ -217,8 +217,10 @@ def play(model: Any, cfg: Config, phase: int) -> Phase:
     from agentrefine_jax.rl.rollout import collect
 
     t0 = time.perf_counter()
-    with Progress(PROGRESS_EVERY_S, lambda line: log.info(f"phase {phase} rollouts {line}")) as progress:
-        rollouts = collect(model, cfg, phase, progress=progress)
+    # The episode engine reports into the active heartbeat (eval/core.py); a line per finished
+    # episode goes to the debug log (-v).
+    with Progress(PROGRESS_EVERY_S, lambda line: log.info(f"phase {phase} rollouts {line}")):
+        rollouts = collect(model, cfg, phase, progress=log.debug)
     return Phase(list(rollouts), time.perf_counter() - t0)
 
 
