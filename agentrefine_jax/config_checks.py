@@ -260,7 +260,8 @@ def _router_aux_loss(cfg: Any) -> str | None:
         return None
     if not cfg.model.num_experts:
         return f"train.router_aux_loss=true: a {cfg.model.family} model routes no experts"
-    if objective_table.get(cfg.train.objective).pairs:  # the aux term joins the token loss only
+    spec = objective_table.get(cfg.train.objective)
+    if spec.pairs or not spec.examples:  # the aux term joins the SFT token loss only
         return (
             f"train.router_aux_loss=true: only with {objective_table.DEFAULT} (the token loss alone), "
             f"not train.objective={cfg.train.objective}"

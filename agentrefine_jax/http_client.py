@@ -193,7 +193,9 @@ def request(
         hdrs.append(("Content-Type", "application/json"))
     # Identity encoding: the byte cap below then bounds what we hold in memory. One request per
     # connection: nothing waits on a pooled socket, and a server frees its worker at once.
-    skip = {"accept-encoding", "connection", "transfer-encoding", "content-length"}
+    # Host too: http.client writes it (from the URL), and a second Host header is a malformed request
+    # that strict servers refuse (h11, under our own server: eval --base-url against it got 400s).
+    skip = {"accept-encoding", "connection", "transfer-encoding", "content-length", "host"}
     hdrs = [(k, v) for k, v in hdrs if k.lower() not in skip]
     hdrs += [("Accept-Encoding", "identity"), ("Connection", "close")]
     conn, target, proxy_headers = _connection(parts, min(deadline.left(), connect_timeout or timeout))

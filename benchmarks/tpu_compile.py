@@ -9,7 +9,8 @@ own process, one at a time (a 70B compile holds several GiB of host memory), run
 (default: this interpreter) — e.g. a virtual environment with another libtpu, so rows for two
 compilers come from the same tree. The compiler moves a step's memory by 30-40%, so every row
 records the jax / jaxlib / libtpu versions its compile reported and the table names them. Rows: the three
-paper models on their documented slices, and Llama-3-8B also on v5e-256 and v6e-64. The
+paper models on their documented slices, Llama-3-8B also on v5e-256 and v6e-64, and the
+mixture-of-experts Qwen3-30B-A3B on v5p-32. The
 Table 2 ablations run the Llama-3-8B step unchanged (they differ only in which turns carry
 loss), so they are not repeated. Splash rows need the `model.attention` config field and are
 reported as skipped without it.
@@ -39,6 +40,9 @@ ROWS: list[tuple[str, str, tuple[str, ...]]] = [
     ("llama3_8b", "v6e-64", ()),
     ("mistral_7b", "v5p-64", ()),
     ("llama3_70b", "v5p-256", ()),
+    # Qwen3-30B-A3B (issue 43): full fine-tuning's 488 GB of float32 weights, gradients and AdamW
+    # state need 16 chips (30.5 GiB each); 64 sequences split 4 per chip.
+    ("qwen3_30b_a3b", "v5p-32", ()),
 ]
 
 

@@ -3,9 +3,10 @@
 * no objective name is written in the package outside the table (an AST scan of every string
   constant; a planted one is found);
 * every stage reads the table: config validation accepts exactly its names, the data pipeline
-  builds the data an entry declares, the parameter mode holds a reference copy exactly where an
-  entry says so, and the one train step logs exactly the metrics an entry declares, from the loss
-  the entry names (resolved in train/objectives.py, every loss there named by some entry).
+  builds the data an entry declares (none for one trained on rollouts), the parameter mode holds a
+  reference copy exactly where an entry says so (with its reference knob, only while it is on),
+  and the one train step logs exactly the metrics an entry declares, from the loss the entry
+  names (resolved in train/objectives.py, every loss there named by some entry).
 """
 
 from __future__ import annotations
@@ -17,14 +18,13 @@ import re
 import typing
 
 import jax
-import numpy as np
 import optax
 import pytest
 
 from agentrefine_jax import config_checks, objective_table
 from agentrefine_jax import sharding as shd
 from agentrefine_jax.config import ConfigError, DataConfig, TrainConfig, load_config
-from agentrefine_jax.data.pipeline import build_data
+from agentrefine_jax.data.pipeline import DataError, build_data
 from agentrefine_jax.data.preference import CHOSEN
 from agentrefine_jax.models import lora, preset
 from agentrefine_jax.train import objectives
@@ -79,7 +79,9 @@ def test_entries_are_whole():
     assert len(set(objective_table.NAMES)) == len(objective_table.TABLE)
     assert objective_table.DEFAULT in objective_table.NAMES
     for entry in objective_table.TABLE:
-        assert entry.examples or entry.pairs, f"{entry.name}: trains on no data"
+        assert entry.examples or entry.pairs or entry.rollouts, f"{entry.name}: trains on no data"
+        assert not (entry.rollouts and (entry.examples or entry.pairs)), f"{entry.name}: rollouts or data"
+        assert not entry.reference_knob or entry.reference, f"{entry.name}: a knob for no reference"
         assert isinstance(objectives.loss_of(entry), objectives.Loss)
         assert set(entry.weights) <= {f.name for f in dataclasses.fields(TrainConfig)}
     # Every loss in train/objectives.py is some entry's (a loss no entry names is dead code).
@@ -118,7 +120,15 @@ def test_the_parameter_mode_holds_a_reference_where_an_entry_says_so():
     cfg = preset("tiny", vocab_size=64)
     spec = lora.LoraSpec(("q", "v"), rank=2, alpha=4.0)
     for entry in objective_table.TABLE:
-        assert ParamMode.of_settings(cfg, None, None).for_objective(entry.name).reference == entry.reference
+        full = ParamMode.of_settings(cfg, None, None)
+        # With its reference knob (if any) at its default, off; `reference_in` reads a config's.
+        assert full.for_objective(entry.name).reference == entry.holds_reference()
+        assert ParamMode.of(load_config("tiny", [f"train.objective={entry.name}"])).reference == (
+            entry.reference and not entry.reference_knob
+        )
+        if entry.reference_knob:  # the knob on: the reference with it
+            on = load_config("tiny", [f"train.objective={entry.name}", f"{entry.reference_knob}=0.1"])
+            assert entry.reference_in(on) and ParamMode.of(on).reference
         # A LoRA run's reference is its base, adapters off: never a copy.
         assert not ParamMode.of_settings(cfg, spec, None).for_objective(entry.name).reference
 
@@ -128,6 +138,10 @@ def test_the_pipeline_builds_the_data_an_entry_declares(tmp_path, entry):
     path = tmp_path / "demo.jsonl"
     path.write_text("".join(DEMO_TRAIN.read_text(encoding="utf-8").splitlines(keepends=True)[:20]))
     cfg = DataConfig(train_files=(str(path),), tokenizer="llama3", template="llama3", max_length=512)
+    if entry.rollouts:  # its batches are the RL loop's rollouts (rl/): the split gives none
+        with pytest.raises(DataError, match="trains on rollouts"):
+            build_data(cfg, "train", objective=entry.name)
+        return
     data = build_data(cfg, "train", objective=entry.name)
     kinds = [int(data.store.example(i)[1].max()) for i in range(len(data.store))]
     assert (kinds.count(1) > 0) == entry.examples
@@ -143,10 +157,12 @@ def test_the_step_logs_the_metrics_an_entry_declares(entry):
         cfg, optax.sgd(0.1), mesh, shd.DEFAULT_RULES, global_batch=2, micro_batch=1, loss_chunk=8,
         objective=entry.name,
     )  # fmt: skip
-    batch = {
-        k: jax.ShapeDtypeStruct((2, 16), np.int32)
-        for k in ("input_ids", "loss_mask", "segment_ids", "positions")
-    }
+    # The packed batch's four int32 arrays, and the float32 ones the entry's loss reads beside them.
+    assert set(fns.batch_dtypes) == {"input_ids", "loss_mask", "segment_ids", "positions"} | set(
+        objectives.loss_of(entry).extra_keys
+    )
+    batch = {k: jax.ShapeDtypeStruct((2, 16), dtype) for k, dtype in fns.batch_dtypes.items()}
     _, _, metrics = jax.eval_shape(fns.train, fns.abstract_params, fns.abstract_opt, batch)
     assert set(metrics) == STEP_METRICS | set(entry.metrics)
-    assert ("ref" in fns.abstract_params) == entry.reference  # full fine-tuning: a frozen copy
+    # Full fine-tuning: a frozen copy (a knob-switched reference: off at its default).
+    assert ("ref" in fns.abstract_params) == entry.holds_reference()

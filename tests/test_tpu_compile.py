@@ -142,3 +142,33 @@ def test_cpu_layout_auto_follows_the_step_devices_not_the_host() -> None:
     # Without a mesh argument: the active mesh's devices (sharding.use_sharding).
     with shd.use_sharding(Mesh(tpu, axes), ()):
         assert execution.for_devices(cfg).cpu_layout is False
+
+
+def test_qwen3_moe_step_compiles_for_tpu_with_grouped_matmuls_per_batch_shard() -> None:
+    """The Qwen3-MoE step (one small layer, 8 experts, top 2) compiled by the XLA TPU compiler for
+    v5p-8: the expert projections are the TPU's own grouped matmul (`ragged-dot` instructions, not
+    jax's dense one-hot expansion), and each device sorts and multiplies only its own batch rows'
+    (token, expert) assignments -- 2 rows x 128 tokens x top 2 = 512, not the global batch's 2048,
+    which GSPMD would gather to every device if the flattened global batch were sorted."""
+    import re
+
+    from agentrefine_jax.config import load_config
+
+    aot.prepare_tpu_env()
+    sets = ["model.num_layers=1", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
+            "model.head_dim=16", "model.num_experts=8", "model.num_experts_per_tok=2",
+            "model.moe_intermediate_size=32", "data.max_length=128", "train.global_batch_size=8",
+            "train.loss_chunk_size=64"]  # fmt: skip
+    lowered, sizes = aot.lower_train_step(load_config("qwen3_30b_a3b", sets), T.get_slice("v5p-8"))
+    assert sizes == {"data": 1, "fsdp": 4, "tensor": 1}
+    compiled = lowered.compile()
+    mem = compiled.memory_analysis()
+    assert mem.argument_size_in_bytes > 0 and mem.temp_size_in_bytes > 0
+    hlo = compiled.as_text()
+    # Forward gate, up, down and their transposes: at least 3 + 6 grouped matmuls.
+    rows = [int(m) for m in re.findall(r"%ragged-dot\S* = bf16\[(\d+),\d+\]", hlo)]
+    assert len(rows) >= 9, rows
+    assert set(rows) == {512}, rows
+    # The routing sort (expert ids of this device's assignments) is per device too.
+    sorts = [int(m) for m in re.findall(r"= \(s32\[(\d+)\]\{[^}]*\}, [^=]*\) sort\(", hlo)]
+    assert sorts and set(sorts) == {512}, sorts

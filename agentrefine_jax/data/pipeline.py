@@ -145,6 +145,8 @@ def build_data(
     preference pairs (data/preference.py), or both. A pair's chosen and rejected are one packing
     unit: they sit in the same row, as consecutive segments."""
     spec = objective_table.get(objective)
+    if spec.rollouts:  # the RL loop's rollouts are its batches (rl/): a split has none to give
+        raise DataError(f"objective={objective} trains on rollouts (rl/), not on the {split} split's data")
     if spec.pairs:
         return _build_preference(cfg, split, template, records, spec)
     return _build_examples(cfg, split, template, records)

@@ -49,29 +49,60 @@ def join_react(thought: str, command: str) -> str:
     return f"{thought}\nAction: {command}" if thought else f"Action: {command}"
 
 
+def react_tool_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """ReAct turns as tool-call turns (deep copies; no validation, so an agent's prompt that has no
+    assistant turn yet converts too): each ``[THOUGHT\\n]Action: COMMAND`` turn becomes content THOUGHT
+    and one `act` call (id ``callNNNNN``, numbered as data/schema.py numbers calls without one), the
+    user turn after it the `tool` message answering that call."""
+    out: list[dict[str, Any]] = []
+    answering: str | None = None  # the id of the last assistant turn's call: the next user turn answers it
+    n_calls = 0
+    for m in messages:
+        m = copy.deepcopy(m)
+        if m["role"] == "assistant":
+            parsed = split_react(m["content"]) if not m.get("tool_calls") else None
+            answering = None
+            n_calls += len(m.get("tool_calls") or ())  # numbered after the calls already there
+            if parsed is not None:
+                answering = f"call{n_calls:05d}"
+                n_calls += 1
+                m["content"] = parsed[0]
+                m["tool_calls"] = [
+                    {
+                        "id": answering,
+                        "type": "function",
+                        "function": {"name": ACT, "arguments": {"command": parsed[1]}},
+                    }
+                ]
+        elif m["role"] == "user" and answering is not None:
+            m = {"role": "tool", "tool_call_id": answering, "content": m["content"]}
+            answering = None
+        out.append(m)
+    return out
+
+
 def react_to_tool_row(row: Mapping[str, Any], field_map: FieldMap | None = None) -> dict[str, Any]:
     """A ReAct row (any layout the schema reads) as a canonical tool-call row
     {"id", "messages", "tools"} (raises RowError for a row the schema refuses)."""
     conv = normalize_row(row, field_map, "row")
-    messages: list[dict[str, Any]] = []
-    answering = False  # the last assistant turn became a call: the next user turn is its result
-    for m in conv["messages"]:
-        m = copy.deepcopy(m)
-        if m["role"] == "assistant":
-            parsed = split_react(m["content"]) if not m.get("tool_calls") else None
-            answering = parsed is not None
-            if parsed is not None:
-                m["content"] = parsed[0]
-                m["tool_calls"] = [
-                    {"type": "function", "function": {"name": ACT, "arguments": {"command": parsed[1]}}}
-                ]
-        elif m["role"] == "user" and answering:
-            m = {"role": "tool", "content": m["content"]}
-            answering = False
-        messages.append(m)
+    messages = react_tool_messages(conv["messages"])
     tools = [copy.deepcopy(ACT_TOOL)]
     out = normalize_row({"id": conv["id"], "messages": messages, "tools": tools}, None, conv["id"])  # ids set
     return {"id": out["id"], "messages": _plain(out["messages"]), "tools": out["messages"][0]["tools"]}
+
+
+def react_action(content: str, calls: list[Mapping[str, Any]], where: str = "the reply") -> str:
+    """A turn's content and calls as the ReAct text they stand for (`join_react`); raises ValueError
+    unless the calls are exactly one `act` call with a `command`."""
+    args = calls[0]["function"]["arguments"] if len(calls) == 1 else None
+    if (
+        args is None
+        or calls[0]["function"]["name"] != ACT
+        or not isinstance(args, Mapping)
+        or set(args) != {"command"}
+    ):
+        raise ValueError(f"{where}: only one `act` call with a `command` is a ReAct action")
+    return join_react(content, str(args["command"]))
 
 
 def tool_row_to_react(row: Mapping[str, Any], field_map: FieldMap | None = None) -> dict[str, Any]:
@@ -84,10 +115,7 @@ def tool_row_to_react(row: Mapping[str, Any], field_map: FieldMap | None = None)
         m = {k: v for k, v in m.items() if k not in ("tools", "tool_call_id", "name")}
         calls = m.pop("tool_calls", None)
         if calls is not None:
-            args = calls[0]["function"]["arguments"]
-            if len(calls) != 1 or calls[0]["function"]["name"] != ACT or set(args) != {"command"}:
-                raise ValueError(f"message {i}: only one `act` call with a `command` is a ReAct action")
-            m["content"] = join_react(m["content"], str(args["command"]))
+            m["content"] = react_action(m["content"], calls, f"message {i}")
         if m["role"] == "tool":
             m["role"] = "user"
         messages.append(m)

@@ -158,6 +158,13 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         "cache between turns (same greedy actions, slower; for comparison)",
     )
     p.add_argument(
+        "--tool-calls",
+        action="store_true",
+        help="--base-url: drive a tool-calling model: the action is offered as one `act` tool (the function "
+        "tool-call training rows use), earlier turns are sent as its calls and results, and the reply's "
+        "call is read back as the turn's action (docs/eval.md)",
+    )
+    p.add_argument(
         "--request-timeout",
         type=float,
         default=REQUEST_TIMEOUT,
@@ -216,6 +223,8 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 
 
 def make_policy(args: argparse.Namespace) -> Policy:
+    if getattr(args, "tool_calls", False) and not args.base_url:
+        raise ValueError("--tool-calls needs --base-url (an endpoint that answers tool calls)")
     if args.policy == "oracle":
         return OraclePolicy()
     if args.policy == "random":
@@ -231,6 +240,7 @@ def make_policy(args: argparse.Namespace) -> Policy:
             api_key_env=args.api_key_env,
             concurrency=args.batch_size or 8,
             timeout=args.request_timeout,
+            tool_calls=getattr(args, "tool_calls", False),
         )
     return CheckpointPolicy(
         args.checkpoint,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import os
 import random
 from collections.abc import Callable, Hashable, Sequence
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 
 from agentrefine_jax.layout import CHECK_VALID_ACTIONS
 from agentrefine_jax.layout import assistant_turn as format_response
+from agentrefine_jax.outputs import json_dumps
 
 # The model's turn ends with its action; a hallucinated next observation is cut here.
 DEFAULT_STOP = ("\nObservation:",)
@@ -205,6 +207,12 @@ class OpenAIChatPolicy:
 
     The API key is read from the environment variable named by `api_key_env` and never logged;
     local servers that need no key get a placeholder.
+
+    `tool_calls`: drive a tool-calling model. The task's action is offered as one `act` tool (the
+    function data/react_tools.py trains with), the conversation's earlier ReAct turns are sent as that
+    tool's calls and results (`react_tool_messages`), and a reply's `act` call comes back as the ReAct
+    turn it stands for (`react_action`), which the protocol parses as any model's turn. A reply
+    without a call is its text, read as usual (no `Action:` line: a format error).
     """
 
     needs_oracle = False
@@ -219,14 +227,17 @@ class OpenAIChatPolicy:
         concurrency: int = 8,
         timeout: float = 120.0,
         max_retries: int = 2,
+        tool_calls: bool = False,
     ):
         import openai
 
         from agentrefine_jax.http_client import openai_client
 
-        self.name = f"openai:{model}"
+        # The results record it (`policy`): a tool-calling run is told apart from a text run.
+        self.name = f"openai:{model}" + (" (tool calls)" if tool_calls else "")
         self.model = model
         self.sampling = sampling
+        self.tool_calls = tool_calls
         self._openai = openai
         self._key = os.environ.get(api_key_env) or "EMPTY"
         # `timeout` bounds each whole request (connect + reply), not each read.
@@ -235,15 +246,23 @@ class OpenAIChatPolicy:
 
     def _one(self, r: ActRequest) -> Reply | PolicyError:
         s = r.sampling or self.sampling
+        tools: dict[str, Any] = {}
+        messages: list[dict[str, Any]] = list(r.messages)
+        if self.tool_calls:
+            from agentrefine_jax.data.react_tools import ACT_TOOL, react_tool_messages
+
+            messages = [_wire(m) for m in react_tool_messages(messages)]
+            tools = {"tools": [ACT_TOOL]}
         try:
             resp = self._client.chat.completions.create(
                 model=self.model,
-                messages=r.messages,  # type: ignore[arg-type]
+                messages=messages,  # type: ignore[arg-type]
                 temperature=s.temperature,
                 top_p=s.top_p,
                 max_tokens=s.max_new_tokens,
                 stop=list(s.stop)[:4] or None,
                 seed=(r.seed + r.step) % 2**31,
+                **tools,
             )
         except self._openai.APIError as e:
             from agentrefine_jax.http_client import describe_api_error
@@ -251,7 +270,10 @@ class OpenAIChatPolicy:
             return PolicyError(describe_api_error(e, self._key))  # one line, key redacted, no raw body
         if not resp.choices:
             return PolicyError("the endpoint returned no choices")
-        return Reply(resp.choices[0].message.content or "")  # an endpoint's text only: no ids
+        message = resp.choices[0].message
+        if self.tool_calls and message.tool_calls:
+            return Reply(_react_turn(message.content or "", message.tool_calls))
+        return Reply(message.content or "")  # an endpoint's text only: no ids
 
     def act(self, requests: Sequence[ActRequest]) -> list[Reply | PolicyError]:
         return list(self._pool.map(self._one, requests))
@@ -262,6 +284,32 @@ class OpenAIChatPolicy:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._client.close()
+
+
+def _wire(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as OpenAI's API sends it: a call's arguments as a JSON string."""
+    if not message.get("tool_calls"):
+        return message
+    calls = [
+        {**c, "function": {**c["function"], "arguments": json_dumps(c["function"]["arguments"])}}
+        for c in message["tool_calls"]
+    ]
+    return {**message, "tool_calls": calls}
+
+
+def _react_turn(content: str, calls: Sequence[Any]) -> str:
+    """An endpoint's tool calls as the ReAct turn they stand for; calls that are not one `act` call
+    with a `command` (or whose arguments are not JSON) leave the reply its text."""
+    from agentrefine_jax.data.react_tools import react_action
+
+    try:
+        read = [
+            {"function": {"name": c.function.name, "arguments": json.loads(c.function.arguments or "{}")}}
+            for c in calls
+        ]
+        return react_action(content, read)
+    except (ValueError, AttributeError, TypeError):  # json's errors are ValueErrors
+        return content
 
 
 class CheckpointPolicy:

@@ -9,7 +9,9 @@ which are cut from the reply as the OpenAI API does.
 Keyed completion (`complete(..., keys=...)`) names each conversation (an agent episode) so its
 KV cache is kept between calls (`sessions.SessionCache`): a turn prefills only the tokens after
 what that conversation's cache already holds. `stats` counts prefilled and reused prompt tokens
-for both paths, so the two can be compared exactly.
+for both paths, so the two can be compared exactly. `complete_ids` is the same with prompts given as
+token ids: a caller that builds a conversation by appending ids (rl/rollout.py) continues from
+exactly the ids it holds, never a re-render of the text.
 
 A conversation whose text cannot fit the context is refused before it is tokenized
 (`check_fits`): no token of the vocabulary spells more than `longest_token_bytes` bytes, so a text
@@ -177,6 +179,29 @@ class ChatGenerator:
         for i, c in enumerate(conversations):
             self.check_fits(c, i)
         prompts = [self.encode(c) for c in conversations]
+        return self.complete_ids(
+            prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop=stop,
+            seed=seed, keys=keys, cancelled=cancelled, on_text=on_text,
+        )  # fmt: skip
+
+    def complete_ids(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: Sequence[str] | None = None,
+        seed: int = 0,
+        keys: Sequence[Hashable] | None = None,
+        cancelled: CancelFn | None = None,
+        on_text: Callable[[int, str], None] | None = None,
+    ) -> list[Completion]:
+        """`complete` for prompts given as token ids (no template render): a caller that builds each
+        conversation by appending ids (rl/rollout.py: the sampled ids, then the environment's turn)
+        continues from exactly those ids, and with `keys` each conversation's KV cache holds them, so
+        the next turn prefills only the appended tail and its log-probabilities are of that sequence."""
+        prompts = [list(p) for p in prompts]
         if not prompts:
             return []
         context = self.model.cfg.max_position_embeddings

@@ -21,6 +21,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import re
 import secrets
 import time
 import uuid
@@ -29,6 +30,7 @@ from typing import Any
 
 import jax
 
+from agentrefine_jax.data.tool_replies import ToolReply, parse_tool_reply, tool_format
 from agentrefine_jax.inference.api_errors import APIError
 from agentrefine_jax.inference.chat import (
     ChatGenerator,
@@ -53,7 +55,9 @@ _IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "paral
 
 @dataclasses.dataclass
 class ChatRequest:
-    messages: list[dict[str, str]]
+    # The conversation as the chat template takes it (data/schema.py): the request's `tools` (those
+    # offered: all, or the one `tool_choice` names) on the first message, calls' arguments as objects.
+    messages: list[dict[str, Any]]
     max_tokens: int
     temperature: float
     top_p: float
@@ -62,6 +66,9 @@ class ChatRequest:
     seed: int
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    # The function names whose calls the reply is read for (data/tool_replies.py); None: the reply is
+    # text (no tools, or tool_choice "none").
+    tool_names: frozenset[str] | None = None
 
 
 def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
@@ -100,7 +107,44 @@ def _content(value: Any, i: int) -> str:
     raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def _arguments(value: Any, where: str) -> dict[str, Any]:
+    """A call's arguments: OpenAI sends a JSON string of an object (an object itself is taken too)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except (json.JSONDecodeError, RecursionError):
+            raise APIError(400, f"{where}.arguments is not a JSON object", param="messages") from None
+    if not isinstance(value, dict):
+        raise APIError(400, f"{where}.arguments must be a JSON object", param="messages")
+    return value
+
+
+def _calls(value: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls, as the templates render them (arguments as objects)."""
+    if not isinstance(value, list) or not value:
+        raise APIError(400, f"messages[{i}].tool_calls must be a non-empty list", param="messages")
+    out = []
+    for j, call in enumerate(value):
+        where = f"messages[{i}].tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(fn, dict)
+            or call.get("type", "function") != "function"
+            or not isinstance(fn.get("name"), str)
+            or not isinstance(call.get("id"), str)
+        ):
+            raise APIError(
+                400, f"{where} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}",
+                param="messages",
+            )  # fmt: skip
+        args = _arguments(fn.get("arguments", "{}"), where)
+        out.append(
+            {"id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": args}}
+        )
+    return out
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise APIError(400, "'messages' must be a non-empty list", param="messages")
     out = []
@@ -110,16 +154,76 @@ def _messages(value: Any) -> list[dict[str, str]]:
         role = m.get("role")
         if role == "developer":  # OpenAI's newer name for the system role
             role = "system"
-        if role not in ("system", "user", "assistant"):
+        if role not in ("system", "user", "assistant", "tool"):
             raise APIError(
                 400,
-                f"messages[{i}].role {role!r} is not supported (system, user, assistant)",
+                f"messages[{i}].role {role!r} is not supported (system, user, assistant, tool)",
                 param="messages",
             )
-        if m.get("tool_calls") or m.get("function_call"):
-            raise APIError(400, f"messages[{i}]: tool calls are not supported", param="messages")
-        out.append({"role": role, "content": _content(m.get("content"), i)})
+        if m.get("function_call"):
+            raise APIError(400, f"messages[{i}]: function_call is the legacy form; send tool_calls",
+                           param="messages")  # fmt: skip
+        calls = _calls(m["tool_calls"], i) if role == "assistant" and m.get("tool_calls") else None
+        content = m.get("content")
+        msg: dict[str, Any] = {
+            "role": role,
+            "content": "" if content is None and calls else _content(content, i),
+        }
+        if calls:
+            msg["tool_calls"] = calls
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise APIError(400, f"messages[{i}]: a tool message needs its tool_call_id", param="messages")
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
     return out
+
+
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+
+
+def _tools(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise APIError(400, "'tools' must be a non-empty list of functions", param="tools")
+    out, names = [], set()
+    for j, tool in enumerate(value):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type") != "function":
+            raise APIError(
+                400, f"tools[{j}] must be {{'type': 'function', 'function': {{...}}}}", param="tools"
+            )
+        name = fn.get("name")
+        if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name) or name in names:
+            raise APIError(
+                400, f"tools[{j}].function.name must be a unique name of 1-64 letters, digits, _ or -, "
+                f"got {name!r}", param="tools",
+            )  # fmt: skip
+        if not isinstance(fn.get("parameters", {}), dict) or not isinstance(fn.get("description", ""), str):
+            raise APIError(400, f"tools[{j}].function: parameters must be an object, description a string",
+                           param="tools")  # fmt: skip
+        names.add(name)
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _offered(tools: list[dict[str, Any]], choice: Any) -> list[dict[str, Any]] | None:
+    """The functions offered to the model under `tool_choice`; None: "none" (the reply is text)."""
+    if choice in (None, "auto"):
+        return tools
+    if choice == "none":
+        return None
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str):
+        named = [t for t in tools if t["function"]["name"] == name]
+        if not named:
+            raise APIError(400, f"tool_choice names {name!r}, which is not in 'tools'", param="tool_choice")
+        return named
+    raise APIError(
+        400,
+        f"tool_choice {choice!r} is not supported: 'auto', 'none' or "
+        "{'type': 'function', 'function': {'name': ...}} (no constrained decoding, so not 'required')",
+        param="tool_choice",
+    )
 
 
 def parse_chat_request(
@@ -150,8 +254,18 @@ def parse_chat_request(
         )
     if body.get("logprobs") or body.get("top_logprobs"):
         raise APIError(400, "logprobs are not supported", param="logprobs")
-    if body.get("tools") or body.get("functions") or body.get("tool_choice") not in (None, "none"):
-        raise APIError(400, "tools / function calling are not supported", param="tools")
+    if body.get("functions") or body.get("function_call"):
+        raise APIError(
+            400, "'functions' / 'function_call' are the legacy form; send 'tools'", param="functions"
+        )
+    tools = _tools(body["tools"]) if body.get("tools") is not None else None
+    if tools is None and body.get("tool_choice") not in (None, "none"):
+        raise APIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
+    offered = _offered(tools, body.get("tool_choice")) if tools else None
+    if tools and stream:
+        raise APIError(
+            400, "stream=true with tools is not supported; send the request without stream", param="stream"
+        )
     for key in ("frequency_penalty", "presence_penalty"):
         if body.get(key) not in (None, 0, 0.0):
             raise APIError(400, f"'{key}' is not supported (only 0)", param=key)
@@ -163,7 +277,7 @@ def parse_chat_request(
     known = {
         "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
         "seed", "stream", "stream_options", "logprobs", "top_logprobs", "tools", "functions", "tool_choice",
-        "frequency_penalty", "presence_penalty", "logit_bias", "response_format",
+        "function_call", "frequency_penalty", "presence_penalty", "logit_bias", "response_format",
     }  # fmt: skip
     unknown = sorted(set(body) - known - _IGNORED_FIELDS)
     if unknown:
@@ -186,8 +300,11 @@ def parse_chat_request(
     n = int(_integer(body, "n", 1, 1) or 1)
     if n > max_n:
         raise APIError(400, f"'n' must be at most {max_n} on this server", param="n")
+    messages = _messages(body.get("messages"))
+    if tools:  # rendered as the family's template renders a row's tools (data/schema.py: first message)
+        messages[0]["tools"] = offered if offered is not None else tools
     return ChatRequest(
-        messages=_messages(body.get("messages")),
+        messages=messages,
         max_tokens=default_max_tokens if max_tokens is None else max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),  # OpenAI's default is 1
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
@@ -196,6 +313,7 @@ def parse_chat_request(
         seed=rng.randrange(2**31) if seed is None else seed % 2**31,
         stream=bool(stream),
         include_usage=bool(options and options.get("include_usage")),
+        tool_names=frozenset(t["function"]["name"] for t in offered) if offered else None,
     )
 
 
@@ -227,6 +345,9 @@ class ChatService:
         self._rng = secrets.SystemRandom()
         self.created = int(time.time())
         self.log = log or logging.getLogger(__name__).info
+        # The family's tool-call format (data/tool_replies.py); None: the template renders no tools.
+        self.tool_format = tool_format(generator.template)
+        self.malformed_tool_calls = 0  # replies whose call text did not parse (answered as content)
 
     def authorized(self, header: str | None) -> bool:
         if self._api_key is None:
@@ -261,6 +382,14 @@ class ChatService:
             max_n=self.max_n,
             rng=self._rng,
         )
+        uses_tools = any(m.get("tools") or m.get("tool_calls") or m["role"] == "tool" for m in req.messages)
+        if uses_tools and self.tool_format is None:
+            raise APIError(
+                400,
+                f"this model's chat template ({self.generator.template.name}) renders no tools; "
+                "serve one whose template does (llama3, mistral, or an hf directory with <tool_call>)",
+                param="tools",
+            )
         try:
             self.generator.check_fits(req.messages)
         except ContextOverflowError as e:
@@ -351,17 +480,42 @@ class ChatService:
             "created": int(time.time()),
             "model": self.model_name,
             "system_fingerprint": None,
-            "choices": [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": c.text},
-                    "finish_reason": c.finish_reason,
-                    "logprobs": None,
-                }
-                for i, c in enumerate(done)
-            ],
+            "choices": [self._choice(req, i, c) for i, c in enumerate(done)],
             "usage": usage,
         }
+
+    def _choice(self, req: ChatRequest, index: int, c: Completion) -> dict[str, Any]:
+        """One choice of a response; with tools offered, the reply read for calls in the family's
+        format (OpenAI's `tool_calls`, finish_reason "tool_calls"); call text that does not parse is
+        answered as content and counted."""
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        finish = c.finish_reason
+        if req.tool_names is not None and self.tool_format is not None:
+            reply = self._read_calls(self.tool_format, req.tool_names, c)
+            if reply.error is not None:
+                self.malformed_tool_calls += 1
+                self.log(
+                    f"chat.completions: {reply.error}; answered as content "
+                    f"({self.malformed_tool_calls} such replies so far)"
+                )
+            if reply.calls:
+                message["content"] = reply.content or None
+                message["tool_calls"] = [
+                    {
+                        "id": call.get("id") or uuid.uuid4().hex[:9],  # 9 characters: Mistral's id rule
+                        "type": "function",
+                        "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
+                    }
+                    for call in reply.calls
+                ]
+                finish = "tool_calls"
+        return {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
+
+    def _read_calls(self, fmt: str, names: frozenset[str], c: Completion) -> ToolReply:
+        ids = list(c.token_ids)
+        if c.finish_reason == "stop" and ids and ids[-1] in self.generator.stop_token_ids:
+            ids = ids[:-1]  # the end token (a stop string's cut is in the text; only Mistral reads ids)
+        return parse_tool_reply(fmt, c.text, ids, self.generator.template, names)
 
     def stream(
         self,

@@ -69,6 +69,16 @@ def _qwen2_check(c: Mapping[str, Any]) -> None:
     _full_attention_only(c, "Qwen2")
 
 
+def _qwen3_constants(cfg: Any) -> dict[str, Any]:
+    """config.json keys every Qwen3 directory (dense and MoE) has and our model has no field for."""
+    return {
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": cfg.num_layers,
+    }
+
+
 def _qwen3_check(c: Mapping[str, Any]) -> None:
     # Qwen3's q/k/v/o projections take a bias only with attention_bias=true (no published model).
     if c.get("attention_bias"):
@@ -129,12 +139,7 @@ FAMILIES: dict[str, Family] = {
             "Qwen3ForCausalLM",
             qk_norm=True,
             check_hf=_qwen3_check,
-            hf_constants=lambda cfg: {
-                "attention_bias": False,
-                "use_sliding_window": False,
-                "sliding_window": None,
-                "max_window_layers": cfg.num_layers,
-            },
+            hf_constants=_qwen3_constants,
         ),
         # Qwen3-MoE: Qwen3's attention; every layer's MLP is routed over `num_experts` experts
         # (top-`num_experts_per_tok` of a float32 softmax, renormalised when norm_topk_prob).
@@ -145,10 +150,7 @@ FAMILIES: dict[str, Family] = {
             moe=True,
             check_hf=_qwen3_moe_check,
             hf_constants=lambda cfg: {
-                "attention_bias": False,
-                "use_sliding_window": False,
-                "sliding_window": None,
-                "max_window_layers": cfg.num_layers,
+                **_qwen3_constants(cfg),
                 "decoder_sparse_step": 1,
                 "mlp_only_layers": [],
                 "num_experts": cfg.num_experts,

@@ -154,8 +154,9 @@ def _moe_mlp(
     weights = [quant.dequantize(p[name], dt) for name in params.EXPERT_NAMES]
     # LoRA on the experts (when handed expert adapters) wraps the grouped matmul: models/lora.py.
     matmul = lora.expert_matmul(p.get("lora"), lora_spec, p.get("lora_key"))
-    out = moe.experts(x, top_w, top_i, *weights, matmul=matmul)
-    return out.reshape(b, s, d), stats
+    k = top_i.shape[-1]
+    out = moe.experts_per_shard(h, top_w.reshape(b, s, k), top_i.reshape(b, s, k), *weights, matmul=matmul)
+    return out, stats
 
 
 def mlp_in_chunks(mlp: Any, h: jax.Array, chunk: int) -> jax.Array:

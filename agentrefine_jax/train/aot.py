@@ -87,10 +87,10 @@ def make_mesh(devices: list[Any], sizes: dict[str, int], num_slices: int) -> Any
     return Mesh(arr, MESH_AXES)
 
 
-def compile_train_step(cfg: Any, sl: Slice, num_slices: int = 1) -> dict[str, Any]:
-    """Compile the trainer's step for the slice; per-device bytes from the XLA TPU compiler."""
+def lower_train_step(cfg: Any, sl: Slice, num_slices: int = 1) -> tuple[Any, dict[str, int]]:
+    """The trainer's step lowered for the slice over abstract inputs (nothing allocated), and
+    the mesh sizes it was lowered for; `.compile()` runs the XLA TPU compiler."""
     import jax
-    import jax.numpy as jnp
 
     from agentrefine_jax.train.loop import TrainingError, build_train_step
 
@@ -107,14 +107,21 @@ def compile_train_step(cfg: Any, sl: Slice, num_slices: int = 1) -> dict[str, An
     def abstract(tree: Any, shardings: Any) -> Any:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
-    from agentrefine_jax.data.packing import BATCH_KEYS
-
+    # The objective's batch: the packed arrays, and any its loss reads beside them (GRPO's rollouts').
     batch_shape = (cfg.train.global_batch_size, cfg.data.max_length)
-    batch = {k: jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=fns.batch_sharding) for k in BATCH_KEYS}
+    batch = {
+        k: jax.ShapeDtypeStruct(batch_shape, dtype, sharding=fns.batch_sharding)
+        for k, dtype in fns.batch_dtypes.items()
+    }
     params = abstract(fns.abstract_params, fns.param_shardings)
     opt_state = abstract(fns.abstract_opt, fns.opt_shardings)
+    return fns.train.lower(params, opt_state, batch), sizes
+
+
+def compile_train_step(cfg: Any, sl: Slice, num_slices: int = 1) -> dict[str, Any]:
+    """Compile the trainer's step for the slice; per-device bytes from the XLA TPU compiler."""
     t0 = time.perf_counter()
-    lowered = fns.train.lower(params, opt_state, batch)
+    lowered, sizes = lower_train_step(cfg, sl, num_slices)
     try:
         compiled = lowered.compile()
     except Exception as e:  # the TPU compiler refuses a program that cannot fit HBM

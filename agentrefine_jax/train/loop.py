@@ -92,16 +92,26 @@ def build_train_step(cfg: Config, mesh: jax.sharding.Mesh, total_steps: int) -> 
             "beta": cfg.train.beta,
             "sft_weight": cfg.train.sft_weight,
             "dpo_weight": cfg.train.dpo_weight,
+            "clip_low": cfg.rl.clip_low,
+            "clip_high": cfg.rl.clip_high,
+            "kl_coef": cfg.rl.kl_coef,
         },
         router_aux_coef=cfg.model.router_aux_loss_coef if cfg.train.router_aux_loss else 0.0,
     )
     return fns, schedule
 
 
-def to_global(batch: dict[str, np.ndarray], sharding: jax.sharding.NamedSharding, global_batch: int) -> dict:
+def to_global(
+    batch: dict[str, np.ndarray],
+    sharding: jax.sharding.NamedSharding,
+    global_batch: int,
+    dtypes: dict[str, Any] | None = None,
+) -> dict:
+    """This process's rows of a global batch as global arrays: `dtypes` (the step's
+    StepFns.batch_dtypes; default the packed SFT batch's int32 BATCH_KEYS) names what it holds."""
     out = {}
-    for k in BATCH_KEYS:
-        local = np.asarray(batch[k], dtype=np.int32)
+    for k, dtype in (dtypes or dict.fromkeys(BATCH_KEYS, np.int32)).items():
+        local = np.asarray(batch[k], dtype=dtype)
         out[k] = jax.make_array_from_process_local_data(sharding, local, (global_batch, *local.shape[1:]))
     return out
 

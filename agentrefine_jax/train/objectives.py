@@ -24,8 +24,17 @@ independent PyTorch implementation):
   token NLL of the chosen reply; rewards = beta * p. (TRL averages the NLL over the chosen tokens
   of the whole batch; here each pair's own mean, so a pair weighs the same whatever its length.)
 - SFT + DPO: sft_weight * (SFT token loss sum / SFT tokens) + dpo_weight * (DPO loss sum / pairs).
-Every pair mean is over the global batch: a micro batch's value is its share of it (the global
-counts given), so micro batches and devices add (never a mean of means).
+- GRPO (PolicyGradient; a batch of rollouts, rl/batch.py): over the global batch's trainable
+  (sampled) target tokens t, N of them, with r_t = exp(logp_t - old_t) and A_t its episode's
+  advantage, loss = -(1/N) sum_t min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t)
+  + kl_coef (1/N) sum_t k3_t, k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1 (the k3 estimator
+  of KL(policy || reference); the term only while the reference is on). Token-level aggregation:
+  every sampled token of the step weighs the same, whichever episode it is in (DAPO's, not
+  GRPO's original per-episode mean). Both exponents are clamped to [-20, 20] (as verl does), so
+  that a token far off its sampling log-probability gives a huge but finite ratio, never an
+  inf (and a NaN gradient).
+Every pair (token) mean is over the global batch: a micro batch's value is its share of it (the
+global counts given), so micro batches and devices add (never a mean of means).
 """
 
 from __future__ import annotations
@@ -46,6 +55,8 @@ Batch = dict[str, jax.Array]
 # A model's output for the loss: (the hidden state before each target [B, T-1, D], lm_head [D, V]).
 Head = tuple[jax.Array, jax.Array]
 METRICS = ("rewards_chosen", "rewards_rejected", "margin", "accuracy")
+# GRPO's exponents (log ratios) are clamped to +-this: exp(20) ~ 4.9e8 is finite in float32.
+MAX_LOG_RATIO = 20.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +70,9 @@ class Settings:
     sft_weight: float = 1.0
     dpo_weight: float = 1.0
     router_aux_coef: float = 0.0  # MoE load-balancing loss weight (train.router_aux_loss), SFT only
+    clip_low: float = 0.2  # GRPO: the ratio is clipped to [1 - clip_low, 1 + clip_high] (rl.*)
+    clip_high: float = 0.28
+    kl_coef: float = 0.0  # GRPO: the k3 KL term's weight (rl.kl_coef; > 0 switches the reference on)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +88,13 @@ class Finished:
 
 class Loss(abc.ABC):
     """An objective's loss (see the module docstring); `loss_of` finds an entry's."""
+
+    # The float32 [rows, T] arrays its batch carries beside data/packing.BATCH_KEYS (int32).
+    extra_keys: tuple[str, ...] = ()
+
+    def combine(self, a: Any, b: Any) -> Any:
+        """Two micro batches' aux, combined (sums add; a loss with a maximum overrides this)."""
+        return jax.tree.map(jnp.add, a, b)
 
     @abc.abstractmethod
     def counts(self, batch: Batch) -> Any:
@@ -101,6 +122,20 @@ class Loss(abc.ABC):
 def token_logps(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
     """log p(target) per position, [B, T] float32; the vocabulary projection chunk by chunk
     (each chunk rematerialised in the backward pass: no [B, T, V] logits live)."""
+    return _token_stats(hidden, lm_head, targets, chunk, entropy=False)[0]
+
+
+def token_logps_entropy(
+    hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, chunk: int
+) -> tuple[jax.Array, jax.Array]:
+    """`token_logps` and the policy's entropy per position (both [B, T] float32), from the same
+    chunks' logits. The entropy is a metric: no gradient flows from it."""
+    return _token_stats(hidden, lm_head, targets, chunk, entropy=True)
+
+
+def _token_stats(
+    hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, chunk: int, entropy: bool
+) -> tuple[jax.Array, jax.Array | None]:
     b, t, d = hidden.shape
     chunk = max(1, min(chunk, t))
     pad = (-t) % chunk
@@ -113,13 +148,22 @@ def token_logps(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, chunk
     w = lm_head.astype(hidden.dtype)
 
     @jax.checkpoint
-    def one(h: jax.Array, tgt: jax.Array) -> jax.Array:
+    def one(h: jax.Array, tgt: jax.Array) -> tuple[jax.Array, jax.Array]:
         logits = jnp.einsum("bcd,dv->bcv", h, w, preferred_element_type=jnp.float32)
         lse = jax.nn.logsumexp(logits, axis=-1)
-        return jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0] - lse
+        logp = jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0] - lse
+        if not entropy:
+            return logp, jnp.zeros_like(logp)
+        # H = lse - sum_v p_v logit_v, on constants (a metric: nothing to differentiate).
+        lg, ls = jax.lax.stop_gradient(logits), jax.lax.stop_gradient(lse)
+        return logp, ls - jnp.sum(jnp.exp(lg - ls[..., None]) * lg, axis=-1)
 
-    out = jax.lax.map(lambda xs: one(*xs), (hs, ts))  # [n, B, chunk]
-    return jnp.moveaxis(out, 0, 1).reshape(b, -1)[:, :t]
+    logp, ent = jax.lax.map(lambda xs: one(*xs), (hs, ts))  # [n, B, chunk] each
+
+    def rows(x: jax.Array) -> jax.Array:
+        return jnp.moveaxis(x, 0, 1).reshape(b, -1)[:, :t]
+
+    return rows(logp), rows(ent) if entropy else None
 
 
 def _target_kinds(batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -284,11 +328,96 @@ class PairLoss(Loss):
         return value * counts[1], counts[1]
 
 
+class PolicyGradient(Loss):
+    """GRPO's clipped policy-gradient loss over a batch of rollouts (rl/batch.py's arrays; the
+    formula in the module docstring). Target t (token t, predicted from the tokens before it) is
+    trained where loss_mask[t] is set within its episode's segment, with old_logprobs[t] and
+    advantages[t]; every other token (prompt, environment, template, padding) carries nothing:
+    its log-probability, old log-probability and advantage enter no sum. counts: the global
+    batch's trainable tokens (N) and its advantages' mean and std over them; a micro batch's value
+    is its share of the global token mean, its aux the metrics' sums (and the maximum |logp - old|).
+
+    clip_fraction counts the tokens whose clipped term is the minimum and flat (r < 1 - clip_low
+    with A < 0, or r > 1 + clip_high with A > 0): the tokens clipping takes out of the gradient."""
+
+    extra_keys = ("old_logprobs", "advantages")
+    SUMS = ("clipped", "kl", "entropy", "ratio")
+
+    def counts(self, batch: Batch) -> dict[str, jax.Array]:
+        _, w = target_weights(batch)
+        adv = batch["advantages"][:, 1:].astype(jnp.float32)
+        n = jnp.sum(w)
+        mean = jnp.sum(adv * w) / jnp.maximum(n, 1.0)
+        var = jnp.sum(jnp.square(adv - mean) * w) / jnp.maximum(n, 1.0)
+        return {"tokens": n, "advantage_mean": mean, "advantage_std": jnp.sqrt(var)}
+
+    def aux_zeros(self) -> dict[str, jax.Array]:
+        zero = jnp.zeros((), jnp.float32)  # |logp - old| >= 0: zero is also the maximum's identity
+        return {k: zero for k in (*self.SUMS, "max_abs_logp_delta")}
+
+    def combine(self, a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        out = {k: a[k] + b[k] for k in self.SUMS}
+        out["max_abs_logp_delta"] = jnp.maximum(a["max_abs_logp_delta"], b["max_abs_logp_delta"])
+        return out
+
+    def micro(
+        self, policy: Head, ref: Head | None, batch: Batch, counts: Any, s: Settings
+    ) -> tuple[Any, Any]:
+        targets, w = target_weights(batch)
+        on = w > 0
+        logp, entropy = token_logps_entropy(*policy, targets, s.chunk)
+        old = batch["old_logprobs"][:, 1:].astype(jnp.float32)
+        adv = batch["advantages"][:, 1:].astype(jnp.float32)
+        # Off the trained tokens, delta is 0 (ratio 1) and every term below is masked out: neither
+        # their values nor their gradients reach the loss.
+        delta = jnp.where(on, logp - old, 0.0)
+        ratio = jnp.exp(jnp.clip(delta, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+        lo, hi = 1.0 - s.clip_low, 1.0 + s.clip_high
+        surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, lo, hi) * adv)
+        n = jnp.maximum(counts["tokens"], 1.0)
+        value = -jnp.sum(jnp.where(on, surrogate, 0.0)) / n
+        kl_sum = jnp.zeros((), jnp.float32)
+        if ref is not None:
+            d = jnp.where(on, jax.lax.stop_gradient(token_logps(*ref, targets, s.chunk)) - logp, 0.0)
+            d = jnp.clip(d, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+            kl_sum = jnp.sum(jnp.where(on, jnp.exp(d) - d - 1.0, 0.0))
+            value = value + s.kl_coef * kl_sum / n
+        sg = jax.lax.stop_gradient
+        clipped = on & (((ratio < lo) & (adv < 0)) | ((ratio > hi) & (adv > 0)))
+        aux = {
+            "clipped": jnp.sum(clipped).astype(jnp.float32),
+            "kl": sg(kl_sum),
+            "entropy": jnp.sum(jnp.where(on, entropy, 0.0)),
+            "ratio": sg(jnp.sum(jnp.where(on, ratio, 0.0))),
+            "max_abs_logp_delta": sg(jnp.max(jnp.abs(delta), initial=0.0)),
+        }
+        return value, aux
+
+    def finish(self, value: jax.Array, aux: dict[str, jax.Array], counts: Any) -> Finished:
+        n = counts["tokens"]
+        d = jnp.maximum(n, 1.0)
+        metrics = {
+            "clip_fraction": aux["clipped"] / d,
+            "kl": aux["kl"] / d,
+            "entropy": aux["entropy"] / d,
+            "ratio_mean": aux["ratio"] / d,
+            "advantage_mean": counts["advantage_mean"],
+            "advantage_std": counts["advantage_std"],
+            "max_abs_logp_delta": aux["max_abs_logp_delta"],
+        }
+        return Finished(loss=value, scale=None, scored=n, guard=n, metrics=metrics)
+
+    def evaluation(self, value: jax.Array, aux: Any, counts: Any) -> tuple[jax.Array, jax.Array]:
+        """(the batch's loss x its trainable tokens, tokens): the evaluation's mean is per token."""
+        return value * counts["tokens"], counts["tokens"]
+
+
 # The losses the objective table's entries name (objective_table.Objective.loss).
 TOKEN_NLL = TokenNll()
 SIGMOID_DPO = PairLoss(dpo_terms)
 ODDS_RATIO = PairLoss(orpo_terms)
 TOKEN_NLL_AND_SIGMOID_DPO = PairLoss(dpo_terms, with_sft=True)
+CLIPPED_POLICY_GRADIENT = PolicyGradient()
 
 
 def loss_of(objective: Objective) -> Loss:

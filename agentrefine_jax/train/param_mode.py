@@ -67,12 +67,17 @@ class ParamMode:
     def of(cls, cfg: Config) -> ParamMode:
         """The run's mode, from its config (`train.lora`, `train.objective`)."""
         mode = cls.of_settings(cfg.model, lora.LoraSpec.of(cfg.train.lora), cfg.train.lora.base_dtype)
-        return mode.for_objective(cfg.train.objective)
+        objective = cfg.train.objective
+        return mode.for_objective(objective, objective_table.get(objective).reference_in(cfg))
 
-    def for_objective(self, objective: str) -> ParamMode:
+    def for_objective(self, objective: str, reference: bool | None = None) -> ParamMode:
         """This mode, holding a frozen reference copy when a full fine-tuning objective needs one
-        (its objective table entry says so; a LoRA run's reference is its base, adapters off)."""
-        if self.lora_spec is None and objective_table.get(objective).reference and not self.reference:
+        (its objective table entry says so — `reference`, when given, is the entry's answer for the
+        run's knobs, objective_table.Objective.reference_in; a LoRA run's reference is its base,
+        adapters off)."""
+        if reference is None:
+            reference = objective_table.get(objective).holds_reference()
+        if self.lora_spec is None and reference and not self.reference:
             return dataclasses.replace(self, reference=True)
         return self
 

@@ -41,6 +41,9 @@ class StepFns:
     abstract_params: Params
     abstract_opt: Any
     batch_sharding: NamedSharding
+    # The arrays a batch of this objective holds and their dtypes: data/packing.BATCH_KEYS (int32),
+    # and the float32 ones its loss reads beside them (objectives.Loss.extra_keys; GRPO's).
+    batch_dtypes: dict[str, Any]
     init_opt: Callable[[Params], Any]
     train: Callable[[Params, Any, Batch], tuple[Params, Any, dict[str, jax.Array]]]
     # The same step writing into `spare` (donated), not into the state it reads (kept): for the step
@@ -105,8 +108,9 @@ def objective_loss(
     dropout_key: jax.Array | None = None,
 ) -> tuple[Any, Any]:
     """A (micro) batch's (value, aux sums) of `objective`'s loss (train/objectives.py), `counts`
-    the global batch's. The reference, when the entry has one: a LoRA run's base with the adapters
-    off, a full run's frozen copy (params {"model", "ref"})."""
+    the global batch's. The reference, when the entry has one (`objective.reference`: the entry as
+    `build_steps` resolved it, its reference knob read): a LoRA run's base with the adapters off,
+    a full run's frozen copy (params {"model", "ref"})."""
     policy, ref = policy_and_reference(params, lora_spec, dropout_key, objective.reference)
 
     def head(model_params: Params, adapters: Any, router_aux: bool = False) -> tuple[objectives.Head, Any]:
@@ -187,11 +191,17 @@ def build_steps(
     router_aux_coef: float = 0.0,
 ) -> StepFns:
     """The jitted steps for `mode` (default: from model_cfg, lora_spec and lora_base_dtype) and
-    `objective` (a name in the objective table; `knobs`: train.beta/sft_weight/dpo_weight)."""
+    `objective` (a name in the objective table; `knobs`: objectives.Settings' train.beta/sft_weight/
+    dpo_weight and rl.clip_low/clip_high/kl_coef, whose reference knob decides whether the loss
+    compares with the reference)."""
     if mode is None:  # the parameter mode decides from the settings (train/param_mode.py)
         mode = ParamMode.of_settings(model_cfg, lora_spec, lora_base_dtype)
+    knobs = knobs or {}
     spec = objective_table.get(objective)
-    mode = mode.for_objective(objective)
+    # The entry as this run resolves it: with a reference, or not (a knob such as rl.kl_coef).
+    reference = spec.holds_reference(knobs.get(spec.reference_field))
+    spec = dataclasses.replace(spec, reference=reference, reference_knob="")
+    mode = mode.for_objective(objective, reference)
     micro = micro_batch or global_batch
     if global_batch % micro:
         raise ValueError(f"train.global_batch_size={global_batch} not divisible by micro_batch_size={micro}")
@@ -210,11 +220,11 @@ def build_steps(
     init_opt = jax.jit(
         lambda p: optimizer.init(mode.trainable(p)), in_shardings=(p_shard,), out_shardings=opt_shard
     )
-    settings = objectives.Settings(
-        chunk=loss_chunk, impl=loss_impl, router_aux_coef=router_aux_coef, **(knobs or {})
-    )
+    settings = objectives.Settings(chunk=loss_chunk, impl=loss_impl, router_aux_coef=router_aux_coef, **knobs)
     train_step, eval_step = _steps(mode, graphdef, optimizer, spec, settings, n_micro, micro)
-    batch_tree = {k: b_shard for k in BATCH_KEYS}
+    extra = objectives.loss_of(spec).extra_keys
+    batch_dtypes = {**dict.fromkeys(BATCH_KEYS, jnp.int32), **dict.fromkeys(extra, jnp.float32)}
+    batch_tree = {k: b_shard for k in batch_dtypes}
     train_jit = jax.jit(train_step, in_shardings=(p_shard, opt_shard, batch_tree),
                         out_shardings=(p_shard, opt_shard, replicated), donate_argnums=(0, 1))  # fmt: skip
     into_jit = _train_into_jit(train_step, mode, p_shard, opt_shard, batch_tree, replicated)
@@ -222,8 +232,9 @@ def build_steps(
     ruled = functools.partial(_with_rules, mesh, rules)
     return StepFns(
         graphdef=graphdef, param_shardings=p_shard, opt_shardings=opt_shard, abstract_params=built.abstract,
-        abstract_opt=abstract_opt, batch_sharding=b_shard, init_opt=ruled(init_opt), train=ruled(train_jit),
-        train_trained_into=ruled(into_jit), evaluate=ruled(eval_jit), mode=mode, built=built.wrapped(ruled),
+        abstract_opt=abstract_opt, batch_sharding=b_shard, batch_dtypes=batch_dtypes,
+        init_opt=ruled(init_opt), train=ruled(train_jit), train_trained_into=ruled(into_jit),
+        evaluate=ruled(eval_jit), mode=mode, built=built.wrapped(ruled),
     )  # fmt: skip
 
 
@@ -251,7 +262,7 @@ def _steps(
         trained = mode.trainable(params)
         grad_fn = jax.value_and_grad(loss_fn(params, counts), has_aux=True)
         keys = mode.dropout_keys(opt_state, n_micro)
-        grads, value, aux = _accumulate(grad_fn, trained, micro_batches, keys, loss.aux_zeros())
+        grads, value, aux = _accumulate(grad_fn, trained, micro_batches, keys, loss.aux_zeros(), loss.combine)
         done = loss.finish(value, aux, counts)
         _check_metrics(objective, done.metrics)
         if done.scale is not None:  # sums: one division over the whole global batch
@@ -314,17 +325,22 @@ def _train_into_jit(
 
 
 def _accumulate(
-    grad_fn: Callable[..., Any], trained: Params, micro_batches: Batch, keys: jax.Array, aux_zeros: Any
+    grad_fn: Callable[..., Any],
+    trained: Params,
+    micro_batches: Batch,
+    keys: jax.Array,
+    aux_zeros: Any,
+    combine: Callable[[Any, Any], Any],
 ) -> Any:
-    """Sums over the micro batches of the gradients, the loss values and their aux (a scan: one
-    compiled body)."""
+    """Sums over the micro batches of the gradients and the loss values, and their aux combined
+    (`combine`: sums, a maximum) (a scan: one compiled body)."""
 
     def body(carry: tuple[Any, jax.Array, Any], xs: tuple[Batch, Any]) -> tuple[Any, None]:
         grads, value, aux = carry
         mb, key = xs
         mb = {k: shd.constrain(v, ("batch", None)) for k, v in mb.items()}
         (v, a), g = grad_fn(trained, mb, key)
-        return (jax.tree.map(jnp.add, grads, g), value + v, jax.tree.map(jnp.add, aux, a)), None
+        return (jax.tree.map(jnp.add, grads, g), value + v, combine(aux, a)), None
 
     init = (jax.tree.map(jnp.zeros_like, trained), jnp.zeros((), jnp.float32), aux_zeros)
     return jax.lax.scan(body, init, (micro_batches, keys))[0]
