@@ -35,8 +35,8 @@ from agentrefine_jax.rl.batch import Rollout
 from agentrefine_jax.rl.journal import JournalError, Phase, RolloutJournal, keep_phases
 from agentrefine_jax.train.run_dir import RunPaths, TrainingInputError
 
-# The objective that learns from rollouts: the table's entry training on neither examples nor pairs.
-ROLLOUTS = next(o.name for o in objective_table.TABLE if not (o.examples or o.pairs))
+# The objective that learns from rollouts (objective names live in the table).
+ROLLOUTS = next(o.name for o in objective_table.TABLE if o.rollouts)
 SETTINGS = [
     *("--set", f"train.objective={ROLLOUTS}"),
     *("--set", "train.max_steps=4"),  # 2 phases x 2 updates

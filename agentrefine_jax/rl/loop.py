@@ -35,7 +35,7 @@ from agentrefine_jax.outputs import json_dumps
 from agentrefine_jax.rl.batch import ARRAY_KEYS, Rollout, group_advantages, to_arrays
 from agentrefine_jax.rl.journal import Phase, RolloutJournal, keep_phases
 from agentrefine_jax.train.hooks import Hook, Preempted, RunState
-from agentrefine_jax.train.loop import Run, check_model, run_mesh, run_steps, start_run
+from agentrefine_jax.train.loop import Run, check_model, run_mesh, run_steps, start_run, to_global
 from agentrefine_jax.train.metrics import MetricsWriter
 from agentrefine_jax.train.run_dir import RunPaths, TrainingError, TrainingInputError, check_resume_config
 from agentrefine_jax.train.run_lock import RunLock
@@ -66,7 +66,7 @@ def phases_of(cfg: Config) -> Phases:
     """The run's phases; TrainingInputError (one line, exit 2) for settings that do not divide."""
     rl, tc = cfg.rl, cfg.train
     spec = objective_table.get(tc.objective)
-    if spec.examples or spec.pairs:
+    if not spec.rollouts:
         raise TrainingInputError(
             f"train.objective={spec.name} trains on data, not on rollouts: the rl command runs an "
             "objective that learns from the model's own episodes (docs/rl.md); "
@@ -272,15 +272,13 @@ def episode_stats(
 
 
 def _mini_batches(run: Run, ph: Phases, arrays: dict[str, np.ndarray], first: int) -> Iterator[dict]:
-    """The phase's mini-batches from `first` on, as global arrays on the step's batch sharding
-    (each array keeps its dtype: ids int32, log-probabilities and advantages float32)."""
-    sharding = run.fns.batch_sharding
+    """The phase's mini-batches from `first` on, as global arrays on the step's batch sharding, in
+    the step's dtypes (StepFns.batch_dtypes: ids int32, log-probabilities and advantages float32)."""
+    fns = run.fns
     for i in range(first, ph.updates):
         rows = slice(i * ph.rows, (i + 1) * ph.rows)
-        yield {
-            k: jax.make_array_from_process_local_data(sharding, arrays[k][rows], (ph.rows, ph.seq_len))
-            for k in ARRAY_KEYS
-        }
+        local = {k: arrays[k][rows] for k in ARRAY_KEYS}
+        yield to_global(local, fns.batch_sharding, ph.rows, fns.batch_dtypes)
 
 
 class PhaseLog(Hook):

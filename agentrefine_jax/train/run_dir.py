@@ -48,9 +48,9 @@ RL_COMMAND = "python -m agentrefine_jax.rl"
 
 def check_trains_on_data(cfg: Config) -> None:
     """The trainer's objectives train on data (SFT examples, preference pairs); one whose table
-    entry trains on neither learns from the model's own rollouts and runs in the rl stage."""
+    entry trains on rollouts learns from the model's own episodes and runs in the rl stage."""
     spec = objective_table.get(cfg.train.objective)
-    if not (spec.examples or spec.pairs):
+    if spec.rollouts:
         raise TrainingInputError(
             f"train.objective={spec.name} learns from the model's own rollouts, not from training data: "
             f"run it with `{RL_COMMAND} --config ...` (docs/rl.md)"
