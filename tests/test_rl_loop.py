@@ -165,6 +165,9 @@ def _main(module: str, capsys, *args: str) -> tuple[int, str]:
         (["train.micro_batch_size=3", "rl.worlds_per_phase=3", "rl.group_size=2"], "micro_batch_size=3"),
         (["rl.group_size=1"], "rl.group_size"),
         (["rl.clip_low=1.5"], "rl.clip_low"),
+        (["rl.task=nosuchtask"], "unknown task 'nosuchtask'"),
+        (["rl.task=sciworld"], "has no training split"),
+        (["rl.seed=999998"], "demo_world training worlds are seeds 0..999999"),  # the last phase leaves them
     ],
 )
 def test_bad_rl_settings_are_one_line_exit_2(capsys, tmp_path, extra, says):

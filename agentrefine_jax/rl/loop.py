@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -103,7 +104,22 @@ def prepare(cfg: Config) -> Config:
     """`cfg` as the run uses it: train.global_batch_size set to the episodes of one optimizer step
     (checked by `phases_of`); the CLI prints and runs this config."""
     ph = phases_of(cfg)
+    check_worlds(cfg, ph)
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=ph.rows))
+
+
+def check_worlds(cfg: Config, ph: Phases) -> None:
+    """The first and the last phase's worlds exist (rl.task is a built-in task with a training
+    split, and rl.seed's range stays inside it): one line, exit 2, before any model work."""
+    from agentrefine_jax.rl.rollout import phase_jobs
+
+    with tempfile.TemporaryDirectory(prefix="rl-worlds-") as scratch:
+        for phase in sorted({0, ph.phases - 1}):
+            try:
+                worlds, _ = phase_jobs(cfg, phase, scratch)
+            except ValueError as e:
+                raise TrainingInputError(str(e)) from None
+            worlds.close()
 
 
 def train(cfg: Config) -> dict[str, Any]:
@@ -220,7 +236,12 @@ def play(model: Any, cfg: Config, phase: int) -> Phase:
     # The episode engine reports into the active heartbeat (eval/core.py); a line per finished
     # episode goes to the debug log (-v).
     with Progress(PROGRESS_EVERY_S, lambda line: log.info(f"phase {phase} rollouts {line}")):
-        rollouts = collect(model, cfg, phase, progress=log.debug)
+        try:
+            rollouts = collect(model, cfg, phase, progress=log.debug)
+        except ValueError as e:  # the settings' fault (checked up front: rarely reached)
+            raise TrainingInputError(f"phase {phase} rollouts: {e}") from None
+        except RuntimeError as e:  # an environment that failed to start
+            raise TrainingError(f"phase {phase} rollouts: {e}") from None
     return Phase(list(rollouts), time.perf_counter() - t0)
 
 
