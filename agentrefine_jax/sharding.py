@@ -41,10 +41,13 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("mlp", "tensor"),
     ("norm", None),
     # Routed experts (MoE families): the expert axis of the stacked expert weights is split over
-    # fsdp (expert parallelism in memory: each fsdp shard holds E/fsdp whole experts; the grouped
-    # matmul gathers them as FSDP gathers a dense weight, no all-to-all token dispatch yet), each
-    # expert's MLP width over tensor. The router's expert axis stays replicated.
-    ("experts", "fsdp"),
+    # tensor x fsdp, tensor-major: rank t of `tensor` holds experts [t*E/tp, (t+1)*E/tp) (split
+    # again over fsdp), the slice it computes with under expert parallelism (models/moe.py; the
+    # execution plan chooses it when tensor > 1 divides E): the step gathers only that slice, over
+    # fsdp. With tensor = 1 this is E over fsdp, gathered whole as FSDP gathers a dense weight. An
+    # expert's MLP width goes to tensor only when E does not divide (each mesh axis is used once).
+    # The router's expert axis stays replicated.
+    ("experts", ("tensor", "fsdp")),
     ("moe_mlp", "tensor"),
     ("router_experts", None),
 )

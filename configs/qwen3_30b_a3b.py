@@ -1,7 +1,8 @@
 """Paper setting (lr 5e-6, cosine, no warm-up, batch 64, 10 epochs) for Qwen3-30B-A3B, the
 mixture-of-experts Qwen3 (48 layers, 128 experts, top 8: 30.5B parameters, 3.3B active per token).
 Like Qwen3-8B, the tokenizer, chat template and weights come from the model's own Hugging Face
-directory; the experts are split over the fsdp mesh axis (sharding.py's `experts` rule).
+directory; the experts are split over the fsdp mesh axis (sharding.py's `experts` rule), and run
+expert-parallel over `tensor` when the mesh has one (models/moe.py; docs/scale.md).
 
     python -m agentrefine_jax.train --config qwen3_30b_a3b \\
         --set train.init_from_hf=PATH --set data.tokenizer=PATH --set data.train_files=...

@@ -172,3 +172,28 @@ def test_qwen3_moe_step_compiles_for_tpu_with_grouped_matmuls_per_batch_shard() 
     # The routing sort (expert ids of this device's assignments) is per device too.
     sorts = [int(m) for m in re.findall(r"= \(s32\[(\d+)\]\{[^}]*\}, [^=]*\) sort\(", hlo)]
     assert sorts and set(sorts) == {512}, sorts
+
+
+def test_qwen3_moe_step_with_a_tensor_axis_is_expert_parallel_for_tpu() -> None:
+    """The same small MoE step on v5p-8 as fsdp=2 x tensor=2: the plan runs the experts
+    expert-parallel over tensor (models/moe.py), so every grouped matmul of the compiled step takes
+    one tensor rank's 4 of the 8 experts (weights [4, 64, 32], gathered over fsdp from the 2 each
+    device stores) and the 8-expert stack appears nowhere; the rows are the batch shard's
+    (4 rows x 128 tokens x top 2 = 1024), the same on both tensor ranks (tokens are replicated
+    over tensor, none is sent anywhere). Without expert parallelism the same step holds all 8."""
+    import re
+
+    from agentrefine_jax.config import load_config
+
+    aot.prepare_tpu_env()
+    sets = ["model.num_layers=1", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
+            "model.head_dim=16", "model.num_experts=8", "model.num_experts_per_tok=2",
+            "model.moe_intermediate_size=32", "data.max_length=128", "train.global_batch_size=8",
+            "train.loss_chunk_size=64", "mesh.fsdp=2", "mesh.tensor=2"]  # fmt: skip
+    lowered, sizes = aot.lower_train_step(load_config("qwen3_30b_a3b", sets), T.get_slice("v5p-8"))
+    assert sizes == {"data": 1, "fsdp": 2, "tensor": 2}
+    hlo = lowered.compile().as_text()
+    calls = re.findall(r"%ragged-dot\S* = bf16\[(\d+),\d+\][^\n]*", hlo)
+    assert len(calls) >= 9 and set(calls) == {"1024"}, calls
+    experts = set(re.findall(r"bf16\[(?:1,)?(\d+),(?:64,32|32,64)\]", hlo))
+    assert experts == {"2", "4"}, experts  # stored 2 per device (tensor x fsdp), computed with 4

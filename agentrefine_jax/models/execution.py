@@ -10,10 +10,11 @@ the result (`Transformer.plan`); nothing in the forward pass asks the devices ag
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from agentrefine_jax.models.config import ModelConfig
-from agentrefine_jax.sharding import mesh_platform
+from agentrefine_jax.sharding import current, mesh_platform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,9 @@ class ExecutionPlan:
     attention_block_size: int
     mlp_chunk_size: int
     splash_blocks: tuple[int, int, int]  # (q, kv, kv_compute) tiles of the splash kernel
+    # The mesh axis the routed experts' compute is split over (expert parallelism: each rank runs
+    # only its E/n experts, models/moe.py), or None (every device runs every expert on its rows).
+    expert_axis: str | None = None
 
     @property
     def scan_full_sequence(self) -> bool:
@@ -56,8 +60,21 @@ def attention_kernel(cfg: ModelConfig, platform: str) -> str:
     return "xla"
 
 
-def resolve(cfg: ModelConfig, platform: str) -> ExecutionPlan:
-    """`cfg`'s execution settings decided for devices of `platform`."""
+def expert_axis(cfg: ModelConfig, mesh_shape: Mapping[str, int] | None) -> str | None:
+    """Expert parallelism over `tensor` for a routed-experts model whose experts that axis divides.
+    Tokens are replicated over `tensor` (the batch is split over data x fsdp only), so each tensor
+    rank can run its own E/tp experts on the tokens it already holds and a psum combines them: no
+    token moves. Attention keeps its heads on `tensor` as before. Without EP the tensor ranks
+    would all run every expert on the same tokens (tp times the expert FLOPs)."""
+    tp = (mesh_shape or {}).get("tensor", 1)
+    if cfg.num_experts and tp > 1 and cfg.num_experts % tp == 0:
+        return "tensor"
+    return None
+
+
+def resolve(cfg: ModelConfig, platform: str, mesh_shape: Mapping[str, int] | None = None) -> ExecutionPlan:
+    """`cfg`'s execution settings decided for devices of `platform` on a mesh of `mesh_shape`
+    (axis -> size; None: one device)."""
     cpu = platform == "cpu" if cfg.cpu_layout == "auto" else bool(cfg.cpu_layout)
     return ExecutionPlan(
         platform=platform,
@@ -69,12 +86,15 @@ def resolve(cfg: ModelConfig, platform: str) -> ExecutionPlan:
         attention_block_size=cfg.attention_block_size,
         mlp_chunk_size=cfg.mlp_chunk_size,
         splash_blocks=(cfg.splash_block_q, cfg.splash_block_kv, cfg.splash_block_kv_compute),
+        expert_axis=expert_axis(cfg, mesh_shape),
     )
 
 
 def for_devices(cfg: ModelConfig, mesh: Any = None) -> ExecutionPlan:
     """The plan for `mesh`'s devices; without one, for the active mesh's (sharding.use_sharding),
     else the default devices'."""
+    if mesh is None and (ctx := current()) is not None:
+        mesh = ctx.mesh
     devices = getattr(mesh, "devices", None)
     platform = devices.flat[0].platform if devices is not None else mesh_platform()
-    return resolve(cfg, platform)
+    return resolve(cfg, platform, dict(getattr(mesh, "shape", None) or {}))

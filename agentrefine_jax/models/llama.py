@@ -122,14 +122,14 @@ def layer_forward(
 
     def mlp(h: jax.Array) -> jax.Array:
         if "router" in p:  # routed experts (families with `moe`): models/moe.py
-            return _moe_mlp(cfg, p, h, dt, lora_spec)[0]
+            return _moe_mlp(cfg, plan, p, h, dt, lora_spec)[0]
         gate = proj(proj_in, h, "w_gate")
         up = proj(proj_in, h, "w_up")
         act = constrain(jax.nn.silu(gate) * up, ("batch", "activation_seq", "activation_mlp"))
         return proj(proj_out, act, "w_down")
 
     if router_mask is not None:  # the whole sequence at once: the statistics are over all of it
-        out, stats = _moe_mlp(cfg, p, h, dt, lora_spec, router_mask)
+        out, stats = _moe_mlp(cfg, plan, p, h, dt, lora_spec, router_mask)
         return constrain(x + out, ("batch", "activation_seq", "activation_embed")), new_kv, stats
     chunked = kv is None and not flat
     x = x + (mlp_in_chunks(mlp, h, mlp_chunk) if chunked else mlp(h))
@@ -138,6 +138,7 @@ def layer_forward(
 
 def _moe_mlp(
     cfg: Architecture,
+    plan: ExecutionPlan,
     p: dict[str, Any],
     h: jax.Array,
     dt: Any,
@@ -146,7 +147,8 @@ def _moe_mlp(
 ) -> tuple[jax.Array, jax.Array | None]:
     """The routed-expert MLP on [B, S, D]: every token's top-k experts (models/moe.py), and with
     `router_mask` the router statistics (else None). With `lora_spec` naming expert projections,
-    their grouped LoRA deltas join each grouped matmul."""
+    their grouped LoRA deltas join each grouped matmul. The plan's `expert_axis` splits the experts'
+    compute over that mesh axis (expert parallelism)."""
     b, s, d = h.shape
     x = h.reshape(b * s, d)
     logits, top_w, top_i = moe.route(x, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
@@ -155,7 +157,8 @@ def _moe_mlp(
     # LoRA on the experts (when handed expert adapters) wraps the grouped matmul: models/lora.py.
     matmul = lora.expert_matmul(p.get("lora"), lora_spec, p.get("lora_key"))
     k = top_i.shape[-1]
-    out = moe.experts_per_shard(h, top_w.reshape(b, s, k), top_i.reshape(b, s, k), *weights, matmul=matmul)
+    top_w, top_i = top_w.reshape(b, s, k), top_i.reshape(b, s, k)
+    out = moe.experts_per_shard(h, top_w, top_i, *weights, matmul=matmul, expert_axis=plan.expert_axis)
     return out, stats
 
 

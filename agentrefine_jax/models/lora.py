@@ -178,11 +178,13 @@ def expert_matmul(layer_adapters: dict[str, Any] | None, spec: LoraSpec | None, 
     if not ours:
         return None
 
-    def matmul(xs: jax.Array, w: jax.Array, sizes: jax.Array, which: int) -> jax.Array:
+    def matmul(xs: jax.Array, w: jax.Array, sizes: jax.Array, which: int, first: Any = 0) -> jax.Array:
         y = moe.ragged_matmul(xs, w, sizes)
         ab = ours.get(which)
         if ab is None:
             return y
+        if ab["a"].shape[0] != w.shape[0]:  # expert parallelism: w holds experts first.. of the stack
+            ab = {n: jax.lax.dynamic_slice_in_dim(m, first, w.shape[0]) for n, m in ab.items()}
         name = params.EXPERT_NAMES[which]
         drop = None if key is None else jax.random.fold_in(key, spec.names.index(name))
         if drop is not None and spec.dropout > 0:  # as `delta`: dropout on the input
