@@ -14,6 +14,10 @@ test could otherwise hit only by chance. The points, in the order a save passes 
 and, for an evaluation (`<step>` = episodes this process has journaled):
 
   after_episode    an episode's journal line is written and fsync'd (eval/journal.py)
+
+and, for a GRPO run (`<step>` = the rollout phase):
+
+  after_rollouts   the phase's rollouts are journaled (rl/journal.py), its first update not yet run
 """
 
 from __future__ import annotations
@@ -23,7 +27,15 @@ import signal
 import time
 
 FAULT_ENV = "AGENTREFINE_FAULT"
-POINTS = ("before_save", "before_commit", "after_commit", "during_manifest", "during_export", "after_episode")
+POINTS = (
+    "before_save",
+    "before_commit",
+    "after_commit",
+    "during_manifest",
+    "during_export",
+    "after_episode",
+    "after_rollouts",
+)
 
 
 def spec() -> tuple[str, int | None, signal.Signals] | None:

@@ -82,6 +82,8 @@ def test_print_config_validates():
         ("plan", ["--config", "tiny", "--mesh", "bogus=2"], "unknown axis 'bogus'"),
         ("plan", ["--config", "tiny", "--devices", "0"], "--devices must be >= 1"),
         ("plan", ["--config", "tiny", "--mesh", "fsdp=1", "--mfu", "-1"], "--mfu must be in (0, 1]"),
+        ("rl", ["--config", "tiny", "--set", "rl.group_sizes=3"], "unknown key 'group_sizes'"),
+        ("rl", ["--config", "tiny", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         ("data", ["bogus"], "invalid choice: 'bogus'"),
         ("data", ["stats", "--input", "x.jsonl", "--overlength", "cut"], "invalid choice: 'cut'"),
         ("data", ["stats", "--input", MISSING, "--max-length", "0"], "data.max_length=0: must be >= 2"),

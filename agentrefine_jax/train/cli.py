@@ -132,6 +132,12 @@ def main(argv: list[str] | None = None) -> int:
         model_source.check(cfg)
     except ConfigError as e:
         return fail(TOOL, e)
+    from agentrefine_jax.train.run_dir import TrainingInputError, check_trains_on_data
+
+    try:
+        check_trains_on_data(cfg)  # an objective of the rl stage: say which command runs it
+    except TrainingInputError as e:
+        return fail(TOOL, e)
     if args.print_config:
         print(json_dumps(to_dict(cfg), indent=2))
         return 0

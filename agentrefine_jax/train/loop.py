@@ -7,6 +7,8 @@ the uninterrupted run step for step, on any number of processes.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -50,6 +52,7 @@ from agentrefine_jax.train.run_dir import (
     TrainingInputError,
     check_resume_config,
     check_schedule,
+    check_trains_on_data,
 )
 from agentrefine_jax.train.run_lock import RunLock
 from agentrefine_jax.train.step import StepFns, build_steps
@@ -155,6 +158,7 @@ def train(cfg: Config) -> dict[str, Any]:
         cfg = model_source.resolve(cfg)  # the train CLI did; callers of train() may not have
     except ConfigError as e:
         raise TrainingInputError(str(e)) from None
+    check_trains_on_data(cfg)
     paths = RunPaths(cfg.train.run_dir)
     with RunLock(paths.root, take=jax.process_index() == 0):
         return _train(cfg, paths)
@@ -162,52 +166,107 @@ def train(cfg: Config) -> dict[str, Any]:
 
 def _train(cfg: Config, paths: RunPaths) -> dict[str, Any]:
     tc = cfg.train
-    mesh = _mesh(cfg)
+    mesh = run_mesh(cfg)
     check_resume_config(paths, cfg)
     check_model(cfg)
     pipeline, batch_rows, total_steps = _train_pipeline(cfg, mesh)
+    run = start_run(cfg, paths, mesh, total_steps, pipeline.steps_per_epoch)
+    state = run.state
+    evaluate_hook = _evaluate_hook(cfg, run.fns, run.writer, batch_rows)
+    hooks = run.hooks(*([evaluate_hook] if evaluate_hook else []))
+    log.info(
+        f"training steps {state.start_step} -> {total_steps} ({pipeline.steps_per_epoch} steps/epoch, "
+        f"{tc.num_epochs} epochs, global batch {tc.global_batch_size} x {cfg.data.max_length} tokens)"
+    )
+    batches = (  # the data position is the global step
+        to_global(local, run.fns.batch_sharding, tc.global_batch_size)
+        for local in pipeline.iterator(state.start_step)
+    )
+    with run.closing():
+        run_steps(run.checkpointing.strategy.step, state, batches, [*hooks, run.preemption])
+        for h in hooks:
+            h.at_end(state)
+    log.info(f"done: step {state.step}, checkpoint {paths.checkpoints}/{state.step}")
+    run.export_at_end()
+    return {"step": state.step, "losses": run.metrics_log.losses, "run_dir": str(paths.root)}
+
+
+@dataclasses.dataclass
+class Run:
+    """A run's machinery around its step, set up once by `start_run` (the trainer's loop and the
+    GRPO loop, rl/loop.py, share it): the jitted steps and schedule, the checkpoints and the state
+    restored from them (or fresh), metrics.jsonl, the metrics log, checkpointing and preemption."""
+
+    cfg: Config
+    paths: RunPaths
+    mesh: jax.sharding.Mesh
+    fns: StepFns
+    schedule: Any
+    meta: CheckpointMeta
+    ckpts: TrainCheckpoints
+    state: RunState
+    writer: MetricsWriter
+    metrics_log: MetricsLog
+    checkpointing: Checkpointing
+    preemption: Preemption
+
+    def hooks(self, *extra: Hook) -> list[Hook]:
+        """The run's hooks in order: metrics log, `extra` (e.g. evaluation), checkpointing
+        (preemption is the loop's last hook, after these)."""
+        return [self.metrics_log, *extra, self.checkpointing]
+
+    @contextlib.contextmanager
+    def closing(self) -> Iterator[None]:
+        """The stepping block: afterwards (also on an error) metrics.jsonl is closed and every
+        background save finished."""
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self.writer.close(failing=not ok, storage_failed=self.ckpts.failed)
+            self.checkpointing.finish()
+
+    def export_at_end(self) -> None:
+        """`train.export_hf_at_end`, when set (SIGTERM interrupts it: Preempted)."""
+        if not self.cfg.train.export_hf_at_end:
+            return
+        fns, cfg, mesh, dtype = self.fns, self.cfg, self.mesh, self.meta.source_dtype
+        with self.preemption.interrupting():
+            ExportAtEnd(lambda p, s: export_final(fns, p, cfg, s, mesh, dtype)).at_end(self.state)
+
+
+def start_run(
+    cfg: Config, paths: RunPaths, mesh: jax.sharding.Mesh, total_steps: int, steps_per_epoch: int
+) -> Run:
+    """Build the steps for `total_steps`, resume from the newest intact checkpoint (or start
+    fresh), open metrics.jsonl at the resumed step and make the hooks every run has."""
+    tc = cfg.train
     fns, schedule = build_train_step(cfg, mesh, total_steps)
     try:
         resume_step = choose_resume_step(paths.checkpoints, paths.rejected)
     except CheckpointIntegrityError as e:
         raise TrainingError(str(e)) from None
-    meta = _run_meta(cfg, paths, fns.mode, resume_step, total_steps, pipeline.steps_per_epoch)
-    keep_every = pipeline.steps_per_epoch if tc.keep_epoch_checkpoints else 0
+    meta = run_meta(cfg, paths, fns.mode, resume_step, total_steps, steps_per_epoch)
+    keep_every = steps_per_epoch if tc.keep_epoch_checkpoints else 0
     ckpts = TrainCheckpoints(
         paths.checkpoints,
         keep=tc.keep_checkpoints,
         keep_every=keep_every,
         compression=tc.checkpoint_compression,
     )
-    state = _start_state(cfg, paths, fns, mesh, ckpts, resume_step, total_steps, meta)
+    state = start_state(cfg, paths, fns, mesh, ckpts, resume_step, total_steps, meta)
     writer = MetricsWriter(paths, state.start_step)
-    metrics_log, checkpointing, hooks = _hooks(cfg, fns, schedule, writer, ckpts, meta, state, batch_rows)
-    log.info(
-        f"training steps {state.start_step} -> {total_steps} ({pipeline.steps_per_epoch} steps/epoch, "
-        f"{tc.num_epochs} epochs, global batch {tc.global_batch_size} x {cfg.data.max_length} tokens)"
+    metrics_log, checkpointing = _hooks(cfg, fns, schedule, writer, ckpts, meta, state)
+    preemption = Preemption(checkpointing, str(paths.checkpoints))
+    return Run(
+        cfg, paths, mesh, fns, schedule, meta, ckpts, state, writer, metrics_log, checkpointing, preemption
     )
-    preempt = Preemption(checkpointing, str(paths.checkpoints))
-    batches = (  # the data position is the global step
-        to_global(local, fns.batch_sharding, tc.global_batch_size)
-        for local in pipeline.iterator(state.start_step)
-    )
-    ok = False
-    try:
-        run_steps(checkpointing.strategy.step, state, batches, [*hooks, preempt])
-        for h in hooks:
-            h.at_end(state)
-        ok = True
-    finally:
-        writer.close(failing=not ok, storage_failed=ckpts.failed)
-        checkpointing.finish()
-    log.info(f"done: step {state.step}, checkpoint {paths.checkpoints}/{state.step}")
-    if tc.export_hf_at_end:
-        with preempt.interrupting():
-            ExportAtEnd(lambda p, s: export_final(fns, p, cfg, s, mesh, meta.source_dtype)).at_end(state)
-    return {"step": state.step, "losses": metrics_log.losses, "run_dir": str(paths.root)}
 
 
-def _mesh(cfg: Config) -> jax.sharding.Mesh:
+def run_mesh(cfg: Config) -> jax.sharding.Mesh:
+    """The run's device mesh (`mesh.*`), its global batch checked against the processes and the
+    batch shards."""
     try:
         mesh = shd.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     except ValueError as e:  # mesh sizes that this host's devices cannot fill: the config's fault
@@ -253,7 +312,7 @@ def _train_pipeline(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[Any, Any, int
     return pipeline, batch_rows, total_steps
 
 
-def _run_meta(
+def run_meta(
     cfg: Config,
     paths: RunPaths,
     mode: ParamMode,
@@ -289,7 +348,7 @@ def _run_meta(
     return meta
 
 
-def _start_state(
+def start_state(
     cfg: Config,
     paths: RunPaths,
     fns: StepFns,
@@ -328,9 +387,8 @@ def _hooks(
     ckpts: TrainCheckpoints,
     meta: CheckpointMeta,
     state: RunState,
-    batch_rows: Any,
-) -> tuple[MetricsLog, Checkpointing, list[Hook]]:
-    """The run's hooks in order: metrics log, evaluation (when asked), checkpointing."""
+) -> tuple[MetricsLog, Checkpointing]:
+    """Every run's metrics log and checkpointing."""
     tc, seq_len = cfg.train, cfg.data.max_length
     metrics_log = MetricsLog(
         writer,
@@ -354,26 +412,28 @@ def _hooks(
         # chosen once, from what a save hands over: spare buffers for big states on CPU
         strategy=save_strategy.choose(fns, (fns.trainable(state.params), state.opt_state)),
     )
-    hooks: list[Hook] = [metrics_log]
-    if tc.eval_every and (cfg.data.eval_files or cfg.data.eval_fraction > 0):
-        from agentrefine_jax.data.pipeline import NoPairsError, make_pipeline
+    return metrics_log, checkpointing
 
-        try:
-            eval_pipeline = make_pipeline(
-                cfg.data,
-                split="eval",
-                global_batch_size=tc.global_batch_size,
-                num_epochs=1,
-                batch_rows=batch_rows,
-                objective=tc.objective,
-            )
-        except NoPairsError as e:
-            raise TrainingInputError(f"evaluation: {e}") from None
-        hooks.append(
-            Evaluate(tc.eval_every, lambda p: evaluate(fns, p, eval_pipeline, tc.global_batch_size), writer)
+
+def _evaluate_hook(cfg: Config, fns: StepFns, writer: MetricsWriter, batch_rows: Any) -> Evaluate | None:
+    """Held-out loss every `train.eval_every` steps, when asked and there is held-out data."""
+    tc = cfg.train
+    if not (tc.eval_every and (cfg.data.eval_files or cfg.data.eval_fraction > 0)):
+        return None
+    from agentrefine_jax.data.pipeline import NoPairsError, make_pipeline
+
+    try:
+        eval_pipeline = make_pipeline(
+            cfg.data,
+            split="eval",
+            global_batch_size=tc.global_batch_size,
+            num_epochs=1,
+            batch_rows=batch_rows,
+            objective=tc.objective,
         )
-    hooks.append(checkpointing)
-    return metrics_log, checkpointing, hooks
+    except NoPairsError as e:
+        raise TrainingInputError(f"evaluation: {e}") from None
+    return Evaluate(tc.eval_every, lambda p: evaluate(fns, p, eval_pipeline, tc.global_batch_size), writer)
 
 
 def export_final(

@@ -11,6 +11,7 @@ import logging
 
 from etils import epath
 
+from agentrefine_jax import objective_table
 from agentrefine_jax.checkpoint import RUN_CHECKPOINTS_SUBDIR, CheckpointMeta
 from agentrefine_jax.config import Config, to_dict
 from agentrefine_jax.outputs import json_dumps
@@ -38,6 +39,22 @@ class TrainingError(RuntimeError):
 class TrainingInputError(TrainingError):
     """Bad input found after the config loaded (e.g. an unusable `train.init_from_hf` directory):
     exit 2, as a bad config value."""
+
+
+# The command that runs an objective learning from the model's own rollouts (train sits below rl in
+# the import layers: named here, never imported).
+RL_COMMAND = "python -m agentrefine_jax.rl"
+
+
+def check_trains_on_data(cfg: Config) -> None:
+    """The trainer's objectives train on data (SFT examples, preference pairs); one whose table
+    entry trains on rollouts learns from the model's own episodes and runs in the rl stage."""
+    spec = objective_table.get(cfg.train.objective)
+    if spec.rollouts:
+        raise TrainingInputError(
+            f"train.objective={spec.name} learns from the model's own rollouts, not from training data: "
+            f"run it with `{RL_COMMAND} --config ...` (docs/rl.md)"
+        )
 
 
 @dataclasses.dataclass

@@ -1,0 +1,206 @@
+"""The GRPO loop (rl/loop.py) through its command, on the tiny model playing real demo_world worlds.
+
+* a 2-phase run (2 optimizer steps per phase, a checkpoint after every step) SIGKILLed inside
+  phase 1, after its first update's checkpoint commits, resumes there on the phase's journaled
+  episodes and ends equal to the uninterrupted run: every metrics.jsonl row (timings aside) and
+  the final parameters and optimizer state, bit for bit;
+* the journal round-trips a phase exactly and refuses one made under other rl settings;
+* bad settings are one line and exit 2: phases that do not divide, an objective of the other
+  command (both ways: the train command names the rl command), a resume under changed rl settings.
+
+With a random tiny model every episode fails, so the group advantages are all zero: the updates
+move the parameters only through AdamW's weight decay (set here), while the resumed run's rows —
+the step's loss terms, entropy and the rollout-vs-trainer log-probability gap, the episodes'
+tokens and lengths — can match only if it trained on exactly the journaled episodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from test_train_loop import REPO, _env, _finish
+
+from agentrefine_jax import objective_table
+from agentrefine_jax.config import load_config
+from agentrefine_jax.rl.batch import Rollout
+from agentrefine_jax.rl.journal import JournalError, Phase, RolloutJournal, keep_phases
+from agentrefine_jax.train.run_dir import RunPaths, TrainingInputError
+
+# The objective that learns from rollouts (objective names live in the table).
+ROLLOUTS = next(o.name for o in objective_table.TABLE if o.rollouts)
+SETTINGS = [
+    *("--set", f"train.objective={ROLLOUTS}"),
+    *("--set", "train.max_steps=4"),  # 2 phases x 2 updates
+    *("--set", "train.checkpoint_every=1"),
+    *("--set", "train.export_hf_at_end=none"),
+    *("--set", "optim.weight_decay=0.1"),
+    *("--set", "data.max_length=512"),  # an episode: ~330 tokens
+    *("--set", "rl.worlds_per_phase=2"),
+    *("--set", "rl.group_size=2"),
+    *("--set", "rl.max_turns=2"),
+    *("--set", "rl.max_new_tokens=8"),
+    *("--set", "rl.updates_per_phase=2"),
+]
+TIMINGS = {"tokens_per_sec", "mfu", "rollout_seconds", "rollout_tokens_per_sec", "train_tokens_per_sec"}
+TIMEOUT = 300
+
+
+def _rl(run_dir: pathlib.Path, fault: str | None = None) -> tuple[int, str]:
+    cmd = [sys.executable, "-m", "agentrefine_jax.rl", "--config", "tiny", *SETTINGS]
+    env = _env(run_dir)
+    if fault:
+        env["AGENTREFINE_FAULT"] = fault
+    proc = subprocess.Popen(
+        [*cmd, "--set", f"train.run_dir={run_dir}"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return _finish(proc, timeout=TIMEOUT)
+
+
+def _rows(run_dir: pathlib.Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(x).items() if k not in TIMINGS} for x in lines]
+
+
+def _state(run_dir: pathlib.Path, step: int) -> dict:
+    ckpt = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    return {i: ckpt.restore(run_dir / "checkpoints" / str(step) / i) for i in ("params", "opt_state")}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> pathlib.Path:
+    run_dir = tmp_path_factory.mktemp("rl") / "reference"
+    code, out = _rl(run_dir)
+    assert code == 0, out
+    assert "Traceback" not in out, out
+    return run_dir
+
+
+def test_uninterrupted_run_logs_steps_and_phases(reference):
+    rows = [json.loads(x) for x in (reference / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "phase" not in r]
+    phases = [r for r in rows if "phase" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert [(r["step"], r["phase"]) for r in phases] == [(2, 0), (4, 1)]
+    for r in phases:
+        assert r["episodes"] == 4 and r["sampled_tokens"] > 0 and r["rollout_tokens_per_sec"] > 0
+        assert 0 <= r["success_rate"] <= 1 and r["train_tokens_per_sec"] > 0
+    assert all(r["loss_tokens"] > 0 for r in steps)
+    # The checkpoints kept (train.keep_checkpoints=3: steps 2, 3, 4) resume into phases 1 and 2:
+    # phase 0's journal is gone, phase 1's kept.
+    assert sorted(p.name for p in (reference / "checkpoints").iterdir()) == ["2", "3", "4"]
+    assert sorted(p.name for p in (reference / "rollouts").iterdir()) == ["phase_000001.jsonl"]
+
+
+def test_sigkill_inside_a_phase_resumes_to_the_uninterrupted_run(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    # 1. Killed inside phase 1, once its first update's checkpoint (step 3) has committed.
+    code, out = _rl(run_dir, "after_commit@3:KILL")
+    assert code == -9, out
+    journal = run_dir / "rollouts" / "phase_000001.jsonl"
+    written = journal.stat()
+    # 2. Resumes at step 3, inside phase 1: its journaled episodes, its second mini-batch only.
+    code, out = _rl(run_dir)
+    assert code == 0, out
+    assert f"resumed from {run_dir / 'checkpoints'}/3" in out, out
+    assert f"phase 1: 4 episodes read back from {journal}" in out, out
+    kept = journal.stat()  # read, never played again (a new journal is a new file)
+    assert (kept.st_ino, kept.st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
+    assert "Traceback" not in out, out
+    assert _rows(run_dir) == _rows(reference)
+    got, want = _state(run_dir, 4), _state(reference, 4)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def _rollout(world: int, sample: int, lp: float) -> Rollout:
+    return Rollout(
+        world, sample, (5, 6, 7), (False, True, True), (0.0, lp, np.float32(-0.1)), (0.0,), False, 0.5, 1
+    )
+
+
+def test_journal_round_trips_a_phase_and_refuses_other_settings(tmp_path):
+    cfg = load_config("tiny")
+    journal = RolloutJournal(tmp_path, cfg.rl)
+    played = Phase([_rollout(3, 0, -1 / 3), _rollout(3, 1, -2.5e-7)], 12.5)
+    journal.write(2, played)
+    back = journal.read(2)
+    assert back is not None and back.seconds == 12.5
+    assert back.rollouts == [
+        dataclasses.replace(r, logprobs=tuple(map(float, r.logprobs))) for r in played.rollouts
+    ]
+    assert journal.read(1) is None and not list(tmp_path.joinpath("rollouts").glob("*tmp*"))
+    other = RolloutJournal(tmp_path, dataclasses.replace(cfg.rl, group_size=8))
+    with pytest.raises(JournalError, match=r"other rl settings \(group_size\)"):
+        other.read(2)
+    journal.write(5, played)
+    journal.prune(keep_phases([9, 10], updates_per_phase=2, current=5))  # phases 4 and 5
+    assert journal.phases() == [5]
+
+
+def _main(module: str, capsys, *args: str) -> tuple[int, str]:
+    code = importlib.import_module(module).main(list(args))
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["train.max_steps=5"], "train.max_steps=5 is not a whole number of phases"),
+        (["rl.worlds_per_phase=3", "rl.group_size=3"], "do not split into rl.updates_per_phase=2"),
+        (["train.micro_batch_size=3", "rl.worlds_per_phase=3", "rl.group_size=2"], "micro_batch_size=3"),
+        (["rl.group_size=1"], "rl.group_size"),
+        (["rl.clip_low=1.5"], "rl.clip_low"),
+        (["rl.task=nosuchtask"], "unknown task 'nosuchtask'"),
+        (["rl.task=sciworld"], "has no training split"),
+        (["rl.seed=999998"], "demo_world training worlds are seeds 0..999999"),  # the last phase leaves them
+    ],
+)
+def test_bad_rl_settings_are_one_line_exit_2(capsys, tmp_path, extra, says):
+    args = ["--config", "tiny", *SETTINGS, "--set", f"train.run_dir={tmp_path}", "--print-config"]
+    code, err = _main("agentrefine_jax.rl.cli", capsys, *args, *[x for e in extra for x in ("--set", e)])
+    assert code == 2 and says in err and len(err.splitlines()) == 1, err
+
+
+def test_rl_prints_the_derived_batch_and_refuses_a_data_objective(capsys, tmp_path):
+    args = ["--config", "tiny", *SETTINGS, "--set", f"train.run_dir={tmp_path}"]
+    code = importlib.import_module("agentrefine_jax.rl.cli").main([*args, "--print-config"])
+    printed = json.loads(capsys.readouterr().out)
+    assert code == 0 and printed["train"]["global_batch_size"] == 2  # 2 worlds x 2 episodes / 2 updates
+    code, err = _main(
+        "agentrefine_jax.rl.cli", capsys, *args, "--set", f"train.objective={objective_table.DEFAULT}"
+    )
+    assert code == 2 and "python -m agentrefine_jax.train" in err and len(err.splitlines()) == 1, err
+
+
+def test_train_command_refuses_a_rollout_objective_naming_the_rl_command(capsys, tmp_path):
+    args = ["--config", "tiny", "--set", f"train.objective={ROLLOUTS}", "--set", f"train.run_dir={tmp_path}"]
+    code, err = _main("agentrefine_jax.train.cli", capsys, *args)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"train.objective={ROLLOUTS}" in err and "python -m agentrefine_jax.rl" in err, err
+
+
+def test_resume_under_changed_rl_settings_is_refused(tmp_path):
+    from agentrefine_jax.rl.loop import check_rl_resume
+
+    cfg = load_config("tiny")
+    paths = RunPaths(tmp_path)
+    paths.write_config(cfg)
+    check_rl_resume(paths, cfg)  # the same settings: fine
+    changed = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, clip_high=0.4, seed=3))
+    with pytest.raises(TrainingInputError, match=r"rl\.clip_high, rl\.seed changed"):
+        check_rl_resume(paths, changed)
