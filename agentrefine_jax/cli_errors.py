@@ -64,6 +64,17 @@ def run_main(tool: str, module: str) -> int:
         return write_failed(tool, f"{e.strerror}{f': {e.filename}' if e.filename else ''}")
 
 
+def exit_with(code: int) -> None:
+    """A training tool's exit: a failed run leaves at once. After a failed asynchronous checkpoint
+    save Orbax leaves non-daemon threads waiting out their timeout (minutes); the error is already
+    reported, so do not wait for them."""
+    if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def write_failed(tool: str, message: object) -> int:
     """An output could not be written after the work: one line (what, why, where it was kept), exit 1."""
     text = " ".join(str(message).split())

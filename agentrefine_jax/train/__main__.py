@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 from agentrefine_jax import host_memory
-from agentrefine_jax.cli_errors import fail, run_main
+from agentrefine_jax.cli_errors import exit_with, fail, run_main
 
 
 def entry() -> None:
@@ -15,14 +14,7 @@ def entry() -> None:
         host_memory.relaunch_with_huge_pages()  # AGENTREFINE_HUGE_PAGES=1 on a CPU host: once, first
     except ValueError as e:
         sys.exit(fail("train", e))
-    code = run_main("train", "agentrefine_jax.train.cli")
-    if code:
-        # After a failed asynchronous checkpoint save Orbax leaves non-daemon threads waiting out
-        # their timeout (minutes); the error is already reported, so do not wait for them.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    exit_with(run_main("train", "agentrefine_jax.train.cli"))
 
 
 if __name__ == "__main__":
