@@ -168,11 +168,11 @@ class RolloutProtocol(ChatProtocol):
 
     @staticmethod
     def dump(result: Played) -> Any:  # type: ignore[override]
-        raise NotImplementedError("rollouts are regenerated, not journalled (module docstring)")
+        raise NotImplementedError("no per-episode journal: a phase is journalled whole (rl/journal.py)")
 
     @staticmethod
     def load(job: EpisodeJob, record: Any) -> Played:  # type: ignore[override]
-        raise NotImplementedError("rollouts are regenerated, not journalled (module docstring)")
+        raise NotImplementedError("no per-episode journal: a phase is journalled whole (rl/journal.py)")
 
 
 def build_template(cfg: Config) -> Any:
