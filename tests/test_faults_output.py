@@ -343,7 +343,21 @@ def _assert_interrupted(code: int, stderr: str, tool: str) -> None:
 
 def test_ctrl_c_during_eval_exits_130_with_one_line(tmp_path):
     out = tmp_path / "r.json"
-    cmd = _cmd("eval", "--policy", "oracle", "--tasks", "babyai", "--episodes", "200", "--out", str(out))
+    # Long enough that Ctrl-C lands mid-run on a fast machine: 200 oracle episodes finished within the
+    # half second before the signal on CI (stop 47); 4,000 random samples take over a minute here.
+    cmd = _cmd(
+        "eval",
+        "--policy",
+        "random",
+        "--tasks",
+        "babyai",
+        "--episodes",
+        "200",
+        "--best-of",
+        "20",
+        "--out",
+        str(out),
+    )
     code, stderr = _interrupt_after(cmd, "original episode 0", tmp_path)
     _assert_interrupted(code, stderr, "eval")
     # No results file, no temporary file; only the journal of the finished episodes, kept so that the

@@ -321,7 +321,7 @@ class PhaseLog(Hook):
     def wants(self, step: int) -> bool:
         return step % self.ph.updates == 0
 
-    def on_metrics(self, step: int, m: Any) -> None:
+    def on_metrics(self, step: int, m: Any, done_at: float) -> None:
         self.tokens += m["tokens"]
 
     def after_step(self, state: RunState) -> None:

@@ -1,8 +1,9 @@
 """Everything a training run does besides stepping, one small hook each.
 
 The loop (`train/loop.py`) calls, per step:
-  `on_metrics(step, m)` with step k's metrics as host floats, one step late (nanodo's trick:
-      the host reads step k while the device runs step k+1, so it never stalls the device);
+  `on_metrics(step, m, done_at)` with step k's metrics as host floats, one step late (nanodo's
+      trick: the host reads step k while the device runs step k+1, so it never stalls the device),
+      and when the host first saw step k finished (`time.perf_counter()`; `run_steps` says how);
   `after_step(state)` with the newest params (checkpointing, evaluation). A hook that needs
       step k's metrics to be checked first says so with `wants(k)`, and the loop reads them
       before calling it: no checkpoint is written for a step whose loss was never looked at;
@@ -45,7 +46,7 @@ class Hook:
     def wants(self, step: int) -> bool:
         return False
 
-    def on_metrics(self, step: int, m: Mapping[str, float]) -> None:
+    def on_metrics(self, step: int, m: Mapping[str, float], done_at: float) -> None:
         pass
 
     def after_step(self, state: RunState) -> None:
@@ -92,7 +93,7 @@ class MetricsLog(Hook):
         self.t_start = self.t_last = time.perf_counter()
         self.tokens_since, self.steps_since = 0.0, 0
 
-    def on_metrics(self, step: int, m: Mapping[str, float]) -> None:
+    def on_metrics(self, step: int, m: Mapping[str, float], done_at: float) -> None:
         self.steps_since += 1
         try:
             check_step(m, step)
@@ -103,7 +104,7 @@ class MetricsLog(Hook):
         self.tokens_since += m["tokens"]
         if step % self.log_every and step != self.total_steps:
             return
-        now = time.perf_counter()
+        now = done_at  # not the time of this call: see run_steps
         dt = max(now - self.t_last, 1e-9)
         tps = self.tokens_since / dt
         mfu = (

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -123,27 +124,39 @@ def run_steps(
     hooks: Sequence[Hook],
 ) -> None:
     """Step until `state.total_steps` (or the data ends); metrics are read one step late, and
-    before any hook that `wants` the step (a save, an evaluation, a preemption) acts on it."""
-    pending: tuple[int, Any] | None = None
+    before any hook that `wants` the step (a save, an evaluation, a preemption) acts on it.
+
+    Each step's `done_at` is the first moment the host saw it finished: right after its dispatch
+    returned when it was already done (XLA:CPU may run a step inside the call), or when its metrics
+    were read. Timing the hooks' call instead would charge one step's time to its neighbour whenever
+    two steps are read back to back (a save or an evaluation wants the newest), so a throughput or
+    MFU row could read near zero and the next one impossibly high."""
+    pending: tuple[int, Any, float | None] | None = None
+
+    def ready_at(metrics: Any) -> float | None:
+        return time.perf_counter() if all(x.is_ready() for x in jax.tree.leaves(metrics)) else None
 
     def read_pending() -> None:
         nonlocal pending
         if pending is not None:
-            done, metrics = pending
+            done, metrics, done_at = pending
             pending = None
             m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            done_at = done_at if done_at is not None else time.perf_counter()
             for h in hooks:
-                h.on_metrics(done, m)
+                h.on_metrics(done, m, done_at)
 
     while state.step < state.total_steps:
         try:
             batch = next(batches)
         except StopIteration:
             break
+        if pending is not None and pending[2] is None:
+            pending = (*pending[:2], ready_at(pending[1]))
         state.params, state.opt_state, metrics = step(state.params, state.opt_state, batch)
         state.step += 1
         read_pending()  # step k-1: the device is already busy with step k
-        pending = (state.step, metrics)
+        pending = (state.step, metrics, ready_at(metrics))
         if any([h.wants(state.step) for h in hooks]):  # every hook is asked (no short circuit)
             read_pending()
         for h in hooks:
