@@ -36,15 +36,18 @@ for _var, _sub in (
     os.environ[_var] = os.path.join(_SANDBOX, _sub)
     os.makedirs(os.environ[_var], exist_ok=True)
 tempfile.tempdir = None  # re-read $TMPDIR: something may have asked before this file ran
-# XLA's persistent compilation cache, one per xdist worker inside the sandbox, inherited by every
+# XLA's persistent compilation cache, one for the whole run inside the sandbox, inherited by every
 # subprocess a test starts: the suite compiles the same tiny-model programs many times over (each
-# trainer run and its resume, each server, each test building its own step), and a hit skips
-# XLA's compile (~10% of the suite's CPU time). Per worker, because jax writes an entry in place
-# (not by rename): a worker never reads an entry the other is half-way through writing.
-os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR",
-    os.path.join(_SANDBOX, "xla-cache-" + os.environ.get("PYTEST_XDIST_WORKER", "main")),
-)
+# trainer run and its resume, each server, each test building its own step), and a hit skips XLA's
+# compile. jax writes an entry in place (not by rename); with a size limit set it reads and writes
+# entries under a file lock (jax/_src/lru_cache.py), so no process — another xdist worker, the
+# second process of a multi-host test — reads an entry half-written. Every program is cached, not
+# only those over jax's default 1 s of compile time: a tiny trainer run compiles ~30 small programs
+# (init, the loss's pieces, checkpoint hashing, export) that each missed by that rule; cached too, a
+# repeated run of the tiny trainer measured 23 s instead of 31 s.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_SANDBOX, "xla-cache"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # A suite started in the background of a non-interactive shell (`cmd &`, nohup) inherits SIGINT
 # ignored, and an ignored signal stays ignored across exec: the Ctrl-C tests' child processes
 # would never see their SIGINT. Restore Python's handler so children start with the default.

@@ -22,7 +22,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -45,10 +44,7 @@ class Served:
 
     def __init__(self, checkpoint: pathlib.Path, tmp: pathlib.Path, *extra: str):
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "AGENTREFINE_SERVE_API_KEY")}
-        # Each process compiles the same programs: share XLA's persistent cache between them.
-        env["JAX_COMPILATION_CACHE_DIR"] = str(
-            pathlib.Path(tempfile.gettempdir()) / "agentrefine-jax-test-cache"
-        )
+        # Each process compiles the same programs: conftest's XLA cache, inherited, shares them.
         self.stderr_path = tmp / f"serve-{time.monotonic_ns()}.stderr"
         cmd = [sys.executable, "-m", "agentrefine_jax.inference", "serve", "--checkpoint", str(checkpoint)]
         with open(self.stderr_path, "w") as err:

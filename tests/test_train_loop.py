@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -45,8 +44,7 @@ FAST = [
 def _env(tmp: pathlib.Path) -> dict[str, str]:
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    # Every run compiles the same step: share XLA's persistent cache between them.
-    env["JAX_COMPILATION_CACHE_DIR"] = str(pathlib.Path(tempfile.gettempdir()) / "agentrefine-jax-test-cache")
+    # XLA's persistent cache: conftest's, inherited (every run compiles the same step).
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
