@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from agentrefine_jax.eval import progress
 from agentrefine_jax.eval.journal import Resume
-from agentrefine_jax.eval.policies import Reply, forget
+from agentrefine_jax.eval.policies import Reply, SamplingParams, forget
 
 if TYPE_CHECKING:
     from agentrefine_jax.eval.journal import Journal
@@ -53,6 +54,33 @@ class Env(Protocol):
     def valid_actions(self) -> list[str]: ...
 
     def close(self) -> None: ...
+
+
+@dataclasses.dataclass
+class EpisodeJob:
+    """One episode-sample to run, from either source: which task and episode, under which perturbation
+    variant (0: the original) and Best-of-N sample, with its step limit and seed. `spec` is what the task
+    builds the episode from (a built-in task's dict; AgentBoard's `EpisodeSpec`)."""
+
+    # Registered task name (reported in results; plug-ins may reuse a built-in EvalTask class).
+    name: str
+    task: Any
+    spec: Any
+    episode: int
+    perturbation: int
+    sample: int
+    max_steps: int
+    seed: int
+    # agentrefine_jax.layout style of the prompts: "chat" (multi-turn) or "agentboard" (one user message);
+    # the chat protocol's (AgentBoard's episodes are always in AgentBoard's own prompt).
+    prompt_style: str = "chat"
+    # None: the actor's own sampling settings (the greedy run beside Best-of-N overrides them).
+    sampling: SamplingParams | None = None
+
+
+def job_seed(seed: int, task: str, perturbation: int, episode: int, sample: int) -> int:
+    digest = hashlib.sha256(f"{seed}|{task}|{perturbation}|{episode}|{sample}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 class Running(Protocol):

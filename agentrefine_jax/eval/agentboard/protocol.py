@@ -19,12 +19,11 @@ import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
-from agentrefine_jax.eval import core
+from agentrefine_jax.eval import perturb
 from agentrefine_jax.eval.agentboard.checkout import CLONE, Checkout, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
 from agentrefine_jax.eval.config import AGENTBOARD_MAX_STEPS as DEFAULT_MAX_STEPS  # CFG run.max_num_steps
-from agentrefine_jax.eval.core import Env, StepResult
-from agentrefine_jax.eval.journal import Journal
+from agentrefine_jax.eval.core import Env, EpisodeJob, StepResult
 from agentrefine_jax.eval.policies import (
     RandomPolicy,  # noqa: F401 - the one random policy, re-exported
     Reply,
@@ -235,17 +234,14 @@ class Episode:
     """One running AgentBoard episode: env, memory and log. Drives the loop one step at a time so a model
     backend can answer many episodes in one batched call."""
 
-    def __init__(self, spec: EpisodeSpec, env: Env, task: Any, max_steps: int):
-        self.spec, self.env, self.task, self.max_steps = spec, env, task, max_steps
-        self.log = EpisodeLog(spec)
+    def __init__(self, job: EpisodeJob, env: Env):
+        self.job, self.env = job, env
+        self.spec, self.task, self.max_steps = job.spec, job.task, job.max_steps
+        self.log = EpisodeLog(job.spec, sample=job.sample)
         self.memory: list[tuple[str, str]] = []
         self.finished = False
         self.prompt_set: PromptSet | None = None
         self.policy: Solver | None = None  # a privileged policy's solver for this episode
-
-    @property
-    def job(self) -> EpisodeSpec:
-        return self.spec
 
     def start(self) -> None:
         obs = self.env.reset()
@@ -331,43 +327,57 @@ def budget_fits(model: ModelBackend, system: str) -> Callable[[str], bool]:
     return lambda user: model.num_tokens(system, user) <= budget
 
 
+def episode_jobs(
+    task: Any,
+    specs: Sequence[EpisodeSpec],
+    max_steps: int = DEFAULT_MAX_STEPS,
+    *,
+    perturbation: int = 0,
+    sample: int = 0,
+) -> list[EpisodeJob]:
+    """The jobs of AgentBoard's episodes `specs` of `task`, in order, under reworded-action variant
+    `perturbation` (0: the original) as Best-of-N sample `sample`. Their seed is unused: a privileged
+    policy's comes from its `Agent`, a model backend draws its own."""
+    return [EpisodeJob(task.name, task, s, s.index, perturbation, sample, max_steps, seed=0) for s in specs]
+
+
+def reworded(prompt: PromptSet, perturbation: int) -> PromptSet:
+    """The prompt set of reworded-action variant `perturbation` (Table 3): instruction and examples speak
+    the variant's action words."""
+    rw = perturb.rewording(perturbation)
+    instruction, examples = perturb.reword_prompt(rw, prompt.instruction, prompt.examples)
+    return PromptSet(instruction, examples, prompt.system_msg)
+
+
 class AgentBoardProtocol:
     """AgentBoard's loop for `core.run_episodes`: its prompt (fitted to the budget), its parser on
-    every reply, its end reasons. A privileged policy answers one episode at a time from the env."""
+    every reply, its end reasons. A privileged policy answers one episode at a time from the env. A job's
+    perturbation k > 0 runs the episode under reworded-action variant k: the env reads the variant's
+    actions and the prompt speaks them."""
 
     source = "agentboard"
 
-    def __init__(
-        self,
-        task: Any,
-        checkout: Checkout,
-        agent: Agent,
-        max_steps: int,
-        batch_size: int,
-        wrap_env: Callable[[Any], Any] | None,
-        reword_prompt: Callable[[PromptSet], PromptSet] | None,
-    ):
-        self.task, self.checkout, self.agent, self.max_steps = task, checkout, agent, max_steps
-        self.wrap_env, self.reword_prompt = wrap_env, reword_prompt
+    def __init__(self, task: Any, checkout: Checkout, agent: Agent, batch_size: int = 1):
+        self.task, self.checkout, self.agent = task, checkout, agent
         self.actor = agent.model
         width = max(1, batch_size if agent.model is not None else 1)
         self.width = min(width, getattr(task, "max_in_flight", width))  # e.g. one JVM per SciWorld episode
 
     @staticmethod
-    def key(spec: EpisodeSpec) -> tuple[str, int, int]:
-        return (spec.task, spec.index, int(spec.info.get("sample", 0)))
+    def key(job: EpisodeJob) -> tuple[str, int, int]:
+        return (job.spec.task, job.episode, job.sample)
 
-    def start(self, spec: EpisodeSpec) -> Episode:
-        task, agent = self.task, self.agent
+    def start(self, job: EpisodeJob) -> Episode:
+        task, agent, spec = self.task, self.agent, job.spec
         env = task.make_env(self.checkout, spec)
-        if self.wrap_env is not None:
-            env = self.wrap_env(env)
-        ep = Episode(spec, env, task, self.max_steps)
+        if job.perturbation:
+            env = perturb.RewordedEnv(env, perturb.rewording(job.perturbation))
+        ep = Episode(job, env)
         try:
             if agent.model is not None:
                 ep.prompt_set = load_prompt_set(self.checkout, task.prompt_file, task.examples_key(spec))
-                if self.reword_prompt is not None:
-                    ep.prompt_set = self.reword_prompt(ep.prompt_set)
+                if job.perturbation:
+                    ep.prompt_set = reworded(ep.prompt_set, job.perturbation)
             ep.start()
         except CheckoutError:
             env.close()
@@ -396,7 +406,7 @@ class AgentBoardProtocol:
             ep.log.last_prompt = user
             batch.append((system, user))
         live = [k for k, ep in enumerate(active) if not ep.finished]
-        keys = [self.key(active[k].spec) for k in live]
+        keys = [self.key(active[k].job) for k in live]
         replies = model.generate([batch[k] for k in live], keys) if live else []
         return [
             (active[k], reply if isinstance(reply, Exception) else as_reply(reply))
@@ -420,9 +430,9 @@ class AgentBoardProtocol:
         return dataclasses.asdict(log) | {"spec": None}
 
     @staticmethod
-    def load(spec: EpisodeSpec, record: dict[str, Any]) -> EpisodeLog:
+    def load(job: EpisodeJob, record: dict[str, Any]) -> EpisodeLog:
         scores = [(int(s), float(p)) for s, p in record["score_change_record"]]
-        return EpisodeLog(**(record | {"spec": spec, "score_change_record": scores}))
+        return EpisodeLog(**(record | {"spec": job.spec, "score_change_record": scores}))
 
 
 def _act(ep: Episode) -> Reply | Exception:
@@ -433,31 +443,6 @@ def _act(ep: Episode) -> Reply | Exception:
         return Reply(ep.policy.next_action(ep.env, ep.history()))
     except Exception as e:  # noqa: BLE001
         return e
-
-
-def run_episodes(
-    task: Any,
-    checkout: Checkout,
-    specs: Sequence[EpisodeSpec],
-    agent: Agent,
-    *,
-    max_steps: int = DEFAULT_MAX_STEPS,
-    batch_size: int = 1,
-    on_done: Callable[[EpisodeLog], None] | None = None,
-    wrap_env: Callable[[Any], Any] | None = None,
-    reword_prompt: Callable[[PromptSet], PromptSet] | None = None,
-    journal: Journal | None = None,
-    phase: Sequence[Any] = ("main",),
-) -> list[EpisodeLog]:
-    """Run every episode of `specs` under AgentBoard's loop (the one engine, `core.run_episodes`);
-    results in `specs` order.
-
-    With a model backend, up to `batch_size` episodes are in flight and each step is one batched call. Prompts
-    (and therefore the prompt file) are only built for a model; a privileged policy sees the env and history.
-    `wrap_env` and `reword_prompt` apply a perturbation (reworded actions) to every episode's env and prompt.
-    """
-    protocol = AgentBoardProtocol(task, checkout, agent, max_steps, batch_size, wrap_env, reword_prompt)
-    return core.run_episodes(specs, protocol, on_done=on_done, journal=journal, phase=phase)
 
 
 def _step(ep: Episode, action: str, reply: str) -> None:

@@ -19,12 +19,14 @@ from agentrefine_jax.eval.agentboard.checkout import Checkout
 from agentrefine_jax.eval.agentboard.protocol import (
     MAX_NEW_TOKENS,
     Agent,
+    AgentBoardProtocol,
     EpisodeLog,
     ModelBackend,
-    run_episodes,
+    episode_jobs,
     vllm_system_suffix,
 )
 from agentrefine_jax.eval.config import EvalConfig
+from agentrefine_jax.eval.core import run_episodes
 from agentrefine_jax.eval.journal import Journal
 from agentrefine_jax.eval.metrics import agentboard_task_metrics as task_metrics
 from agentrefine_jax.eval.metrics import best_of_metrics, episode_record
@@ -311,11 +313,19 @@ def run(
 
 
 def _episodes(
-    task: Any, checkout: Checkout, specs: Sequence[Any], agent: Agent, config: EvalConfig, **kw: Any
+    task: Any,
+    checkout: Checkout,
+    specs: Sequence[Any],
+    agent: Agent,
+    config: EvalConfig,
+    *,
+    perturbation: int = 0,
+    sample: int = 0,
+    **kw: Any,
 ) -> list[EpisodeLog]:
-    return run_episodes(
-        task, checkout, specs, agent, max_steps=config.max_steps, batch_size=config.batch_size, **kw
-    )
+    assert config.max_steps is not None  # validate() resolved AgentBoard's default
+    jobs = episode_jobs(task, specs, config.max_steps, perturbation=perturbation, sample=sample)
+    return run_episodes(jobs, AgentBoardProtocol(task, checkout, agent, config.batch_size), **kw)
 
 
 # ----------------------------------------------------------------------------------------- Best-of-N
@@ -355,16 +365,18 @@ def _samples(
         out = [dataclasses.replace(x, sample=k) for k in range(n) for x in greedy]
     elif model is not None:
         sampled = model.sampled(float(config.temperature or 0.0), config.top_p, config.seed)
-        jobs = [dataclasses.replace(s, info={**s.info, "sample": k}) for k in range(n) for s in specs]
+        steps = config.max_steps
+        assert steps is not None  # validate() resolved AgentBoard's default
+        jobs = [j for k in range(n) for j in episode_jobs(task, specs, steps, sample=k)]
         agent = Agent(model=sampled, system_suffix=suffix)
-        logs = _episodes(task, checkout, jobs, agent, config, phase=phase, **jr)
-        out = [dataclasses.replace(x, sample=j // len(specs)) for j, x in enumerate(logs)]
+        out = run_episodes(
+            jobs, AgentBoardProtocol(task, checkout, agent, config.batch_size), phase=phase, **jr
+        )
     else:
         out = []
         for k in range(n):
             agent = _agent(None, policy, config.seed, suffix, sample=k)
-            logs = _episodes(task, checkout, specs, agent, config, phase=[*phase, k], **jr)
-            out += [dataclasses.replace(x, sample=k) for x in logs]
+            out += _episodes(task, checkout, specs, agent, config, sample=k, phase=[*phase, k], **jr)
     return out
 
 
@@ -389,30 +401,11 @@ def _perturbed(
     journal: Journal | None,
 ) -> list[tuple[int, list[EpisodeLog]]]:
     """(k, episodes) of the task's episodes again under each reworded-action variant k (Table 3)."""
-    from agentrefine_jax.eval.agentboard.protocol import PromptSet
-
     variants = []
     for k in range(1, config.perturbations + 1):
-        rw = perturb.rewording(k)
-
-        def reword(ps: PromptSet, rw: Any = rw) -> PromptSet:
-            instruction, examples = perturb.reword_prompt(rw, ps.instruction, ps.examples)
-            return PromptSet(instruction, examples, ps.system_msg)
-
-        log(f"[agentboard] {task.name}: perturbation {k} ({rw.name})")
-        wrap = lambda env, rw=rw: perturb.RewordedEnv(env, rw)  # noqa: E731
-        logs = _episodes(
-            task,
-            checkout,
-            specs,
-            agent,
-            config,
-            wrap_env=wrap,
-            reword_prompt=reword,
-            phase=[*phase, k],
-            journal=journal,
-        )
-        variants.append((k, logs))
+        log(f"[agentboard] {task.name}: perturbation {k} ({perturb.rewording(k).name})")
+        kw = {"perturbation": k, "phase": [*phase, k], "journal": journal}
+        variants.append((k, _episodes(task, checkout, specs, agent, config, **kw)))
     return variants
 
 
