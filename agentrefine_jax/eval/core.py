@@ -78,6 +78,12 @@ class EpisodeJob:
     sampling: SamplingParams | None = None
 
 
+def job_key(job: EpisodeJob) -> tuple[str, int, int, int]:
+    """The conversation an episode-sample is to a model actor and its journal key (distinct among a
+    run's jobs of one phase): task, perturbation variant, episode, sample."""
+    return (job.name, job.perturbation, job.episode, job.sample)
+
+
 def job_seed(seed: int, task: str, perturbation: int, episode: int, sample: int) -> int:
     digest = hashlib.sha256(f"{seed}|{task}|{perturbation}|{episode}|{sample}".encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF

@@ -14,7 +14,7 @@ import time
 import traceback
 from typing import Any
 
-from agentrefine_jax.eval.core import EpisodeJob
+from agentrefine_jax.eval.core import EpisodeJob, job_key
 from agentrefine_jax.eval.envs.base import TextEnv
 from agentrefine_jax.eval.perturb import variant_name
 from agentrefine_jax.eval.policies import (
@@ -58,11 +58,6 @@ class EpisodeResult:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def job_key(job: EpisodeJob) -> tuple[str, int, int, int]:
-    """The conversation an episode-sample is to a model actor (distinct among a run's jobs)."""
-    return (job.name, job.perturbation, job.episode, job.sample)
 
 
 class _Running:

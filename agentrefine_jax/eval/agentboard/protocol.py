@@ -23,7 +23,7 @@ from agentrefine_jax.eval import perturb
 from agentrefine_jax.eval.agentboard.checkout import CLONE, Checkout, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
 from agentrefine_jax.eval.config import AGENTBOARD_MAX_STEPS as DEFAULT_MAX_STEPS  # CFG run.max_num_steps
-from agentrefine_jax.eval.core import Env, EpisodeJob, StepResult
+from agentrefine_jax.eval.core import Env, EpisodeJob, StepResult, job_key
 from agentrefine_jax.eval.policies import (
     RandomPolicy,  # noqa: F401 - the one random policy, re-exported
     Reply,
@@ -363,9 +363,7 @@ class AgentBoardProtocol:
         width = max(1, batch_size if agent.model is not None else 1)
         self.width = min(width, getattr(task, "max_in_flight", width))  # e.g. one JVM per SciWorld episode
 
-    @staticmethod
-    def key(job: EpisodeJob) -> tuple[str, int, int]:
-        return (job.spec.task, job.episode, job.sample)
+    key = staticmethod(job_key)
 
     def start(self, job: EpisodeJob) -> Episode:
         task, agent, spec = self.task, self.agent, job.spec

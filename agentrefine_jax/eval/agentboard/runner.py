@@ -319,12 +319,19 @@ def _episodes(
     agent: Agent,
     config: EvalConfig,
     *,
-    perturbation: int = 0,
-    sample: int = 0,
+    perturbations: Sequence[int] = (0,),
+    samples: Sequence[int] = (0,),
     **kw: Any,
 ) -> list[EpisodeLog]:
+    """Every episode of `specs` under each perturbation variant and as each Best-of-N sample (in that
+    order: variant, sample, episode), all in one engine call."""
     assert config.max_steps is not None  # validate() resolved AgentBoard's default
-    jobs = episode_jobs(task, specs, config.max_steps, perturbation=perturbation, sample=sample)
+    jobs = [
+        job
+        for p in perturbations
+        for k in samples
+        for job in episode_jobs(task, specs, config.max_steps, perturbation=p, sample=k)
+    ]
     return run_episodes(jobs, AgentBoardProtocol(task, checkout, agent, config.batch_size), **kw)
 
 
@@ -365,18 +372,13 @@ def _samples(
         out = [dataclasses.replace(x, sample=k) for k in range(n) for x in greedy]
     elif model is not None:
         sampled = model.sampled(float(config.temperature or 0.0), config.top_p, config.seed)
-        steps = config.max_steps
-        assert steps is not None  # validate() resolved AgentBoard's default
-        jobs = [j for k in range(n) for j in episode_jobs(task, specs, steps, sample=k)]
         agent = Agent(model=sampled, system_suffix=suffix)
-        out = run_episodes(
-            jobs, AgentBoardProtocol(task, checkout, agent, config.batch_size), phase=phase, **jr
-        )
+        out = _episodes(task, checkout, specs, agent, config, samples=range(n), phase=phase, **jr)
     else:
         out = []
         for k in range(n):
             agent = _agent(None, policy, config.seed, suffix, sample=k)
-            out += _episodes(task, checkout, specs, agent, config, sample=k, phase=[*phase, k], **jr)
+            out += _episodes(task, checkout, specs, agent, config, samples=[k], phase=[*phase, k], **jr)
     return out
 
 
@@ -400,13 +402,14 @@ def _perturbed(
     phase: list[Any],
     journal: Journal | None,
 ) -> list[tuple[int, list[EpisodeLog]]]:
-    """(k, episodes) of the task's episodes again under each reworded-action variant k (Table 3)."""
-    variants = []
-    for k in range(1, config.perturbations + 1):
+    """(k, episodes) of the task's episodes again under each reworded-action variant k (Table 3). The
+    variants' jobs run together, as the built-in source's do: a model answers them in the same batches."""
+    ks = range(1, config.perturbations + 1)
+    for k in ks:
         log(f"[agentboard] {task.name}: perturbation {k} ({perturb.rewording(k).name})")
-        kw = {"perturbation": k, "phase": [*phase, k], "journal": journal}
-        variants.append((k, _episodes(task, checkout, specs, agent, config, **kw)))
-    return variants
+    logs = _episodes(task, checkout, specs, agent, config, perturbations=ks, phase=phase, journal=journal)
+    n = len(specs)
+    return [(k, logs[i * n : (i + 1) * n]) for i, k in enumerate(ks)]
 
 
 # ----------------------------------------------------------------------------------------- run directories
