@@ -89,6 +89,76 @@ def job_seed(seed: int, task: str, perturbation: int, episode: int, sample: int)
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
+# An AgentBoard end reason (its log's `end`) of each termination that is not an error's own text.
+_AGENTBOARD_END = {"success": "done", "env_done": "done", "max_steps": "max_steps"}
+
+
+@dataclasses.dataclass
+class EpisodeResult:
+    """One finished episode-sample, from either source: the one record every protocol returns, metrics
+    read and the writers turn into the results file (`to_json`) and AgentBoard's logs
+    (`agentboard.runner.agentboard_log`). `trace` has one entry per step (action, validity, progress; the
+    chat protocol adds whether it ran and success, AgentBoard's the observation and the raw reply)."""
+
+    task: str  # the registered task name that ran it
+    variant: str  # "original" or "perturbation_<k>"
+    episode: int
+    sample: int
+    spec: Any
+    success: bool
+    progress: float  # best-so-far
+    steps: int
+    # "success" | "env_done" (terminal failure) | "max_steps" | "context_overflow" | "error"
+    termination: str
+    error: str | None
+    invalid_actions: int
+    format_errors: int
+    seconds: float
+    messages: list[dict[str, str]]
+    trace: list[dict[str, Any]]
+    # What AgentBoard's log keeps beside these: the goal, the first observation, the most history items
+    # dropped for one prompt (truncation) and the last prompt sent. Not in the results record (`to_json`).
+    goal: str = ""
+    initial_observation: str = ""
+    dropped_history: int = 0
+    last_prompt: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The results file's episode record (schema /2)."""
+        out = dataclasses.asdict(self)
+        for k in ("goal", "initial_observation", "dropped_history", "last_prompt"):
+            del out[k]
+        return out
+
+    # AgentBoard's vocabulary for the same record, read by its log writer and its metrics.
+    @property
+    def turns(self) -> list[dict[str, Any]]:
+        return self.trace
+
+    @property
+    def valid_steps(self) -> int:
+        return sum(bool(t.get("valid")) for t in self.trace)
+
+    @property
+    def grounding(self) -> float:
+        return self.valid_steps / self.steps if self.steps else 0.0
+
+    @property
+    def score_change_record(self) -> list[tuple[int, float]]:
+        """(step, progress) at every step that raised the best-so-far progress."""
+        out, best = [], 0.0
+        for step, t in enumerate(self.trace):
+            if t["progress"] > best:
+                out.append((step, t["progress"]))
+                best = t["progress"]
+        return out
+
+    @property
+    def end(self) -> str:
+        """AgentBoard's end reason: "done", "max_steps", or the error ("model_error: ...", ...)."""
+        return _AGENTBOARD_END.get(self.termination) or str(self.error)
+
+
 class Running(Protocol):
     finished: bool
 

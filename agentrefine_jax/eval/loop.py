@@ -8,13 +8,12 @@ turn is a step, as in AgentBoard: malformed replies and "check valid actions" co
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import traceback
 from typing import Any
 
-from agentrefine_jax.eval.core import EpisodeJob, job_key
+from agentrefine_jax.eval.core import EpisodeJob, EpisodeResult, job_key
 from agentrefine_jax.eval.envs.base import TextEnv
 from agentrefine_jax.eval.perturb import variant_name
 from agentrefine_jax.eval.policies import (
@@ -35,29 +34,6 @@ from agentrefine_jax.layout import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class EpisodeResult:
-    task: str
-    variant: str
-    episode: int
-    sample: int
-    spec: dict[str, Any]
-    success: bool
-    progress: float
-    steps: int
-    # "success" | "env_done" (terminal failure) | "max_steps" | "context_overflow" | "error"
-    termination: str
-    error: str | None
-    invalid_actions: int
-    format_errors: int
-    seconds: float
-    messages: list[dict[str, str]]
-    trace: list[dict[str, Any]]
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 class _Running:

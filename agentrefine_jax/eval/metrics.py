@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrefine_jax.eval import registry
 from agentrefine_jax.eval.perturb import summary
 
 # The paper's weights live in the registry (TextWorld games stand in for the 20 Jericho games).
 from agentrefine_jax.eval.registry import PAPER_WEIGHTS
+
+if TYPE_CHECKING:
+    from agentrefine_jax.eval.core import EpisodeResult
 
 HELD_OUT = "held_out_average"
 AGENTBOARD_METRICS = ("success_rate", "progress_rate", "grounding_acc")
@@ -95,9 +98,9 @@ def behaviour_rates(results: Sequence[Any]) -> dict[str, float | None]:
 
 
 def episode_turns(r: Any) -> list[tuple[str | None, bool]] | None:
-    """One episode's turns as (action, valid), from either source's record: the built-in `EpisodeResult`
-    (or its JSON) reads its `trace` (a reply the parser could not read has action None and is invalid),
-    AgentBoard's `EpisodeLog` (or its JSON) its `turns`. None when the record keeps no turns (AgentBoard's
+    """One episode's turns as (action, valid), from the record (`core.EpisodeResult`, or its JSON) of
+    either source: its `trace` (`turns` in AgentBoard's words; under the chat protocol a reply the parser
+    could not read has action None and is invalid). None when the record keeps no turns (AgentBoard's
     summary records in a results file)."""
     for key in ("trace", "turns"):
         if _has(r, key):
@@ -255,29 +258,9 @@ def _mean_or_none(values: Sequence[float]) -> float | None:
 
 
 # ----------------------------------------------------------------------------------------- AgentBoard source
-# An AgentBoard episode log (`agentboard/protocol.EpisodeLog`), read by its fields (spec, success, progress,
-# grounding, steps, end, turns): metrics sits below the episode sources and never imports them.
-EpisodeLog = Any
 
 
-def episode_record(log: EpisodeLog, task: str | None = None, variant: str = "original") -> dict[str, Any]:
-    """An AgentBoard-source episode in the results JSON; `task`: the registered name that ran it;
-    `variant`: the perturbation variant it ran under (as the built-in source's records say)."""
-    return {
-        "task": task or log.spec.task,
-        "variant": variant,
-        "index": log.spec.index,
-        "id": log.spec.id,
-        "difficulty": log.spec.difficulty,
-        "success": log.success,
-        "progress_rate": log.progress,
-        "grounding_acc": log.grounding,
-        "steps": log.steps,
-        "end": log.end,
-    }
-
-
-def agentboard_task_metrics(logs: Sequence[EpisodeLog]) -> dict[str, Any]:
+def agentboard_task_metrics(logs: Sequence[EpisodeResult]) -> dict[str, Any]:
     """AgentBoard's per-task metrics; a split with no episode is null (AgentBoard writes 0)."""
     out: dict[str, Any] = {"episodes": len(logs)}
     rows = {

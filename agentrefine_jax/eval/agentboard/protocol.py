@@ -16,6 +16,7 @@ Written from the fact sheet (docs/eval.md, "AgentBoard protocol"), not from Agen
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
@@ -23,7 +24,7 @@ from agentrefine_jax.eval import perturb
 from agentrefine_jax.eval.agentboard.checkout import CLONE, Checkout, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
 from agentrefine_jax.eval.config import AGENTBOARD_MAX_STEPS as DEFAULT_MAX_STEPS  # CFG run.max_num_steps
-from agentrefine_jax.eval.core import Env, EpisodeJob, StepResult, job_key
+from agentrefine_jax.eval.core import Env, EpisodeJob, EpisodeResult, StepResult, job_key
 from agentrefine_jax.eval.policies import (
     RandomPolicy,  # noqa: F401 - the one random policy, re-exported
     Reply,
@@ -207,37 +208,19 @@ class ModelBackend(Protocol):
 # ----------------------------------------------------------------------------------------- episodes
 
 
-@dataclasses.dataclass
-class EpisodeLog:
-    """One episode's outcome and record, in AgentBoard's per-episode log vocabulary."""
-
-    spec: EpisodeSpec
-    goal: str = ""
-    success: bool = False
-    progress: float = 0.0
-    steps: int = 0
-    valid_steps: int = 0
-    score_change_record: list[tuple[int, float]] = dataclasses.field(default_factory=list)
-    turns: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # per step: action, obs, progress
-    initial_observation: str = ""
-    last_prompt: str | None = None
-    dropped_history: int = 0  # most history items dropped for one prompt (truncation)
-    end: str = ""  # "done" | "max_steps" | "model_error: ..." | "env_error: ..."
-    sample: int = 0  # Best-of-N sample index
-
-    @property
-    def grounding(self) -> float:
-        return self.valid_steps / self.steps if self.steps else 0.0
-
-
 class Episode:
-    """One running AgentBoard episode: env, memory and log. Drives the loop one step at a time so a model
+    """One running AgentBoard episode: env, memory and its record (`log`, the one `core.EpisodeResult`,
+    read in AgentBoard's vocabulary by its log writer). Drives the loop one step at a time so a model
     backend can answer many episodes in one batched call."""
 
     def __init__(self, job: EpisodeJob, env: Env):
         self.job, self.env = job, env
         self.spec, self.task, self.max_steps = job.spec, job.task, job.max_steps
-        self.log = EpisodeLog(job.spec, sample=job.sample)
+        variant = perturb.variant_name(job.perturbation)
+        self.log = EpisodeResult(
+            job.name, variant, job.episode, job.sample, job.spec, False, 0.0, 0, "", None, 0, 0, 0.0, [], []
+        )
+        self.t0 = time.perf_counter()
         self.memory: list[tuple[str, str]] = []
         self.finished = False
         self.prompt_set: PromptSet | None = None
@@ -261,17 +244,14 @@ class Episode:
 
     def apply(self, action: str) -> StepResult:
         """Take one (parsed) action; update memory, metrics and the log."""
-        step = self.log.steps
         result = self.env.step(action)
         # AgentBoard's tasks that parse the reply (ALFWorld's parseAction, Jericho's cut) log and remember the
         # parsed action: the history the model reads next shows what was executed.
         action = result.action if result.action is not None else action
         self.log.steps += 1
-        self.log.valid_steps += bool(result.valid)
-        if result.progress > self.log.progress:
-            self.log.score_change_record.append((step, result.progress))
+        self.log.invalid_actions += not result.valid
         self.log.progress = max(self.log.progress, result.progress)
-        self.log.turns.append(
+        self.log.trace.append(
             {
                 "action": action,
                 "observation": result.observation,
@@ -282,7 +262,7 @@ class Episode:
         self.memory += [("Action", action), ("Observation", result.observation)]
         if result.done:
             self.log.success = self.log.success or self.env_success(result)
-            self._finish("done")
+            self._finish("success" if self.log.success else "env_done")
         elif self.log.steps >= self.max_steps:
             self._finish("max_steps")
         return result
@@ -292,12 +272,14 @@ class Episode:
         success = getattr(self.env, "success", None)
         return bool(success) if success is not None else True
 
-    def fail(self, why: str) -> None:
-        self._finish(why)
+    def fail(self, why: str, termination: str = "error") -> None:
+        """End the episode on a failure; `why` is AgentBoard's end reason ("model_error: ...", ...)."""
+        self._finish(termination, why)
 
-    def _finish(self, why: str) -> None:
+    def _finish(self, termination: str, error: str | None = None) -> None:
         self.finished = True
-        self.log.end = why
+        self.log.termination, self.log.error = termination, error
+        self.log.seconds = round(time.perf_counter() - self.t0, 3)
         try:
             self.env.close()
         except Exception:  # noqa: BLE001 - closing must not mask the episode's result
@@ -398,7 +380,7 @@ class AgentBoardProtocol:
             try:
                 user, dropped = fit_history(ep.head(), ep.memory, budget_fits(model, system))
             except PromptTooLong as e:
-                ep.fail(f"prompt_too_long: {e}")
+                ep.fail(f"prompt_too_long: {e}", "context_overflow")
                 user, dropped = "", 0
             ep.log.dropped_history = max(ep.log.dropped_history, dropped)
             ep.log.last_prompt = user
@@ -420,17 +402,16 @@ class AgentBoardProtocol:
         ep.fail(f"{who}_error: {type(error).__name__}: {error}")
 
     @staticmethod
-    def result(ep: Episode) -> EpisodeLog:
+    def result(ep: Episode) -> EpisodeResult:
         return ep.log
 
     @staticmethod
-    def dump(log: EpisodeLog) -> dict[str, Any]:
+    def dump(log: EpisodeResult) -> dict[str, Any]:
         return dataclasses.asdict(log) | {"spec": None}
 
     @staticmethod
-    def load(job: EpisodeJob, record: dict[str, Any]) -> EpisodeLog:
-        scores = [(int(s), float(p)) for s, p in record["score_change_record"]]
-        return EpisodeLog(**(record | {"spec": job.spec, "score_change_record": scores}))
+    def load(job: EpisodeJob, record: dict[str, Any]) -> EpisodeResult:
+        return EpisodeResult(**(record | {"spec": job.spec}))
 
 
 def _act(ep: Episode) -> Reply | Exception:

@@ -20,16 +20,15 @@ from agentrefine_jax.eval.agentboard.protocol import (
     MAX_NEW_TOKENS,
     Agent,
     AgentBoardProtocol,
-    EpisodeLog,
     ModelBackend,
     episode_jobs,
     vllm_system_suffix,
 )
 from agentrefine_jax.eval.config import EvalConfig
-from agentrefine_jax.eval.core import run_episodes
+from agentrefine_jax.eval.core import EpisodeResult, run_episodes
 from agentrefine_jax.eval.journal import Journal
 from agentrefine_jax.eval.metrics import agentboard_task_metrics as task_metrics
-from agentrefine_jax.eval.metrics import best_of_metrics, episode_record
+from agentrefine_jax.eval.metrics import best_of_metrics
 from agentrefine_jax.eval.perturb import variant_name
 from agentrefine_jax.eval.policies import (
     ActRequest,
@@ -146,7 +145,7 @@ def checkpoint_model(
 # ----------------------------------------------------------------------------------------- logs
 
 
-def _trajectory(log: EpisodeLog) -> dict[str, Any]:
+def _trajectory(log: EpisodeResult) -> dict[str, Any]:
     # AgentBoard keys its trajectory by step; its step-0 observation overwrites the initial one.
     traj: dict[str, Any] = {}
     for k, turn in enumerate(log.turns):
@@ -160,7 +159,7 @@ def _trajectory(log: EpisodeLog) -> dict[str, Any]:
     return traj
 
 
-def agentboard_log(log: EpisodeLog) -> dict[str, Any]:
+def agentboard_log(log: EpisodeResult) -> dict[str, Any]:
     rec = {
         "id": log.spec.index,
         "task_name": log.spec.info.get("task_name", log.spec.info.get("game", log.spec.task)),
@@ -182,6 +181,22 @@ def agentboard_log(log: EpisodeLog) -> dict[str, Any]:
     return rec
 
 
+def episode_record(r: EpisodeResult) -> dict[str, Any]:
+    """An AgentBoard-source episode in the results JSON (its summary: the transcript is in the logs)."""
+    return {
+        "task": r.task,
+        "variant": r.variant,
+        "index": r.spec.index,
+        "id": r.spec.id,
+        "difficulty": r.spec.difficulty,
+        "success": r.success,
+        "progress_rate": r.progress,
+        "grounding_acc": r.grounding,
+        "steps": r.steps,
+        "end": r.end,
+    }
+
+
 class LogWriter:
     """{dir}/logs/<task>.jsonl (indent=2 objects), {dir}/<task>.txt summary lines, {dir}/all_results.txt."""
 
@@ -189,7 +204,7 @@ class LogWriter:
         self.root = root
         os.makedirs(os.path.join(root, "logs"), exist_ok=True)
 
-    def episode(self, task: str, log: EpisodeLog) -> None:
+    def episode(self, task: str, log: EpisodeResult) -> None:
         name = AGENTBOARD_NAMES.get(task, task)
         with open(os.path.join(self.root, "logs", f"{name}.jsonl"), "a", encoding="utf-8") as f:
             f.write(json_dumps(agentboard_log(log), ensure_ascii=False, indent=2) + "\n")
@@ -246,7 +261,7 @@ def run(
         specs = episodes[task.name][: config.episodes] if config.episodes else episodes[task.name]
         t0 = time.time()
 
-        def report(ep: EpisodeLog, task: Any = task, specs: list = specs) -> None:
+        def report(ep: EpisodeResult, task: Any = task, specs: list = specs) -> None:
             log(
                 f"[agentboard] {task.name} {ep.spec.index + 1}/{len(specs)} {ep.spec.id}: "
                 f"success={int(ep.success)} progress={ep.progress:.3f} steps={ep.steps} ({ep.end})"
@@ -271,12 +286,9 @@ def run(
                     "tasks": {},
                     "episodes": [],
                 }
-                bon["tasks"][task.name] = best_of_metrics(
-                    [_rec(x, task.name) for x in logs], [_rec(x, task.name) for x in samples]
-                )
+                bon["tasks"][task.name] = best_of_metrics(logs, samples)
                 bon["episodes"] += [
-                    episode_record(x, task.name)
-                    | {"sample": x.sample, "actions": [t["action"] for t in x.turns]}
+                    episode_record(x) | {"sample": x.sample, "actions": [t["action"] for t in x.turns]}
                     for x in samples
                 ]
         finally:
@@ -285,7 +297,7 @@ def run(
         if config.episodes:
             metrics["limited_to"] = config.episodes
         per_task[task.name] = metrics
-        records += [episode_record(x, task.name) for x in logs]
+        records += [episode_record(x) for x in logs]
         if writer is not None:
             writer.task(task.name, metrics)
         if config.perturbations and task.name == "alfworld":
@@ -294,7 +306,7 @@ def run(
             ):
                 m = {"rewording": perturb.rewording(k).name} | task_metrics(plogs)
                 variants.setdefault(variant_name(k), {})[task.name] = m
-                records += [episode_record(x, task.name, variant_name(k)) for x in plogs]
+                records += [episode_record(x) for x in plogs]
     extra: dict[str, Any] = {"agentboard_dir": str(checkout.root), "max_steps": config.max_steps}
     notes = [n for t in tasks for n in getattr(t, "notes", [])]
     if notes:
@@ -322,7 +334,7 @@ def _episodes(
     perturbations: Sequence[int] = (0,),
     samples: Sequence[int] = (0,),
     **kw: Any,
-) -> list[EpisodeLog]:
+) -> list[EpisodeResult]:
     """Every episode of `specs` under each perturbation variant and as each Best-of-N sample (in that
     order: variant, sample, episode), all in one engine call."""
     assert config.max_steps is not None  # validate() resolved AgentBoard's default
@@ -354,7 +366,7 @@ def _samples(
     task: Any,
     checkout: Checkout,
     specs: Sequence[Any],
-    greedy: Sequence[EpisodeLog],
+    greedy: Sequence[EpisodeResult],
     model: ModelBackend | None,
     policy: str | None,
     suffix: str,
@@ -362,7 +374,7 @@ def _samples(
     log: Callable[[str], None],
     phase: list[Any],
     jr: dict[str, Any],
-) -> list[EpisodeLog]:
+) -> list[EpisodeResult]:
     """`config.best_of` samples of every episode. A model decodes at the temperature and all samples of all
     episodes share the batched calls; the random policy draws sample k with its own seed (sample 0 = the
     greedy run's); the oracle is deterministic, so its samples are the greedy run."""
@@ -382,16 +394,6 @@ def _samples(
     return out
 
 
-def _rec(x: EpisodeLog, task: str) -> dict[str, Any]:
-    return {
-        "task": task,
-        "episode": x.spec.index,
-        "sample": x.sample,
-        "success": x.success,
-        "progress": x.progress,
-    }
-
-
 def _perturbed(
     task: Any,
     checkout: Checkout,
@@ -401,7 +403,7 @@ def _perturbed(
     log: Callable[[str], None],
     phase: list[Any],
     journal: Journal | None,
-) -> list[tuple[int, list[EpisodeLog]]]:
+) -> list[tuple[int, list[EpisodeResult]]]:
     """(k, episodes) of the task's episodes again under each reworded-action variant k (Table 3). The
     variants' jobs run together, as the built-in source's do: a model answers them in the same batches."""
     ks = range(1, config.perturbations + 1)
