@@ -278,9 +278,9 @@ def agentboard_task_metrics(logs: Sequence[EpisodeResult]) -> dict[str, Any]:
 
 
 def best_of_metrics(greedy: Sequence[Any], samples: Sequence[Any]) -> dict[str, Any]:
-    """Table 4 for one task, from episode records (`task`, `episode`, `sample`, `success`, `progress`;
-    mappings or objects): greedy, Best-of-N (success if any sample succeeds, progress the max), their
-    difference, and each sample's rates and their mean."""
+    """Table 4 for one task, from episode records (`core.EpisodeResult` of either source, or their JSON):
+    greedy, Best-of-N over the samples of the original variant (success if any sample succeeds, progress
+    the max), their difference, and each sample's rates and their mean."""
 
     def rates(rs: Sequence[Any]) -> dict[str, float]:
         return {
@@ -288,7 +288,7 @@ def best_of_metrics(greedy: Sequence[Any], samples: Sequence[Any]) -> dict[str, 
             "progress_rate": _mean(float(_get(r, "progress")) for r in rs),
         }
 
-    best = list(best_of_n({"variant": "original"} | _record(r) for r in samples).values())
+    best = list(best_of_n(samples).values())
     best_rates = {
         "success_rate": _mean(b["success"] for b in best),
         "progress_rate": _mean(b["progress"] for b in best),
@@ -306,10 +306,6 @@ def best_of_metrics(greedy: Sequence[Any], samples: Sequence[Any]) -> dict[str, 
         "per_sample": per_sample,
         "episodes": len(best),
     }
-
-
-def _record(r: Any) -> dict[str, Any]:
-    return {k: _get(r, k) for k in ("task", "episode", "sample", "success", "progress")}
 
 
 def best_of_held_out(per_task: Mapping[str, Mapping[str, Any]], names: Sequence[str]) -> dict[str, Any]:
