@@ -13,7 +13,8 @@ from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
 from agentrefine_jax.eval.cli import main as eval_main
 from agentrefine_jax.eval.core import EpisodeResult
 from agentrefine_jax.eval.metrics import (
-    agentboard_task_metrics,
+    AGENTBOARD_COLUMNS,
+    group_metrics,
     recovery_counts,
     recovery_rates,
     task_metrics,
@@ -123,7 +124,7 @@ def test_both_sources_records_give_the_same_exact_rates():
     assert recovery_rates([_agentboard(EP1, 0), _agentboard(EP2, 1)]) == EXPECTED
     # the per-task metrics of both sources carry them
     assert {k: task_metrics(builtin)["original"]["demo_world"][k] for k in EXPECTED} == EXPECTED
-    ab = agentboard_task_metrics([_agentboard(EP1, 0), _agentboard(EP2, 1)])
+    ab = group_metrics([_agentboard(EP1, 0), _agentboard(EP2, 1)], AGENTBOARD_COLUMNS)
     assert {k: ab[k] for k in EXPECTED} == EXPECTED
     # nothing rejected: nothing to divide by
     clean = recovery_rates([_builtin([("look", True)] * 3, 0)])

@@ -8,17 +8,14 @@ succeeds if any sample does and its progress is the max over samples.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from agentrefine_jax.eval import registry
 from agentrefine_jax.eval.perturb import summary
 
 # The paper's weights live in the registry (TextWorld games stand in for the 20 Jericho games).
 from agentrefine_jax.eval.registry import PAPER_WEIGHTS
-
-if TYPE_CHECKING:
-    from agentrefine_jax.eval.core import EpisodeResult
 
 HELD_OUT = "held_out_average"
 AGENTBOARD_METRICS = ("success_rate", "progress_rate", "grounding_acc")
@@ -47,32 +44,85 @@ def best_of_n(results: Iterable[Any]) -> dict[tuple[str, str, int], dict[str, fl
     return out
 
 
-def task_metrics(results: Sequence[Any]) -> dict[str, dict[str, dict[str, Any]]]:
-    """variant -> task -> metrics (Best-of-N rates, first-sample rates, counts)."""
+# The per-task metrics each source's results carry, in their order; one function (`group_metrics`) computes
+# them all from the one episode record. AgentBoard's: its `evaluate` (grounding, the easy/hard splits).
+BUILTIN_COLUMNS = (
+    *RATES,
+    "episodes",
+    "samples",
+    "first_sample_success_rate",
+    "first_sample_progress_rate",
+    "terminations",
+    "errors",
+    *BEHAVIOUR,
+    *RECOVERY,
+    "recovery_counts",
+)
+SPLITS = ("easy", "hard")  # AgentBoard's difficulty levels (test.jsonl)
+AGENTBOARD_COLUMNS = (
+    "episodes",
+    *AGENTBOARD_METRICS,
+    *(f"{m}_{split}" for split in SPLITS for m in RATES),
+    *RECOVERY,
+    "recovery_counts",
+)
+
+
+def task_metrics(
+    results: Sequence[Any], columns: Sequence[str] = BUILTIN_COLUMNS
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """variant -> task -> `group_metrics` of that variant's episodes of the task."""
     grouped: dict[tuple[str, str], list[Any]] = collections.defaultdict(list)
     for r in results:
         grouped[(_get(r, "variant"), _get(r, "task"))].append(r)
     out: dict[str, dict[str, dict[str, Any]]] = collections.defaultdict(dict)
     for (variant, task), rs in sorted(grouped.items()):
-        best = best_of_n(rs)
-        first = [r for r in rs if int(_get(r, "sample")) == 0]
-        terminations = collections.Counter(_get(r, "termination") for r in rs)
-        n = len(best)
-        out[variant][task] = (
-            {
-                "success_rate": sum(v["success"] for v in best.values()) / n,
-                "progress_rate": sum(v["progress"] for v in best.values()) / n,
-                "episodes": n,
-                "samples": len(rs),
-                "first_sample_success_rate": _mean(float(bool(_get(r, "success"))) for r in first),
-                "first_sample_progress_rate": _mean(float(_get(r, "progress")) for r in first),
-                "terminations": dict(sorted(terminations.items())),
-                "errors": terminations.get("error", 0),
-            }
-            | behaviour_rates(rs)
-            | recovery_rates(rs)
-        )
+        out[variant][task] = group_metrics(rs, columns)
     return dict(out)
+
+
+def group_metrics(results: Sequence[Any], columns: Sequence[str] = BUILTIN_COLUMNS) -> dict[str, Any]:
+    """One task's metrics (`columns`, in that order) over its episode records, every sample of one variant:
+    `success_rate`/`progress_rate` Best-of-N (per episode the best sample; with one sample the plain
+    mean), also per difficulty split (`success_rate_easy`, ...: episodes whose spec has that difficulty);
+    first-sample rates; counts; `grounding_acc` (the mean of the episodes' valid-step shares); the
+    behaviour and recovery rates. A rate over no episode is None (strict JSON has no NaN)."""
+
+    def rates(rs: Sequence[Any]) -> dict[str, float | None]:
+        best = list(best_of_n(rs).values())
+        return {
+            "success_rate": _mean_or_none([b["success"] for b in best]),
+            "progress_rate": _mean_or_none([b["progress"] for b in best]),
+        }
+
+    def split(level: str) -> list[Any]:
+        return [r for r in results if getattr(_get(r, "spec"), "difficulty", None) == level]
+
+    first = [r for r in results if int(_get(r, "sample")) == 0]
+
+    def ends() -> collections.Counter[str]:
+        return collections.Counter(_get(r, "termination") for r in results)
+
+    value: dict[str, Callable[[], Any]] = {
+        "episodes": lambda: len(best_of_n(results)),
+        "samples": lambda: len(results),
+        "first_sample_success_rate": lambda: _mean(float(bool(_get(r, "success"))) for r in first),
+        "first_sample_progress_rate": lambda: _mean(float(_get(r, "progress")) for r in first),
+        "terminations": lambda: dict(sorted(ends().items())),
+        "errors": lambda: ends().get("error", 0),
+        "grounding_acc": lambda: _mean_or_none([_get(r, "grounding") for r in results]),
+    }
+    for level in SPLITS:
+        for m in RATES:
+            value[f"{m}_{level}"] = lambda level=level, m=m: rates(split(level))[m]
+    for m in RATES:
+        value[m] = lambda m=m: rates(results)[m]
+    for group, keys in ((behaviour_rates, BEHAVIOUR), (recovery_rates, (*RECOVERY, "recovery_counts"))):
+        if any(k in columns for k in keys):
+            computed = group(results)
+            for k in keys:
+                value[k] = lambda k=k, computed=computed: computed[k]
+    return {c: value[c]() for c in columns}
 
 
 def episode_rates(r: Any) -> dict[str, float | None]:
@@ -255,26 +305,6 @@ def _mean(values: Iterable[float]) -> float | None:
 
 def _mean_or_none(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
-
-
-# ----------------------------------------------------------------------------------------- AgentBoard source
-
-
-def agentboard_task_metrics(logs: Sequence[EpisodeResult]) -> dict[str, Any]:
-    """AgentBoard's per-task metrics; a split with no episode is null (AgentBoard writes 0)."""
-    out: dict[str, Any] = {"episodes": len(logs)}
-    rows = {
-        "success_rate": [float(x.success) for x in logs],
-        "progress_rate": [x.progress for x in logs],
-        "grounding_acc": [x.grounding for x in logs],
-    }
-    for key, values in rows.items():
-        out[key] = _mean_or_none(values)
-    for split in ("easy", "hard"):
-        picked = [x for x in logs if x.spec.difficulty == split]
-        out[f"success_rate_{split}"] = _mean_or_none([float(x.success) for x in picked])
-        out[f"progress_rate_{split}"] = _mean_or_none([x.progress for x in picked])
-    return out | recovery_rates(logs)
 
 
 def best_of_metrics(greedy: Sequence[Any], samples: Sequence[Any]) -> dict[str, Any]:

@@ -27,8 +27,7 @@ from agentrefine_jax.eval.agentboard.protocol import (
 from agentrefine_jax.eval.config import EvalConfig
 from agentrefine_jax.eval.core import EpisodeResult, run_episodes
 from agentrefine_jax.eval.journal import Journal
-from agentrefine_jax.eval.metrics import agentboard_task_metrics as task_metrics
-from agentrefine_jax.eval.metrics import best_of_metrics
+from agentrefine_jax.eval.metrics import AGENTBOARD_COLUMNS, best_of_metrics, group_metrics
 from agentrefine_jax.eval.perturb import variant_name
 from agentrefine_jax.eval.policies import (
     ActRequest,
@@ -293,7 +292,7 @@ def run(
                 ]
         finally:
             task.close()
-        metrics = task_metrics(logs) | {"seconds": round(time.time() - t0, 1)}
+        metrics = group_metrics(logs, AGENTBOARD_COLUMNS) | {"seconds": round(time.time() - t0, 1)}
         if config.episodes:
             metrics["limited_to"] = config.episodes
         per_task[task.name] = metrics
@@ -304,7 +303,7 @@ def run(
             for k, plogs in _perturbed(
                 task, checkout, specs, agent, config, log, [*phase, "perturb"], journal
             ):
-                m = {"rewording": perturb.rewording(k).name} | task_metrics(plogs)
+                m = {"rewording": perturb.rewording(k).name} | group_metrics(plogs, AGENTBOARD_COLUMNS)
                 variants.setdefault(variant_name(k), {})[task.name] = m
                 records += [episode_record(x) for x in plogs]
     extra: dict[str, Any] = {"agentboard_dir": str(checkout.root), "max_steps": config.max_steps}
