@@ -1,5 +1,6 @@
 """What every episode source shares: the environment interface, its step result, and the one episode engine.
 
+Both sources' episodes are one job type (`EpisodeJob`) and end as one record type (`EpisodeResult`).
 The engine is protocol-agnostic: a protocol object (our chat layout, `loop.ChatProtocol`; AgentBoard's,
 `agentboard/protocol.AgentBoardProtocol`) says how an episode starts, how a round of replies is obtained
 (prompt assembly, the actor call) and how a reply or a failure is applied (parsing, stepping, logging);
@@ -133,6 +134,7 @@ class EpisodeResult:
     # AgentBoard's vocabulary for the same record, read by its log writer and its metrics.
     @property
     def turns(self) -> list[dict[str, Any]]:
+        """The trace, under AgentBoard's name for it (what readers of its episodes ask for)."""
         return self.trace
 
     @property

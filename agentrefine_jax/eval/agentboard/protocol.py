@@ -430,5 +430,5 @@ def _step(ep: Episode, action: str, reply: str) -> None:
     except Exception as e:  # noqa: BLE001 - a simulator crash ends this episode, reported with its step
         ep.fail(f"env_error: {type(e).__name__}: {e}")
         return
-    if reply != ep.log.turns[-1]["action"]:
-        ep.log.turns[-1]["reply"] = reply
+    if reply != ep.log.trace[-1]["action"]:
+        ep.log.trace[-1]["reply"] = reply

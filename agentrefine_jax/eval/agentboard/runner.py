@@ -147,7 +147,7 @@ def checkpoint_model(
 def _trajectory(log: EpisodeResult) -> dict[str, Any]:
     # AgentBoard keys its trajectory by step; its step-0 observation overwrites the initial one.
     traj: dict[str, Any] = {}
-    for k, turn in enumerate(log.turns):
+    for k, turn in enumerate(log.trace):
         entry: dict[str, Any] = {}
         if k == 0:
             entry["Goal"] = log.goal
@@ -287,7 +287,7 @@ def run(
                 }
                 bon["tasks"][task.name] = best_of_metrics(logs, samples)
                 bon["episodes"] += [
-                    episode_record(x) | {"sample": x.sample, "actions": [t["action"] for t in x.turns]}
+                    episode_record(x) | {"sample": x.sample, "actions": [t["action"] for t in x.trace]}
                     for x in samples
                 ]
         finally:
