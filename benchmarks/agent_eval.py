@@ -164,8 +164,14 @@ def main() -> int:
     from test_eval_checkpoint import save_random_checkpoint
 
     from agentrefine_jax.eval.agentboard.checkout import Checkout
-    from agentrefine_jax.eval.agentboard.protocol import Agent, run_episodes, vllm_system_suffix
+    from agentrefine_jax.eval.agentboard.protocol import (
+        Agent,
+        AgentBoardProtocol,
+        episode_jobs,
+        vllm_system_suffix,
+    )
     from agentrefine_jax.eval.agentboard.tasks.pddl import PddlTask
+    from agentrefine_jax.eval.core import run_episodes
     from agentrefine_jax.hf.io import save_hf
     from agentrefine_jax.inference.chat import ChatGenerator
     from agentrefine_jax.models.config import preset
@@ -183,7 +189,8 @@ def main() -> int:
 
         def run(model: Any) -> list:
             agent = Agent(model=model, system_suffix=suffix)
-            return run_episodes(task, co, specs, agent, max_steps=args.max_steps, batch_size=args.batch_size)
+            protocol = AgentBoardProtocol(task, co, agent, args.batch_size)
+            return run_episodes(episode_jobs(task, specs, args.max_steps), protocol)
 
         log(
             f"AgentBoard PDDL: {len(specs)} episodes, <= {args.max_steps} turns, {args.batch_size} in "

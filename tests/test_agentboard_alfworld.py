@@ -254,7 +254,8 @@ class _Scripted:
 def test_history_holds_agentboards_parsed_action(tmp_path):
     """AgentBoard's ALFWorld loop parses the reply (`put X in Y` -> `put X in/on Y`, no trailing `.`) and
     writes that action into the memory the next prompt shows, not the raw reply."""
-    from agentrefine_jax.eval.agentboard.protocol import Agent, run_episodes
+    from agentrefine_jax.eval.agentboard.protocol import Agent, AgentBoardProtocol, episode_jobs
+    from agentrefine_jax.eval.core import run_episodes
 
     ck = write_checkout(tmp_path)
     prompt = {"instruction": "I.", "system_msg": "S.", "examples": {"put": ["Action: go to desk 1\n"]}}
@@ -271,7 +272,7 @@ def test_history_holds_agentboards_parsed_action(tmp_path):
         "put mug 1 on cabinet 1",
     ]
     model = _Scripted(script)
-    [log] = run_episodes(task, ck, [spec], Agent(model=model), max_steps=10)
+    [log] = run_episodes(episode_jobs(task, [spec], 10), AgentBoardProtocol(task, ck, Agent(model=model)))
     assert (log.success, log.end, log.steps) == (True, "done", 6)
     parsed = [
         "go to countertop 1",

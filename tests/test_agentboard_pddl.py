@@ -12,10 +12,11 @@ import pytest
 from agentboard_fixture import SHARED, make_checkout
 
 from agentrefine_jax.eval.agentboard.checkout import Checkout, CheckoutError
-from agentrefine_jax.eval.agentboard.protocol import Agent, RandomPolicy, run_episodes
+from agentrefine_jax.eval.agentboard.protocol import Agent, AgentBoardProtocol, RandomPolicy, episode_jobs
 from agentrefine_jax.eval.agentboard.runner import run
 from agentrefine_jax.eval.agentboard.tasks.pddl import PddlTask, fd_compatible
 from agentrefine_jax.eval.config import EvalConfig
+from agentrefine_jax.eval.core import run_episodes
 
 pytest.importorskip("pddlgym")
 pytest.importorskip("nltk")
@@ -105,9 +106,8 @@ def test_loop_logs_steps_grounding_and_score_changes(checkout):
         "move rooma roomb",
         "drop ball1 roomb left",
     ]
-    [log] = run_episodes(
-        task, checkout, specs[1:], Agent(policy_for=lambda *_: Scripted(script)), max_steps=10
-    )
+    agent = Agent(policy_for=lambda *_: Scripted(script))
+    [log] = run_episodes(episode_jobs(task, specs[1:], 10), AgentBoardProtocol(task, checkout, agent))
     assert (log.success, log.progress, log.steps, log.valid_steps, log.end) == (True, 1.0, 4, 3, "done")
     assert log.grounding == 0.75
     assert log.score_change_record == [(3, 1.0)]
@@ -118,9 +118,7 @@ def test_loop_logs_steps_grounding_and_score_changes(checkout):
         "drop ball1 roomb left",
     ]
     # The step limit ends an episode: 2 steps, no success.
-    [log] = run_episodes(
-        task, checkout, specs[1:], Agent(policy_for=lambda *_: Scripted(script)), max_steps=2
-    )
+    [log] = run_episodes(episode_jobs(task, specs[1:], 2), AgentBoardProtocol(task, checkout, agent))
     assert (log.success, log.steps, log.end) == (False, 2, "max_steps")
 
 
@@ -129,7 +127,8 @@ def test_random_policy_is_seeded_and_mostly_grounded(checkout):
     specs = task.episodes(checkout)
     runs = [
         run_episodes(
-            task, checkout, specs, Agent(policy_for=lambda t, e, s: RandomPolicy(s.index)), max_steps=30
+            episode_jobs(task, specs, 30),
+            AgentBoardProtocol(task, checkout, Agent(policy_for=lambda t, e, s: RandomPolicy(s.index))),
         )
         for _ in range(2)
     ]
@@ -238,8 +237,7 @@ def test_real_oracle_solves_hard_problems_beyond_30_steps():
     task = PddlTask(strict=False)
     specs = {s.id: s for s in task.episodes(Checkout(SHARED))}
     picked = [specs[k] for k in ("barman/p07.pddl", "gripper/prob05.pddl", "tyreworld/p01.pddl")]
-    logs = run_episodes(
-        task, Checkout(SHARED), picked, Agent(policy_for=lambda t, e, s: t.oracle(e)), max_steps=200
-    )
+    oracle = Agent(policy_for=lambda t, e, s: t.oracle(e))
+    logs = run_episodes(episode_jobs(task, picked, 200), AgentBoardProtocol(task, Checkout(SHARED), oracle))
     assert [(x.success, x.progress, x.grounding) for x in logs] == [(True, 1.0, 1.0)] * 3
     assert logs[1].steps > 30

@@ -8,8 +8,9 @@ import pytest
 from agentboard_fixture import make_checkout
 
 from agentrefine_jax.eval.agentboard.checkout import Checkout, CheckoutError
-from agentrefine_jax.eval.agentboard.protocol import Agent, run_episodes
+from agentrefine_jax.eval.agentboard.protocol import Agent, AgentBoardProtocol, episode_jobs
 from agentrefine_jax.eval.agentboard.tasks.sciworld import SIMPLIFICATION, SciWorldTask
+from agentrefine_jax.eval.core import run_episodes
 
 # Gold paths may pick any plant (the simulator's choice varies between runs): subgoals that any of them meets.
 SUBGOALS = ["move to the greenhouse", r"^You focus on the \w+", "to the red box"]
@@ -85,7 +86,8 @@ def test_progress_help_grounding_and_gold_path_oracle(tmp_path):
         env.close()
 
         task.gold_paths = True
-        [log] = run_episodes(task, co, [spec], Agent(policy_for=lambda t, e, s: t.oracle(e)), max_steps=30)
+        oracle = Agent(policy_for=lambda t, e, s: t.oracle(e))
+        [log] = run_episodes(episode_jobs(task, [spec], 30), AgentBoardProtocol(task, co, oracle))
         assert (log.success, log.progress, log.end) == (True, 1.0, "done"), [t["action"] for t in log.turns]
         assert [p for _, p in log.score_change_record] == pytest.approx([1 / 3, 2 / 3, 1.0])
         assert log.turns[-1]["observation"].endswith("to the red box.")
@@ -129,7 +131,8 @@ def test_episodes_are_reproducible_whatever_the_batch_size(tmp_path):
         task = SciWorldTask()
         try:
             logs = run_episodes(
-                task, co, task.episodes(co), Agent(model=_LookAndWait()), max_steps=4, batch_size=batch
+                episode_jobs(task, task.episodes(co), 4),
+                AgentBoardProtocol(task, co, Agent(model=_LookAndWait()), batch),
             )
         finally:
             task.close()

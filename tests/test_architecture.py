@@ -9,6 +9,8 @@
   CLI convention `cli_errors.py`, `logs.py`);
 * model-parameter names only in the parameter table (models/params.py);
 * no function over 120 lines, and `train/step.py:build_steps` at most 80;
+* eval's concepts that both episode sources share defined once (EVAL_ONE_HOME: the engine, its job,
+  its job key, the episode record), and AgentBoard's retired second copies nowhere;
 * LoRA / int8 decided in one place: a test (`if`, `while`, conditional expression, filter,
   every operand of a short-circuit `and`/`or`) that names LoRA, int8 or quantisation only in the
   parameter mode (train/param_mode.py) and the few homes listed in MODE_BRANCH_HOMES, each with
@@ -47,6 +49,17 @@ MODE_BRANCH_HOMES = {
     "agentrefine_jax/checkpoint/model.py:load_model": "the stored form: meta.lora -> lora_base",
     "agentrefine_jax/config_checks.py:_lora_int8": "validation of train.lora at load",
     "agentrefine_jax/export/cli.py:cmd_to_hf": "--merge-lora: a PEFT adapter directory or merged weights",
+}
+
+
+# eval's concepts that both episode sources share, each defined in one file only (a second definition
+# anywhere in eval, e.g. a source's own record or run_episodes wrapper, is a second pipeline starting).
+EVAL_ONE_HOME = {
+    "run_episodes": "agentrefine_jax/eval/core.py",
+    "EpisodeJob": "agentrefine_jax/eval/core.py",
+    "job_key": "agentrefine_jax/eval/core.py",
+    "EpisodeResult": "agentrefine_jax/eval/core.py",
+    "EpisodeLog": None,  # AgentBoard's record, now the one record read in its vocabulary
 }
 
 
@@ -224,6 +237,28 @@ def stray_parameter_names(root: pathlib.Path, names: set[str]) -> list[str]:
     return bad
 
 
+def second_homes(root: pathlib.Path, homes: dict[str, str | None]) -> list[str]:
+    """Definitions (functions and classes, nested too) of `homes`' names under `root`'s eval package
+    outside their one home, and homes that lost theirs."""
+    out, found = [], set()
+    for path in sorted((root / "eval").rglob("*.py")):
+        rel = str(path.relative_to(root.parent))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            is_def = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+            if is_def and node.name in homes:
+                home = homes[node.name]
+                if home == rel:
+                    found.add(node.name)
+                else:
+                    out.append(
+                        f"{rel}:{node.lineno}: {node.name} ({f'its one home: {home}' if home else 'retired'})"
+                    )
+    for name, home in homes.items():
+        if home is not None and name not in found:
+            out.append(f"{home}: {name} is no longer defined in its home")
+    return out
+
+
 def long_functions(root: pathlib.Path) -> dict[str, int]:
     out = {}
     for path in root.rglob("*.py"):
@@ -322,6 +357,10 @@ def test_functions_are_short() -> None:
     assert lengths["agentrefine_jax/train/step.py:build_steps"] <= 80
 
 
+def test_eval_concepts_have_one_home() -> None:
+    assert second_homes(PACKAGE, EVAL_ONE_HOME) == []
+
+
 def test_lora_and_int8_are_decided_in_the_parameter_mode() -> None:
     assert stray_mode_branches(PACKAGE, MODE_BRANCH_HOMES) == []
     # Every home still decides something (a home that stopped branching leaves the list).
@@ -369,6 +408,24 @@ def test_checkers_find_a_planted_violation(tmp_path: pathlib.Path) -> None:
     assert stray_mode_branches(pkg, {"agentrefine_jax/train/loop.py": "planted home"}) == [
         "agentrefine_jax/train/step.py:2: chunk"
     ]
+
+
+def test_second_homes_are_found(tmp_path: pathlib.Path) -> None:
+    """A source's own run_episodes wrapper and record, and a concept gone from its home, are found."""
+    pkg = tmp_path / "agentrefine_jax"
+    (pkg / "eval" / "agentboard").mkdir(parents=True)
+    (pkg / "eval" / "core.py").write_text("class EpisodeJob:\n    pass\n")
+    (pkg / "eval" / "agentboard" / "protocol.py").write_text(
+        "def run_episodes():\n    pass\n\nclass EpisodeLog:\n    pass\n"
+    )
+    core = "agentrefine_jax/eval/core.py"
+    homes = {"run_episodes": core, "EpisodeJob": core, "EpisodeLog": None}
+    assert second_homes(pkg, homes) == [
+        f"agentrefine_jax/eval/agentboard/protocol.py:1: run_episodes (its one home: {core})",
+        "agentrefine_jax/eval/agentboard/protocol.py:4: EpisodeLog (retired)",
+        f"{core}: run_episodes is no longer defined in its home",
+    ]
+    assert second_homes(pkg, {"EpisodeJob": core}) == []
 
 
 def test_inner_layers_find_a_planted_upward_import(tmp_path: pathlib.Path) -> None:

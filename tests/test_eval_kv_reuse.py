@@ -9,10 +9,16 @@ from agentboard_fixture import SHARED, make_shared_pddl_checkout
 from test_eval_checkpoint import save_random_checkpoint
 
 from agentrefine_jax.eval.agentboard.checkout import Checkout
-from agentrefine_jax.eval.agentboard.protocol import Agent, run_episodes, vllm_system_suffix
+from agentrefine_jax.eval.agentboard.protocol import (
+    Agent,
+    AgentBoardProtocol,
+    episode_jobs,
+    vllm_system_suffix,
+)
 from agentrefine_jax.eval.agentboard.runner import template_model
 from agentrefine_jax.eval.agentboard.tasks.pddl import PddlTask
 from agentrefine_jax.eval.cli import build_parser, make_policy
+from agentrefine_jax.eval.core import run_episodes
 from agentrefine_jax.eval.policies import DEFAULT_STOP, CheckpointPolicy, SamplingParams
 from agentrefine_jax.eval.runner import EvalConfig, run_eval
 from agentrefine_jax.inference.chat import ChatGenerator
@@ -64,12 +70,8 @@ def test_agentboard_pddl_greedy_actions_equal_with_fewer_prefilled_tokens(genera
         # prefix shared with the cached row shrinks (the truncation path) before the episodes end.
         model.context_length = CONTEXT
         logs = run_episodes(
-            task,
-            co,
-            specs,
-            Agent(model=model, system_suffix=vllm_system_suffix(co)),
-            max_steps=4,
-            batch_size=2,
+            episode_jobs(task, specs, 4),
+            AgentBoardProtocol(task, co, Agent(model=model, system_suffix=vllm_system_suffix(co)), 2),
         )
         out[reuse] = (logs, dict(generator.stats))
         assert _held(generator) == []  # every finished episode freed its row

@@ -9,12 +9,12 @@ import pytest
 from test_eval_checkpoint import CFG, save_random_checkpoint
 
 from agentrefine_jax.analyze.cli import main as analyze_main
-from agentrefine_jax.eval.agentboard.protocol import EpisodeLog
 from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
 from agentrefine_jax.eval.cli import main as eval_main
-from agentrefine_jax.eval.loop import EpisodeResult
+from agentrefine_jax.eval.core import EpisodeResult
 from agentrefine_jax.eval.metrics import (
-    agentboard_task_metrics,
+    AGENTBOARD_COLUMNS,
+    group_metrics,
     recovery_counts,
     recovery_rates,
     task_metrics,
@@ -77,15 +77,29 @@ def _builtin(turns, episode: int) -> EpisodeResult:
     )
 
 
-def _agentboard(turns, index: int) -> EpisodeLog:
+def _agentboard(turns, index: int) -> EpisodeResult:
     spec = EpisodeSpec(task="pddl", index=index, id=f"p{index}", difficulty="easy", info={})
     # AgentBoard's parser always yields an action; an unreadable reply is the raw text, rejected
     logged = [
         {"action": a if a is not None else "???", "observation": "", "progress": 0.0, "valid": v}
         for a, v in turns
     ]
-    return EpisodeLog(
-        spec, steps=len(turns), valid_steps=sum(v for _, v in turns), turns=logged, end="max_steps"
+    return EpisodeResult(
+        task="pddl",
+        variant="original",
+        episode=index,
+        sample=0,
+        spec=spec,
+        success=False,
+        progress=0.0,
+        steps=len(turns),
+        termination="max_steps",
+        error=None,
+        invalid_actions=sum(not v for _, v in turns),
+        format_errors=0,
+        seconds=0.0,
+        messages=[],
+        trace=logged,
     )
 
 
@@ -110,7 +124,7 @@ def test_both_sources_records_give_the_same_exact_rates():
     assert recovery_rates([_agentboard(EP1, 0), _agentboard(EP2, 1)]) == EXPECTED
     # the per-task metrics of both sources carry them
     assert {k: task_metrics(builtin)["original"]["demo_world"][k] for k in EXPECTED} == EXPECTED
-    ab = agentboard_task_metrics([_agentboard(EP1, 0), _agentboard(EP2, 1)])
+    ab = group_metrics([_agentboard(EP1, 0), _agentboard(EP2, 1)], AGENTBOARD_COLUMNS)
     assert {k: ab[k] for k in EXPECTED} == EXPECTED
     # nothing rejected: nothing to divide by
     clean = recovery_rates([_builtin([("look", True)] * 3, 0)])

@@ -103,7 +103,7 @@ def _runs(flags: Any) -> list[tuple[int, int]]:
 
 
 def _key(p: rollout.Played, case: Case) -> tuple:
-    """The episode's conversation key (eval/loop.job_key): phase 0 plays worlds rl.seed, rl.seed + 1."""
+    """The episode's conversation key (eval/core.job_key): phase 0 plays worlds rl.seed, rl.seed + 1."""
     return ("demo_world", 0, p.rollout.world - case.cfg.rl.seed, p.rollout.sample)
 
 

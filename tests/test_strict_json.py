@@ -11,7 +11,7 @@ import pathlib
 import pytest
 
 from agentrefine_jax import outputs
-from agentrefine_jax.eval.loop import EpisodeResult
+from agentrefine_jax.eval.core import EpisodeResult
 from agentrefine_jax.eval.metrics import HELD_OUT, summarize
 from agentrefine_jax.eval.perturb import summary
 

@@ -7,8 +7,9 @@ only when their task runs.
 """
 
 from agentrefine_jax.eval.config import EvalConfig
+from agentrefine_jax.eval.core import EpisodeJob, run_episodes
 from agentrefine_jax.eval.envs.base import EvalTask, StepResult, TextEnv
-from agentrefine_jax.eval.loop import EpisodeJob, EpisodeResult, run_episodes
+from agentrefine_jax.eval.loop import EpisodeResult
 from agentrefine_jax.eval.metrics import (
     PAPER_WEIGHTS,
     best_of_n,

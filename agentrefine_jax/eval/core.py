@@ -1,5 +1,6 @@
 """What every episode source shares: the environment interface, its step result, and the one episode engine.
 
+Both sources' episodes are one job type (`EpisodeJob`) and end as one record type (`EpisodeResult`).
 The engine is protocol-agnostic: a protocol object (our chat layout, `loop.ChatProtocol`; AgentBoard's,
 `agentboard/protocol.AgentBoardProtocol`) says how an episode starts, how a round of replies is obtained
 (prompt assembly, the actor call) and how a reply or a failure is applied (parsing, stepping, logging);
@@ -11,12 +12,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from agentrefine_jax.eval import progress
 from agentrefine_jax.eval.journal import Resume
-from agentrefine_jax.eval.policies import Reply, forget
+from agentrefine_jax.eval.policies import Reply, SamplingParams, forget
 
 if TYPE_CHECKING:
     from agentrefine_jax.eval.journal import Journal
@@ -53,6 +55,110 @@ class Env(Protocol):
     def valid_actions(self) -> list[str]: ...
 
     def close(self) -> None: ...
+
+
+@dataclasses.dataclass
+class EpisodeJob:
+    """One episode-sample to run, from either source: which task and episode, under which perturbation
+    variant (0: the original) and Best-of-N sample, with its step limit and seed. `spec` is what the task
+    builds the episode from (a built-in task's dict; AgentBoard's `EpisodeSpec`)."""
+
+    # Registered task name (reported in results; plug-ins may reuse a built-in EvalTask class).
+    name: str
+    task: Any
+    spec: Any
+    episode: int
+    perturbation: int
+    sample: int
+    max_steps: int
+    seed: int
+    # agentrefine_jax.layout style of the prompts: "chat" (multi-turn) or "agentboard" (one user message);
+    # the chat protocol's (AgentBoard's episodes are always in AgentBoard's own prompt).
+    prompt_style: str = "chat"
+    # None: the actor's own sampling settings (the greedy run beside Best-of-N overrides them).
+    sampling: SamplingParams | None = None
+
+
+def job_key(job: EpisodeJob) -> tuple[str, int, int, int]:
+    """The conversation an episode-sample is to a model actor and its journal key (distinct among a
+    run's jobs of one phase): task, perturbation variant, episode, sample."""
+    return (job.name, job.perturbation, job.episode, job.sample)
+
+
+def job_seed(seed: int, task: str, perturbation: int, episode: int, sample: int) -> int:
+    digest = hashlib.sha256(f"{seed}|{task}|{perturbation}|{episode}|{sample}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+# An AgentBoard end reason (its log's `end`) of each termination that is not an error's own text.
+_AGENTBOARD_END = {"success": "done", "env_done": "done", "max_steps": "max_steps"}
+
+
+@dataclasses.dataclass
+class EpisodeResult:
+    """One finished episode-sample, from either source: the one record every protocol returns, metrics
+    read and the writers turn into the results file (`to_json`) and AgentBoard's logs
+    (`agentboard.runner.agentboard_log`). `trace` has one entry per step (action, validity, progress; the
+    chat protocol adds whether it ran and success, AgentBoard's the observation and the raw reply)."""
+
+    task: str  # the registered task name that ran it
+    variant: str  # "original" or "perturbation_<k>"
+    episode: int
+    sample: int
+    spec: Any
+    success: bool
+    progress: float  # best-so-far
+    steps: int
+    # "success" | "env_done" (terminal failure) | "max_steps" | "context_overflow" | "error"
+    termination: str
+    error: str | None
+    invalid_actions: int
+    format_errors: int
+    seconds: float
+    messages: list[dict[str, str]]
+    trace: list[dict[str, Any]]
+    # What AgentBoard's log keeps beside these: the goal, the first observation, the most history items
+    # dropped for one prompt (truncation) and the last prompt sent. Not in the results record (`to_json`).
+    goal: str = ""
+    initial_observation: str = ""
+    dropped_history: int = 0
+    last_prompt: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The results file's episode record (schema /2)."""
+        out = dataclasses.asdict(self)
+        for k in ("goal", "initial_observation", "dropped_history", "last_prompt"):
+            del out[k]
+        return out
+
+    # AgentBoard's vocabulary for the same record, read by its log writer and its metrics.
+    @property
+    def turns(self) -> list[dict[str, Any]]:
+        """The trace, under AgentBoard's name for it (what readers of its episodes ask for)."""
+        return self.trace
+
+    @property
+    def valid_steps(self) -> int:
+        return sum(bool(t.get("valid")) for t in self.trace)
+
+    @property
+    def grounding(self) -> float:
+        return self.valid_steps / self.steps if self.steps else 0.0
+
+    @property
+    def score_change_record(self) -> list[tuple[int, float]]:
+        """(step, progress) at every step that raised the best-so-far progress."""
+        out, best = [], 0.0
+        for step, t in enumerate(self.trace):
+            if t["progress"] > best:
+                out.append((step, t["progress"]))
+                best = t["progress"]
+        return out
+
+    @property
+    def end(self) -> str:
+        """AgentBoard's end reason: "done", "max_steps", or the error ("model_error: ...", ...)."""
+        return _AGENTBOARD_END.get(self.termination) or str(self.error)
 
 
 class Running(Protocol):

@@ -8,24 +8,19 @@ turn is a step, as in AgentBoard: malformed replies and "check valid actions" co
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
 import time
 import traceback
-from collections.abc import Callable, Sequence
 from typing import Any
 
-from agentrefine_jax.eval import core
-from agentrefine_jax.eval.envs.base import EvalTask, TextEnv
-from agentrefine_jax.eval.journal import Journal
+from agentrefine_jax.eval.core import EpisodeJob, EpisodeResult, job_key
+from agentrefine_jax.eval.envs.base import TextEnv
 from agentrefine_jax.eval.perturb import variant_name
 from agentrefine_jax.eval.policies import (
     ActRequest,
     ContextOverflow,
     Policy,
     Reply,
-    SamplingParams,
     ask,
     is_privileged,
 )
@@ -39,56 +34,6 @@ from agentrefine_jax.layout import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class EpisodeJob:
-    # Registered task name (reported in results; plug-ins may reuse a built-in EvalTask class).
-    name: str
-    task: EvalTask
-    spec: dict[str, Any]
-    episode: int
-    perturbation: int
-    sample: int
-    max_steps: int
-    seed: int
-    # agentrefine_jax.layout style of the prompts: "chat" (multi-turn) or "agentboard" (one user message).
-    prompt_style: str = "chat"
-    # None: the actor's own sampling settings (the greedy run beside Best-of-N overrides them).
-    sampling: SamplingParams | None = None
-
-
-@dataclasses.dataclass
-class EpisodeResult:
-    task: str
-    variant: str
-    episode: int
-    sample: int
-    spec: dict[str, Any]
-    success: bool
-    progress: float
-    steps: int
-    # "success" | "env_done" (terminal failure) | "max_steps" | "context_overflow" | "error"
-    termination: str
-    error: str | None
-    invalid_actions: int
-    format_errors: int
-    seconds: float
-    messages: list[dict[str, str]]
-    trace: list[dict[str, Any]]
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def job_key(job: EpisodeJob) -> tuple[str, int, int, int]:
-    """The conversation an episode-sample is to a model actor (distinct among a run's jobs)."""
-    return (job.name, job.perturbation, job.episode, job.sample)
-
-
-def job_seed(seed: int, task: str, perturbation: int, episode: int, sample: int) -> int:
-    digest = hashlib.sha256(f"{seed}|{task}|{perturbation}|{episode}|{sample}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 class _Running:
@@ -229,22 +174,6 @@ class ChatProtocol:
     @staticmethod
     def load(job: EpisodeJob, record: dict[str, Any]) -> EpisodeResult:
         return EpisodeResult(**record)
-
-
-def run_episodes(
-    jobs: Sequence[EpisodeJob],
-    policy: Policy,
-    *,
-    batch_size: int = 8,
-    on_result: Callable[[EpisodeResult], None] | None = None,
-    journal: Journal | None = None,
-    phase: str = "main",
-) -> list[EpisodeResult]:
-    """Run every job to completion (the one engine, `core.run_episodes`); results come back in job
-    order. With a `journal`, episodes it holds (under `phase`) are not run again and every finished one
-    is appended."""
-    protocol = ChatProtocol(policy, batch_size)
-    return core.run_episodes(jobs, protocol, on_done=on_result, journal=journal, phase=[phase])
 
 
 def _advance(run: _Running, reply: str) -> str | None:

@@ -8,7 +8,7 @@ succeeds if any sample does and its progress is the max over samples.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from agentrefine_jax.eval import registry
@@ -44,32 +44,85 @@ def best_of_n(results: Iterable[Any]) -> dict[tuple[str, str, int], dict[str, fl
     return out
 
 
-def task_metrics(results: Sequence[Any]) -> dict[str, dict[str, dict[str, Any]]]:
-    """variant -> task -> metrics (Best-of-N rates, first-sample rates, counts)."""
+# The per-task metrics each source's results carry, in their order; one function (`group_metrics`) computes
+# them all from the one episode record. AgentBoard's: its `evaluate` (grounding, the easy/hard splits).
+BUILTIN_COLUMNS = (
+    *RATES,
+    "episodes",
+    "samples",
+    "first_sample_success_rate",
+    "first_sample_progress_rate",
+    "terminations",
+    "errors",
+    *BEHAVIOUR,
+    *RECOVERY,
+    "recovery_counts",
+)
+SPLITS = ("easy", "hard")  # AgentBoard's difficulty levels (test.jsonl)
+AGENTBOARD_COLUMNS = (
+    "episodes",
+    *AGENTBOARD_METRICS,
+    *(f"{m}_{split}" for split in SPLITS for m in RATES),
+    *RECOVERY,
+    "recovery_counts",
+)
+
+
+def task_metrics(
+    results: Sequence[Any], columns: Sequence[str] = BUILTIN_COLUMNS
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """variant -> task -> `group_metrics` of that variant's episodes of the task."""
     grouped: dict[tuple[str, str], list[Any]] = collections.defaultdict(list)
     for r in results:
         grouped[(_get(r, "variant"), _get(r, "task"))].append(r)
     out: dict[str, dict[str, dict[str, Any]]] = collections.defaultdict(dict)
     for (variant, task), rs in sorted(grouped.items()):
-        best = best_of_n(rs)
-        first = [r for r in rs if int(_get(r, "sample")) == 0]
-        terminations = collections.Counter(_get(r, "termination") for r in rs)
-        n = len(best)
-        out[variant][task] = (
-            {
-                "success_rate": sum(v["success"] for v in best.values()) / n,
-                "progress_rate": sum(v["progress"] for v in best.values()) / n,
-                "episodes": n,
-                "samples": len(rs),
-                "first_sample_success_rate": _mean(float(bool(_get(r, "success"))) for r in first),
-                "first_sample_progress_rate": _mean(float(_get(r, "progress")) for r in first),
-                "terminations": dict(sorted(terminations.items())),
-                "errors": terminations.get("error", 0),
-            }
-            | behaviour_rates(rs)
-            | recovery_rates(rs)
-        )
+        out[variant][task] = group_metrics(rs, columns)
     return dict(out)
+
+
+def group_metrics(results: Sequence[Any], columns: Sequence[str] = BUILTIN_COLUMNS) -> dict[str, Any]:
+    """One task's metrics (`columns`, in that order) over its episode records, every sample of one variant:
+    `success_rate`/`progress_rate` Best-of-N (per episode the best sample; with one sample the plain
+    mean), also per difficulty split (`success_rate_easy`, ...: episodes whose spec has that difficulty);
+    first-sample rates; counts; `grounding_acc` (the mean of the episodes' valid-step shares); the
+    behaviour and recovery rates. A rate over no episode is None (strict JSON has no NaN)."""
+
+    def rates(rs: Sequence[Any]) -> dict[str, float | None]:
+        best = list(best_of_n(rs).values())
+        return {
+            "success_rate": _mean_or_none([b["success"] for b in best]),
+            "progress_rate": _mean_or_none([b["progress"] for b in best]),
+        }
+
+    def split(level: str) -> list[Any]:
+        return [r for r in results if getattr(_get(r, "spec"), "difficulty", None) == level]
+
+    first = [r for r in results if int(_get(r, "sample")) == 0]
+
+    def ends() -> collections.Counter[str]:
+        return collections.Counter(_get(r, "termination") for r in results)
+
+    value: dict[str, Callable[[], Any]] = {
+        "episodes": lambda: len(best_of_n(results)),
+        "samples": lambda: len(results),
+        "first_sample_success_rate": lambda: _mean(float(bool(_get(r, "success"))) for r in first),
+        "first_sample_progress_rate": lambda: _mean(float(_get(r, "progress")) for r in first),
+        "terminations": lambda: dict(sorted(ends().items())),
+        "errors": lambda: ends().get("error", 0),
+        "grounding_acc": lambda: _mean_or_none([_get(r, "grounding") for r in results]),
+    }
+    for level in SPLITS:
+        for m in RATES:
+            value[f"{m}_{level}"] = lambda level=level, m=m: rates(split(level))[m]
+    for m in RATES:
+        value[m] = lambda m=m: rates(results)[m]
+    for group, keys in ((behaviour_rates, BEHAVIOUR), (recovery_rates, (*RECOVERY, "recovery_counts"))):
+        if any(k in columns for k in keys):
+            computed = group(results)
+            for k in keys:
+                value[k] = lambda k=k, computed=computed: computed[k]
+    return {c: value[c]() for c in columns}
 
 
 def episode_rates(r: Any) -> dict[str, float | None]:
@@ -95,9 +148,9 @@ def behaviour_rates(results: Sequence[Any]) -> dict[str, float | None]:
 
 
 def episode_turns(r: Any) -> list[tuple[str | None, bool]] | None:
-    """One episode's turns as (action, valid), from either source's record: the built-in `EpisodeResult`
-    (or its JSON) reads its `trace` (a reply the parser could not read has action None and is invalid),
-    AgentBoard's `EpisodeLog` (or its JSON) its `turns`. None when the record keeps no turns (AgentBoard's
+    """One episode's turns as (action, valid), from the record (`core.EpisodeResult`, or its JSON) of
+    either source: its `trace` (`turns` in AgentBoard's words; under the chat protocol a reply the parser
+    could not read has action None and is invalid). None when the record keeps no turns (AgentBoard's
     summary records in a results file)."""
     for key in ("trace", "turns"):
         if _has(r, key):
@@ -254,50 +307,10 @@ def _mean_or_none(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-# ----------------------------------------------------------------------------------------- AgentBoard source
-# An AgentBoard episode log (`agentboard/protocol.EpisodeLog`), read by its fields (spec, success, progress,
-# grounding, steps, end, turns): metrics sits below the episode sources and never imports them.
-EpisodeLog = Any
-
-
-def episode_record(log: EpisodeLog, task: str | None = None, variant: str = "original") -> dict[str, Any]:
-    """An AgentBoard-source episode in the results JSON; `task`: the registered name that ran it;
-    `variant`: the perturbation variant it ran under (as the built-in source's records say)."""
-    return {
-        "task": task or log.spec.task,
-        "variant": variant,
-        "index": log.spec.index,
-        "id": log.spec.id,
-        "difficulty": log.spec.difficulty,
-        "success": log.success,
-        "progress_rate": log.progress,
-        "grounding_acc": log.grounding,
-        "steps": log.steps,
-        "end": log.end,
-    }
-
-
-def agentboard_task_metrics(logs: Sequence[EpisodeLog]) -> dict[str, Any]:
-    """AgentBoard's per-task metrics; a split with no episode is null (AgentBoard writes 0)."""
-    out: dict[str, Any] = {"episodes": len(logs)}
-    rows = {
-        "success_rate": [float(x.success) for x in logs],
-        "progress_rate": [x.progress for x in logs],
-        "grounding_acc": [x.grounding for x in logs],
-    }
-    for key, values in rows.items():
-        out[key] = _mean_or_none(values)
-    for split in ("easy", "hard"):
-        picked = [x for x in logs if x.spec.difficulty == split]
-        out[f"success_rate_{split}"] = _mean_or_none([float(x.success) for x in picked])
-        out[f"progress_rate_{split}"] = _mean_or_none([x.progress for x in picked])
-    return out | recovery_rates(logs)
-
-
 def best_of_metrics(greedy: Sequence[Any], samples: Sequence[Any]) -> dict[str, Any]:
-    """Table 4 for one task, from episode records (`task`, `episode`, `sample`, `success`, `progress`;
-    mappings or objects): greedy, Best-of-N (success if any sample succeeds, progress the max), their
-    difference, and each sample's rates and their mean."""
+    """Table 4 for one task, from episode records (`core.EpisodeResult` of either source, or their JSON):
+    greedy, Best-of-N over the samples of the original variant (success if any sample succeeds, progress
+    the max), their difference, and each sample's rates and their mean."""
 
     def rates(rs: Sequence[Any]) -> dict[str, float]:
         return {
@@ -305,7 +318,7 @@ def best_of_metrics(greedy: Sequence[Any], samples: Sequence[Any]) -> dict[str, 
             "progress_rate": _mean(float(_get(r, "progress")) for r in rs),
         }
 
-    best = list(best_of_n({"variant": "original"} | _record(r) for r in samples).values())
+    best = list(best_of_n(samples).values())
     best_rates = {
         "success_rate": _mean(b["success"] for b in best),
         "progress_rate": _mean(b["progress"] for b in best),
@@ -323,10 +336,6 @@ def best_of_metrics(greedy: Sequence[Any], samples: Sequence[Any]) -> dict[str, 
         "per_sample": per_sample,
         "episodes": len(best),
     }
-
-
-def _record(r: Any) -> dict[str, Any]:
-    return {k: _get(r, k) for k in ("task", "episode", "sample", "success", "progress")}
 
 
 def best_of_held_out(per_task: Mapping[str, Mapping[str, Any]], names: Sequence[str]) -> dict[str, Any]:

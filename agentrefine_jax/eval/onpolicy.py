@@ -28,8 +28,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from agentrefine_jax.eval import core
+from agentrefine_jax.eval.core import EpisodeJob, job_seed
 from agentrefine_jax.eval.journal import Journal
-from agentrefine_jax.eval.loop import ChatProtocol, EpisodeJob, _Running, _start, job_seed
+from agentrefine_jax.eval.loop import ChatProtocol, _Running, _start
 from agentrefine_jax.eval.policies import PolicyError, Reply
 from agentrefine_jax.eval.registry import lookup, make_task
 from agentrefine_jax.layout import assistant_turn

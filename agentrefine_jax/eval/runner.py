@@ -9,9 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 from agentrefine_jax.eval.config import EvalConfig
+from agentrefine_jax.eval.core import EpisodeJob, job_seed, run_episodes
 from agentrefine_jax.eval.envs.base import EvalTask
 from agentrefine_jax.eval.journal import Journal
-from agentrefine_jax.eval.loop import EpisodeJob, EpisodeResult, job_seed, run_episodes
+from agentrefine_jax.eval.loop import ChatProtocol, EpisodeResult
 from agentrefine_jax.eval.metrics import best_of_metrics, task_metrics
 from agentrefine_jax.eval.perturb import variant_name
 from agentrefine_jax.eval.policies import Policy, is_privileged
@@ -92,7 +93,8 @@ def _run_task(
         )
 
     t0 = time.perf_counter()
-    results = run_episodes(jobs, policy, batch_size=config.batch_size, on_result=report, journal=journal)
+    protocol = ChatProtocol(policy, config.batch_size)
+    results = run_episodes(jobs, protocol, on_done=report, journal=journal, phase=["main"])
     log(f"{name}: {len(results)} runs in {time.perf_counter() - t0:.1f}s")
     return results
 
@@ -129,7 +131,7 @@ def _greedy(
     greedy = dataclasses.replace(policy.sampling, temperature=0.0)
     jobs = _jobs(name, task, [r.spec for r in original if r.sample == 0], config, 1, 1, greedy)
     log(f"{name}: greedy run of {len(jobs)} episodes beside Best-of-{config.best_of}")
-    return run_episodes(jobs, policy, batch_size=config.batch_size, journal=journal, phase="greedy")
+    return run_episodes(jobs, ChatProtocol(policy, config.batch_size), journal=journal, phase=["greedy"])
 
 
 def _best_of(

@@ -44,7 +44,8 @@ from typing import Any
 
 from agentrefine_jax.config import Config
 from agentrefine_jax.eval import core
-from agentrefine_jax.eval.loop import ChatProtocol, EpisodeJob, _Running, _start, job_key, job_seed
+from agentrefine_jax.eval.core import EpisodeJob, job_key, job_seed
+from agentrefine_jax.eval.loop import ChatProtocol, _Running, _start
 from agentrefine_jax.eval.onpolicy import plan
 from agentrefine_jax.eval.policies import DEFAULT_STOP, ContextOverflow, Reply
 from agentrefine_jax.rl.batch import Rollout

@@ -16,15 +16,15 @@ Written from the fact sheet (docs/eval.md, "AgentBoard protocol"), not from Agen
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
-from agentrefine_jax.eval import core
+from agentrefine_jax.eval import perturb
 from agentrefine_jax.eval.agentboard.checkout import CLONE, Checkout, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
 from agentrefine_jax.eval.config import AGENTBOARD_MAX_STEPS as DEFAULT_MAX_STEPS  # CFG run.max_num_steps
-from agentrefine_jax.eval.core import Env, StepResult
-from agentrefine_jax.eval.journal import Journal
+from agentrefine_jax.eval.core import Env, EpisodeJob, EpisodeResult, StepResult, job_key
 from agentrefine_jax.eval.policies import (
     RandomPolicy,  # noqa: F401 - the one random policy, re-exported
     Reply,
@@ -208,44 +208,23 @@ class ModelBackend(Protocol):
 # ----------------------------------------------------------------------------------------- episodes
 
 
-@dataclasses.dataclass
-class EpisodeLog:
-    """One episode's outcome and record, in AgentBoard's per-episode log vocabulary."""
-
-    spec: EpisodeSpec
-    goal: str = ""
-    success: bool = False
-    progress: float = 0.0
-    steps: int = 0
-    valid_steps: int = 0
-    score_change_record: list[tuple[int, float]] = dataclasses.field(default_factory=list)
-    turns: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # per step: action, obs, progress
-    initial_observation: str = ""
-    last_prompt: str | None = None
-    dropped_history: int = 0  # most history items dropped for one prompt (truncation)
-    end: str = ""  # "done" | "max_steps" | "model_error: ..." | "env_error: ..."
-    sample: int = 0  # Best-of-N sample index
-
-    @property
-    def grounding(self) -> float:
-        return self.valid_steps / self.steps if self.steps else 0.0
-
-
 class Episode:
-    """One running AgentBoard episode: env, memory and log. Drives the loop one step at a time so a model
+    """One running AgentBoard episode: env, memory and its record (`log`, the one `core.EpisodeResult`,
+    read in AgentBoard's vocabulary by its log writer). Drives the loop one step at a time so a model
     backend can answer many episodes in one batched call."""
 
-    def __init__(self, spec: EpisodeSpec, env: Env, task: Any, max_steps: int):
-        self.spec, self.env, self.task, self.max_steps = spec, env, task, max_steps
-        self.log = EpisodeLog(spec)
+    def __init__(self, job: EpisodeJob, env: Env):
+        self.job, self.env = job, env
+        self.spec, self.task, self.max_steps = job.spec, job.task, job.max_steps
+        variant = perturb.variant_name(job.perturbation)
+        self.log = EpisodeResult(
+            job.name, variant, job.episode, job.sample, job.spec, False, 0.0, 0, "", None, 0, 0, 0.0, [], []
+        )
+        self.t0 = time.perf_counter()
         self.memory: list[tuple[str, str]] = []
         self.finished = False
         self.prompt_set: PromptSet | None = None
         self.policy: Solver | None = None  # a privileged policy's solver for this episode
-
-    @property
-    def job(self) -> EpisodeSpec:
-        return self.spec
 
     def start(self) -> None:
         obs = self.env.reset()
@@ -265,17 +244,14 @@ class Episode:
 
     def apply(self, action: str) -> StepResult:
         """Take one (parsed) action; update memory, metrics and the log."""
-        step = self.log.steps
         result = self.env.step(action)
         # AgentBoard's tasks that parse the reply (ALFWorld's parseAction, Jericho's cut) log and remember the
         # parsed action: the history the model reads next shows what was executed.
         action = result.action if result.action is not None else action
         self.log.steps += 1
-        self.log.valid_steps += bool(result.valid)
-        if result.progress > self.log.progress:
-            self.log.score_change_record.append((step, result.progress))
+        self.log.invalid_actions += not result.valid
         self.log.progress = max(self.log.progress, result.progress)
-        self.log.turns.append(
+        self.log.trace.append(
             {
                 "action": action,
                 "observation": result.observation,
@@ -286,7 +262,7 @@ class Episode:
         self.memory += [("Action", action), ("Observation", result.observation)]
         if result.done:
             self.log.success = self.log.success or self.env_success(result)
-            self._finish("done")
+            self._finish("success" if self.log.success else "env_done")
         elif self.log.steps >= self.max_steps:
             self._finish("max_steps")
         return result
@@ -296,12 +272,14 @@ class Episode:
         success = getattr(self.env, "success", None)
         return bool(success) if success is not None else True
 
-    def fail(self, why: str) -> None:
-        self._finish(why)
+    def fail(self, why: str, termination: str = "error") -> None:
+        """End the episode on a failure; `why` is AgentBoard's end reason ("model_error: ...", ...)."""
+        self._finish(termination, why)
 
-    def _finish(self, why: str) -> None:
+    def _finish(self, termination: str, error: str | None = None) -> None:
         self.finished = True
-        self.log.end = why
+        self.log.termination, self.log.error = termination, error
+        self.log.seconds = round(time.perf_counter() - self.t0, 3)
         try:
             self.env.close()
         except Exception:  # noqa: BLE001 - closing must not mask the episode's result
@@ -331,43 +309,55 @@ def budget_fits(model: ModelBackend, system: str) -> Callable[[str], bool]:
     return lambda user: model.num_tokens(system, user) <= budget
 
 
+def episode_jobs(
+    task: Any,
+    specs: Sequence[EpisodeSpec],
+    max_steps: int = DEFAULT_MAX_STEPS,
+    *,
+    perturbation: int = 0,
+    sample: int = 0,
+) -> list[EpisodeJob]:
+    """The jobs of AgentBoard's episodes `specs` of `task`, in order, under reworded-action variant
+    `perturbation` (0: the original) as Best-of-N sample `sample`. Their seed is unused: a privileged
+    policy's comes from its `Agent`, a model backend draws its own."""
+    return [EpisodeJob(task.name, task, s, s.index, perturbation, sample, max_steps, seed=0) for s in specs]
+
+
+def reworded(prompt: PromptSet, perturbation: int) -> PromptSet:
+    """The prompt set of reworded-action variant `perturbation` (Table 3): instruction and examples speak
+    the variant's action words."""
+    rw = perturb.rewording(perturbation)
+    instruction, examples = perturb.reword_prompt(rw, prompt.instruction, prompt.examples)
+    return PromptSet(instruction, examples, prompt.system_msg)
+
+
 class AgentBoardProtocol:
     """AgentBoard's loop for `core.run_episodes`: its prompt (fitted to the budget), its parser on
-    every reply, its end reasons. A privileged policy answers one episode at a time from the env."""
+    every reply, its end reasons. A privileged policy answers one episode at a time from the env. A job's
+    perturbation k > 0 runs the episode under reworded-action variant k: the env reads the variant's
+    actions and the prompt speaks them."""
 
     source = "agentboard"
 
-    def __init__(
-        self,
-        task: Any,
-        checkout: Checkout,
-        agent: Agent,
-        max_steps: int,
-        batch_size: int,
-        wrap_env: Callable[[Any], Any] | None,
-        reword_prompt: Callable[[PromptSet], PromptSet] | None,
-    ):
-        self.task, self.checkout, self.agent, self.max_steps = task, checkout, agent, max_steps
-        self.wrap_env, self.reword_prompt = wrap_env, reword_prompt
+    def __init__(self, task: Any, checkout: Checkout, agent: Agent, batch_size: int = 1):
+        self.task, self.checkout, self.agent = task, checkout, agent
         self.actor = agent.model
         width = max(1, batch_size if agent.model is not None else 1)
         self.width = min(width, getattr(task, "max_in_flight", width))  # e.g. one JVM per SciWorld episode
 
-    @staticmethod
-    def key(spec: EpisodeSpec) -> tuple[str, int, int]:
-        return (spec.task, spec.index, int(spec.info.get("sample", 0)))
+    key = staticmethod(job_key)
 
-    def start(self, spec: EpisodeSpec) -> Episode:
-        task, agent = self.task, self.agent
+    def start(self, job: EpisodeJob) -> Episode:
+        task, agent, spec = self.task, self.agent, job.spec
         env = task.make_env(self.checkout, spec)
-        if self.wrap_env is not None:
-            env = self.wrap_env(env)
-        ep = Episode(spec, env, task, self.max_steps)
+        if job.perturbation:
+            env = perturb.RewordedEnv(env, perturb.rewording(job.perturbation))
+        ep = Episode(job, env)
         try:
             if agent.model is not None:
                 ep.prompt_set = load_prompt_set(self.checkout, task.prompt_file, task.examples_key(spec))
-                if self.reword_prompt is not None:
-                    ep.prompt_set = self.reword_prompt(ep.prompt_set)
+                if job.perturbation:
+                    ep.prompt_set = reworded(ep.prompt_set, job.perturbation)
             ep.start()
         except CheckoutError:
             env.close()
@@ -390,13 +380,13 @@ class AgentBoardProtocol:
             try:
                 user, dropped = fit_history(ep.head(), ep.memory, budget_fits(model, system))
             except PromptTooLong as e:
-                ep.fail(f"prompt_too_long: {e}")
+                ep.fail(f"prompt_too_long: {e}", "context_overflow")
                 user, dropped = "", 0
             ep.log.dropped_history = max(ep.log.dropped_history, dropped)
             ep.log.last_prompt = user
             batch.append((system, user))
         live = [k for k, ep in enumerate(active) if not ep.finished]
-        keys = [self.key(active[k].spec) for k in live]
+        keys = [self.key(active[k].job) for k in live]
         replies = model.generate([batch[k] for k in live], keys) if live else []
         return [
             (active[k], reply if isinstance(reply, Exception) else as_reply(reply))
@@ -412,17 +402,16 @@ class AgentBoardProtocol:
         ep.fail(f"{who}_error: {type(error).__name__}: {error}")
 
     @staticmethod
-    def result(ep: Episode) -> EpisodeLog:
+    def result(ep: Episode) -> EpisodeResult:
         return ep.log
 
     @staticmethod
-    def dump(log: EpisodeLog) -> dict[str, Any]:
+    def dump(log: EpisodeResult) -> dict[str, Any]:
         return dataclasses.asdict(log) | {"spec": None}
 
     @staticmethod
-    def load(spec: EpisodeSpec, record: dict[str, Any]) -> EpisodeLog:
-        scores = [(int(s), float(p)) for s, p in record["score_change_record"]]
-        return EpisodeLog(**(record | {"spec": spec, "score_change_record": scores}))
+    def load(job: EpisodeJob, record: dict[str, Any]) -> EpisodeResult:
+        return EpisodeResult(**(record | {"spec": job.spec}))
 
 
 def _act(ep: Episode) -> Reply | Exception:
@@ -435,36 +424,11 @@ def _act(ep: Episode) -> Reply | Exception:
         return e
 
 
-def run_episodes(
-    task: Any,
-    checkout: Checkout,
-    specs: Sequence[EpisodeSpec],
-    agent: Agent,
-    *,
-    max_steps: int = DEFAULT_MAX_STEPS,
-    batch_size: int = 1,
-    on_done: Callable[[EpisodeLog], None] | None = None,
-    wrap_env: Callable[[Any], Any] | None = None,
-    reword_prompt: Callable[[PromptSet], PromptSet] | None = None,
-    journal: Journal | None = None,
-    phase: Sequence[Any] = ("main",),
-) -> list[EpisodeLog]:
-    """Run every episode of `specs` under AgentBoard's loop (the one engine, `core.run_episodes`);
-    results in `specs` order.
-
-    With a model backend, up to `batch_size` episodes are in flight and each step is one batched call. Prompts
-    (and therefore the prompt file) are only built for a model; a privileged policy sees the env and history.
-    `wrap_env` and `reword_prompt` apply a perturbation (reworded actions) to every episode's env and prompt.
-    """
-    protocol = AgentBoardProtocol(task, checkout, agent, max_steps, batch_size, wrap_env, reword_prompt)
-    return core.run_episodes(specs, protocol, on_done=on_done, journal=journal, phase=phase)
-
-
 def _step(ep: Episode, action: str, reply: str) -> None:
     try:
         ep.apply(action)
     except Exception as e:  # noqa: BLE001 - a simulator crash ends this episode, reported with its step
         ep.fail(f"env_error: {type(e).__name__}: {e}")
         return
-    if reply != ep.log.turns[-1]["action"]:
-        ep.log.turns[-1]["reply"] = reply
+    if reply != ep.log.trace[-1]["action"]:
+        ep.log.trace[-1]["reply"] = reply

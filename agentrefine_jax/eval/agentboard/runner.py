@@ -19,15 +19,15 @@ from agentrefine_jax.eval.agentboard.checkout import Checkout
 from agentrefine_jax.eval.agentboard.protocol import (
     MAX_NEW_TOKENS,
     Agent,
-    EpisodeLog,
+    AgentBoardProtocol,
     ModelBackend,
-    run_episodes,
+    episode_jobs,
     vllm_system_suffix,
 )
 from agentrefine_jax.eval.config import EvalConfig
+from agentrefine_jax.eval.core import EpisodeResult, run_episodes
 from agentrefine_jax.eval.journal import Journal
-from agentrefine_jax.eval.metrics import agentboard_task_metrics as task_metrics
-from agentrefine_jax.eval.metrics import best_of_metrics, episode_record
+from agentrefine_jax.eval.metrics import AGENTBOARD_COLUMNS, best_of_metrics, group_metrics
 from agentrefine_jax.eval.perturb import variant_name
 from agentrefine_jax.eval.policies import (
     ActRequest,
@@ -144,10 +144,10 @@ def checkpoint_model(
 # ----------------------------------------------------------------------------------------- logs
 
 
-def _trajectory(log: EpisodeLog) -> dict[str, Any]:
+def _trajectory(log: EpisodeResult) -> dict[str, Any]:
     # AgentBoard keys its trajectory by step; its step-0 observation overwrites the initial one.
     traj: dict[str, Any] = {}
-    for k, turn in enumerate(log.turns):
+    for k, turn in enumerate(log.trace):
         entry: dict[str, Any] = {}
         if k == 0:
             entry["Goal"] = log.goal
@@ -158,7 +158,7 @@ def _trajectory(log: EpisodeLog) -> dict[str, Any]:
     return traj
 
 
-def agentboard_log(log: EpisodeLog) -> dict[str, Any]:
+def agentboard_log(log: EpisodeResult) -> dict[str, Any]:
     rec = {
         "id": log.spec.index,
         "task_name": log.spec.info.get("task_name", log.spec.info.get("game", log.spec.task)),
@@ -180,6 +180,22 @@ def agentboard_log(log: EpisodeLog) -> dict[str, Any]:
     return rec
 
 
+def episode_record(r: EpisodeResult) -> dict[str, Any]:
+    """An AgentBoard-source episode in the results JSON (its summary: the transcript is in the logs)."""
+    return {
+        "task": r.task,
+        "variant": r.variant,
+        "index": r.spec.index,
+        "id": r.spec.id,
+        "difficulty": r.spec.difficulty,
+        "success": r.success,
+        "progress_rate": r.progress,
+        "grounding_acc": r.grounding,
+        "steps": r.steps,
+        "end": r.end,
+    }
+
+
 class LogWriter:
     """{dir}/logs/<task>.jsonl (indent=2 objects), {dir}/<task>.txt summary lines, {dir}/all_results.txt."""
 
@@ -187,7 +203,7 @@ class LogWriter:
         self.root = root
         os.makedirs(os.path.join(root, "logs"), exist_ok=True)
 
-    def episode(self, task: str, log: EpisodeLog) -> None:
+    def episode(self, task: str, log: EpisodeResult) -> None:
         name = AGENTBOARD_NAMES.get(task, task)
         with open(os.path.join(self.root, "logs", f"{name}.jsonl"), "a", encoding="utf-8") as f:
             f.write(json_dumps(agentboard_log(log), ensure_ascii=False, indent=2) + "\n")
@@ -244,7 +260,7 @@ def run(
         specs = episodes[task.name][: config.episodes] if config.episodes else episodes[task.name]
         t0 = time.time()
 
-        def report(ep: EpisodeLog, task: Any = task, specs: list = specs) -> None:
+        def report(ep: EpisodeResult, task: Any = task, specs: list = specs) -> None:
             log(
                 f"[agentboard] {task.name} {ep.spec.index + 1}/{len(specs)} {ep.spec.id}: "
                 f"success={int(ep.success)} progress={ep.progress:.3f} steps={ep.steps} ({ep.end})"
@@ -269,30 +285,27 @@ def run(
                     "tasks": {},
                     "episodes": [],
                 }
-                bon["tasks"][task.name] = best_of_metrics(
-                    [_rec(x, task.name) for x in logs], [_rec(x, task.name) for x in samples]
-                )
+                bon["tasks"][task.name] = best_of_metrics(logs, samples)
                 bon["episodes"] += [
-                    episode_record(x, task.name)
-                    | {"sample": x.sample, "actions": [t["action"] for t in x.turns]}
+                    episode_record(x) | {"sample": x.sample, "actions": [t["action"] for t in x.trace]}
                     for x in samples
                 ]
         finally:
             task.close()
-        metrics = task_metrics(logs) | {"seconds": round(time.time() - t0, 1)}
+        metrics = group_metrics(logs, AGENTBOARD_COLUMNS) | {"seconds": round(time.time() - t0, 1)}
         if config.episodes:
             metrics["limited_to"] = config.episodes
         per_task[task.name] = metrics
-        records += [episode_record(x, task.name) for x in logs]
+        records += [episode_record(x) for x in logs]
         if writer is not None:
             writer.task(task.name, metrics)
         if config.perturbations and task.name == "alfworld":
             for k, plogs in _perturbed(
                 task, checkout, specs, agent, config, log, [*phase, "perturb"], journal
             ):
-                m = {"rewording": perturb.rewording(k).name} | task_metrics(plogs)
+                m = {"rewording": perturb.rewording(k).name} | group_metrics(plogs, AGENTBOARD_COLUMNS)
                 variants.setdefault(variant_name(k), {})[task.name] = m
-                records += [episode_record(x, task.name, variant_name(k)) for x in plogs]
+                records += [episode_record(x) for x in plogs]
     extra: dict[str, Any] = {"agentboard_dir": str(checkout.root), "max_steps": config.max_steps}
     notes = [n for t in tasks for n in getattr(t, "notes", [])]
     if notes:
@@ -311,11 +324,26 @@ def run(
 
 
 def _episodes(
-    task: Any, checkout: Checkout, specs: Sequence[Any], agent: Agent, config: EvalConfig, **kw: Any
-) -> list[EpisodeLog]:
-    return run_episodes(
-        task, checkout, specs, agent, max_steps=config.max_steps, batch_size=config.batch_size, **kw
-    )
+    task: Any,
+    checkout: Checkout,
+    specs: Sequence[Any],
+    agent: Agent,
+    config: EvalConfig,
+    *,
+    perturbations: Sequence[int] = (0,),
+    samples: Sequence[int] = (0,),
+    **kw: Any,
+) -> list[EpisodeResult]:
+    """Every episode of `specs` under each perturbation variant and as each Best-of-N sample (in that
+    order: variant, sample, episode), all in one engine call."""
+    assert config.max_steps is not None  # validate() resolved AgentBoard's default
+    jobs = [
+        job
+        for p in perturbations
+        for k in samples
+        for job in episode_jobs(task, specs, config.max_steps, perturbation=p, sample=k)
+    ]
+    return run_episodes(jobs, AgentBoardProtocol(task, checkout, agent, config.batch_size), **kw)
 
 
 # ----------------------------------------------------------------------------------------- Best-of-N
@@ -337,7 +365,7 @@ def _samples(
     task: Any,
     checkout: Checkout,
     specs: Sequence[Any],
-    greedy: Sequence[EpisodeLog],
+    greedy: Sequence[EpisodeResult],
     model: ModelBackend | None,
     policy: str | None,
     suffix: str,
@@ -345,7 +373,7 @@ def _samples(
     log: Callable[[str], None],
     phase: list[Any],
     jr: dict[str, Any],
-) -> list[EpisodeLog]:
+) -> list[EpisodeResult]:
     """`config.best_of` samples of every episode. A model decodes at the temperature and all samples of all
     episodes share the batched calls; the random policy draws sample k with its own seed (sample 0 = the
     greedy run's); the oracle is deterministic, so its samples are the greedy run."""
@@ -355,27 +383,14 @@ def _samples(
         out = [dataclasses.replace(x, sample=k) for k in range(n) for x in greedy]
     elif model is not None:
         sampled = model.sampled(float(config.temperature or 0.0), config.top_p, config.seed)
-        jobs = [dataclasses.replace(s, info={**s.info, "sample": k}) for k in range(n) for s in specs]
         agent = Agent(model=sampled, system_suffix=suffix)
-        logs = _episodes(task, checkout, jobs, agent, config, phase=phase, **jr)
-        out = [dataclasses.replace(x, sample=j // len(specs)) for j, x in enumerate(logs)]
+        out = _episodes(task, checkout, specs, agent, config, samples=range(n), phase=phase, **jr)
     else:
         out = []
         for k in range(n):
             agent = _agent(None, policy, config.seed, suffix, sample=k)
-            logs = _episodes(task, checkout, specs, agent, config, phase=[*phase, k], **jr)
-            out += [dataclasses.replace(x, sample=k) for x in logs]
+            out += _episodes(task, checkout, specs, agent, config, samples=[k], phase=[*phase, k], **jr)
     return out
-
-
-def _rec(x: EpisodeLog, task: str) -> dict[str, Any]:
-    return {
-        "task": task,
-        "episode": x.spec.index,
-        "sample": x.sample,
-        "success": x.success,
-        "progress": x.progress,
-    }
 
 
 def _perturbed(
@@ -387,33 +402,15 @@ def _perturbed(
     log: Callable[[str], None],
     phase: list[Any],
     journal: Journal | None,
-) -> list[tuple[int, list[EpisodeLog]]]:
-    """(k, episodes) of the task's episodes again under each reworded-action variant k (Table 3)."""
-    from agentrefine_jax.eval.agentboard.protocol import PromptSet
-
-    variants = []
-    for k in range(1, config.perturbations + 1):
-        rw = perturb.rewording(k)
-
-        def reword(ps: PromptSet, rw: Any = rw) -> PromptSet:
-            instruction, examples = perturb.reword_prompt(rw, ps.instruction, ps.examples)
-            return PromptSet(instruction, examples, ps.system_msg)
-
-        log(f"[agentboard] {task.name}: perturbation {k} ({rw.name})")
-        wrap = lambda env, rw=rw: perturb.RewordedEnv(env, rw)  # noqa: E731
-        logs = _episodes(
-            task,
-            checkout,
-            specs,
-            agent,
-            config,
-            wrap_env=wrap,
-            reword_prompt=reword,
-            phase=[*phase, k],
-            journal=journal,
-        )
-        variants.append((k, logs))
-    return variants
+) -> list[tuple[int, list[EpisodeResult]]]:
+    """(k, episodes) of the task's episodes again under each reworded-action variant k (Table 3). The
+    variants' jobs run together, as the built-in source's do: a model answers them in the same batches."""
+    ks = range(1, config.perturbations + 1)
+    for k in ks:
+        log(f"[agentboard] {task.name}: perturbation {k} ({perturb.rewording(k).name})")
+    logs = _episodes(task, checkout, specs, agent, config, perturbations=ks, phase=phase, journal=journal)
+    n = len(specs)
+    return [(k, logs[i * n : (i + 1) * n]) for i, k in enumerate(ks)]
 
 
 # ----------------------------------------------------------------------------------------- run directories
