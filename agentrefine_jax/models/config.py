@@ -106,8 +106,9 @@ class Execution:
     # Storage dtype of parameters (master weights) vs the dtype matmuls run in.
     param_dtype: str = "float32"
     dtype: str = "bfloat16"
-    # "none" | "full" | "dots" | "dots_no_batch" | "save_attn_out": what the backward pass keeps.
-    remat_policy: str = "none"
+    # "auto" | "none" | "full" | "dots" | "dots_no_batch" | "save_attn_out": what the backward pass
+    # keeps. "auto" = "dots" in the CPU layout, "none" elsewhere (models/execution.py).
+    remat_policy: str = "auto"
     # lax.scan over the stacked layers: one compiled layer body instead of N copies.
     scan_layers: bool = True
     # Queries are processed in blocks of this many tokens so the [heads, S, S] score
@@ -201,7 +202,7 @@ def same_value(a: object, b: object) -> bool:
 
 # The floating-point dtypes a model may store or compute in: the one list (config checks, CLIs).
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_attn_out")
+REMAT_POLICIES = ("auto", "none", "full", "dots", "dots_no_batch", "save_attn_out")
 ATTENTION_IMPLS = ("auto", "xla", "splash", "cudnn")
 
 _LLAMA3_8B = ModelConfig()
