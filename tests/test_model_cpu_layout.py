@@ -69,9 +69,9 @@ def test_cpu_layout_with_remat_scans_the_layers_and_keeps_the_numbers():
     unrolled = dataclasses.replace(CFG, cpu_layout=True, remat_policy="none")
     assert not resolve(unrolled, "cpu").scan_full_sequence
     assert resolve(dataclasses.replace(CFG, cpu_layout=True, remat_policy="full"), "cpu").scan_full_sequence
-    # The default ("auto"): dot outputs saved over the scanned layers on CPU, no remat on TPU.
+    # The default ("auto"): the projections' outputs saved over the scanned layers on CPU, no remat on TPU.
     on_cpu, on_tpu = resolve(CFG, "cpu"), resolve(CFG, "tpu")
-    assert (on_cpu.remat_policy, on_cpu.scan_full_sequence) == ("dots", True)
+    assert (on_cpu.remat_policy, on_cpu.scan_full_sequence) == ("dots_no_batch", True)
     assert on_tpu.remat_policy == "none"
     rng = np.random.RandomState(3)
     seg = np.array([[1] * 20 + [2] * 12, [1] * 32])

@@ -107,7 +107,7 @@ class Execution:
     param_dtype: str = "float32"
     dtype: str = "bfloat16"
     # "auto" | "none" | "full" | "dots" | "dots_no_batch" | "save_attn_out": what the backward pass
-    # keeps. "auto" = "dots" in the CPU layout, "none" elsewhere (models/execution.py).
+    # keeps. "auto" = "dots_no_batch" in the CPU layout, "none" elsewhere (models/execution.py).
     remat_policy: str = "auto"
     # lax.scan over the stacked layers: one compiled layer body instead of N copies.
     scan_layers: bool = True
@@ -126,7 +126,8 @@ class Execution:
     splash_block_kv: int = 512
     splash_block_kv_compute: int = 512
     # 2-D projections (models/cpu_layout.py) and one-batch-dimension attention dots
-    # (attention.attend_flat), layers unrolled: faster on XLA:CPU, same numbers; training (no KV
+    # (attention.attend_flat), layers scanned under remat "dots_no_batch" by default (remat_policy "auto";
+    # unrolled with "none"): faster on XLA:CPU, same numbers; training (no KV
     # cache) only, except that decode loops then unroll the layers over per-layer cache arrays
     # (inference/engine.py). "auto" = on when the step's devices are CPUs (models/execution.py).
     cpu_layout: bool | str = "auto"
