@@ -66,8 +66,13 @@ def test_cpu_layout_with_remat_scans_the_layers_and_keeps_the_numbers():
     real model"). Same loss and gradients as the unrolled layout without remat."""
     from agentrefine_jax.models.execution import resolve
 
-    assert not resolve(dataclasses.replace(CFG, cpu_layout=True), "cpu").scan_full_sequence
+    unrolled = dataclasses.replace(CFG, cpu_layout=True, remat_policy="none")
+    assert not resolve(unrolled, "cpu").scan_full_sequence
     assert resolve(dataclasses.replace(CFG, cpu_layout=True, remat_policy="full"), "cpu").scan_full_sequence
+    # The default ("auto"): the projections' outputs saved over the scanned layers on CPU, no remat on TPU.
+    on_cpu, on_tpu = resolve(CFG, "cpu"), resolve(CFG, "tpu")
+    assert (on_cpu.remat_policy, on_cpu.scan_full_sequence) == ("dots_no_batch", True)
+    assert on_tpu.remat_policy == "none"
     rng = np.random.RandomState(3)
     seg = np.array([[1] * 20 + [2] * 12, [1] * 32])
     batch = {
@@ -95,7 +100,7 @@ def test_cpu_layout_gradient_stacks_the_layers_grads_without_padding_each():
     slice per layer, each slice's gradient was the whole stacked array zero-padded around it, and XLA:CPU
     summed the padded copies in a fusion reading every layer per element (~0.9 s of SmolLM2's 4 s train
     step, README "Benchmarks"). The compiled gradient must build each stacked gradient without a pad."""
-    cfg = dataclasses.replace(CFG, cpu_layout=True, num_layers=4)
+    cfg = dataclasses.replace(CFG, cpu_layout=True, num_layers=4, remat_policy="none")  # unrolled
     model = create(cfg, seed=0)
     graphdef, params = nnx.graphdef(model), nnx.to_pure_dict(nnx.state(model, nnx.Param))
     ids = jnp.zeros((1, 8), jnp.int32)

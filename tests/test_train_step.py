@@ -119,6 +119,25 @@ def test_batch_without_loss_tokens_does_not_update_params():
     jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, params))
 
 
+def test_step_updates_the_donated_state_without_copying_it():
+    """The step writes the new params and AdamW moments into the donated buffers. Its guard against a
+    bad batch, as a select per leaf, read each old moment beside the in-place update, and XLA:CPU then
+    copied every moment first (1.1 GB per SmolLM2-135M step, docs/scale.md "CPU memory of a real
+    model"); the compiled step must hold no copy of a parameter or moment array."""
+    opt, _ = make_optimizer(OptimConfig(learning_rate=1e-2), 10)
+    mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    fns = build_steps(CFG, opt, mesh, MeshConfig().rules, global_batch=8, micro_batch=None, loss_chunk=16)
+    params = fns.init_params(0)
+    batch = {k: jnp.asarray(v) for k, v in _batch().items()}
+    hlo = fns.train.lower(params, fns.init_opt(params), batch).compile().as_text()
+    state_copies = [
+        line.strip()[:120]
+        for line in hlo.splitlines()
+        if " copy(%" in line and ("copy(%opt_state" in line or "copy(%params" in line) and " f32[" in line
+    ]
+    assert not state_copies, state_copies
+
+
 def test_cosine_schedule_without_warmup_is_the_paper_schedule():
     sched = learning_rate_schedule(OptimConfig(learning_rate=5e-6, warmup_steps=0), 100)
     for step in (0, 25, 50, 99):

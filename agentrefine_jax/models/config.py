@@ -106,8 +106,9 @@ class Execution:
     # Storage dtype of parameters (master weights) vs the dtype matmuls run in.
     param_dtype: str = "float32"
     dtype: str = "bfloat16"
-    # "none" | "full" | "dots" | "dots_no_batch" | "save_attn_out": what the backward pass keeps.
-    remat_policy: str = "none"
+    # "auto" | "none" | "full" | "dots" | "dots_no_batch" | "save_attn_out": what the backward pass
+    # keeps. "auto" = "dots_no_batch" in the CPU layout, "none" elsewhere (models/execution.py).
+    remat_policy: str = "auto"
     # lax.scan over the stacked layers: one compiled layer body instead of N copies.
     scan_layers: bool = True
     # Queries are processed in blocks of this many tokens so the [heads, S, S] score
@@ -125,7 +126,8 @@ class Execution:
     splash_block_kv: int = 512
     splash_block_kv_compute: int = 512
     # 2-D projections (models/cpu_layout.py) and one-batch-dimension attention dots
-    # (attention.attend_flat), layers unrolled: faster on XLA:CPU, same numbers; training (no KV
+    # (attention.attend_flat), layers scanned under remat "dots_no_batch" by default (remat_policy "auto";
+    # unrolled with "none"): faster on XLA:CPU, same numbers; training (no KV
     # cache) only, except that decode loops then unroll the layers over per-layer cache arrays
     # (inference/engine.py). "auto" = on when the step's devices are CPUs (models/execution.py).
     cpu_layout: bool | str = "auto"
@@ -201,7 +203,7 @@ def same_value(a: object, b: object) -> bool:
 
 # The floating-point dtypes a model may store or compute in: the one list (config checks, CLIs).
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_attn_out")
+REMAT_POLICIES = ("auto", "none", "full", "dots", "dots_no_batch", "save_attn_out")
 ATTENTION_IMPLS = ("auto", "xla", "splash", "cudnn")
 
 _LLAMA3_8B = ModelConfig()

@@ -7,9 +7,11 @@ one-batch-dimension dots over [B*KVH, G*S, D] (`attention.attend_flat`). Same pr
 float32 accumulation: the numbers match the default layout to float32 rounding
 (tests/test_model_cpu_layout.py).
 
-The layers also run unrolled rather than under `lax.scan` (unless a remat policy is set, which
-only a scanned stack honours on XLA:CPU: `ExecutionPlan.scan_full_sequence`): XLA:CPU fuses across
-an unrolled stack, and the small models a CPU trains compile quickly either way.
+The layers run unrolled rather than under `lax.scan` only with `model.remat_policy=none`; a remat
+policy, which only a scanned stack honours on XLA:CPU, scans them (`ExecutionPlan.scan_full_sequence`),
+and the default ("auto") is the policy "dots_no_batch" here: on SmolLM2's train step the unrolled stack kept
+every layer's weight copy and elementwise intermediates until the backward pass (docs/scale.md,
+"CPU memory of a real model").
 
 "auto" turns it on exactly when the step's devices are CPUs — the mesh's, so an
 ahead-of-time compile for a TPU slice on a CPU host still gets the TPU layout; the choice is made

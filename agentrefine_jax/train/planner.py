@@ -22,7 +22,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from agentrefine_jax.models.execution import attention_kernel
+from agentrefine_jax.models.execution import attention_kernel, resolve
 from agentrefine_jax.models.lora import resolve_base_dtype
 from agentrefine_jax.sharding import MESH_AXES, parse_mesh_sizes
 from agentrefine_jax.train.topology import HBM_BYTES, PEAK_FLOPS, GiB
@@ -535,7 +535,7 @@ def plan(
         if held.mode != "full"
         else None,
         "compute_dtype": model_cfg.dtype,
-        "remat_policy": model_cfg.remat_policy,
+        "remat_policy": resolve(model_cfg, "tpu").remat_policy,  # "auto" as the TPU step has it
         "attention_block_size": model_cfg.attention_block_size,
         "seq_len": seq,
         "global_batch": gb,
