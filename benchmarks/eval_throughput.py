@@ -234,8 +234,12 @@ def reply_gap(gen: Any, torch_model: Any, messages: list, ours: str, theirs: str
     import numpy as np
     import torch
 
-    common = os.path.commonprefix([ours, theirs])
-    ids = gen.encode(messages) + (gen.template.encode_text([common])[0] if common else [])
+    # The replies' common tokens (each reply re-encoded: greedy output is the tokenizer's own encoding
+    # of its text in all but rare cases), so the row ends at a token boundary both stacks passed.
+    a, b = gen.template.encode_text([ours, theirs])
+    k = len(os.path.commonprefix([a, b]))
+    common = gen.template.decode(a[:k])
+    ids = gen.encode(messages) + a[:k]
     with torch.inference_mode():
         hf = torch_model(torch.tensor([ids])).logits[0, -1].float().numpy()
     mine = np.asarray(gen.model(jnp.asarray([ids], jnp.int32))[0, -1], np.float32)
@@ -282,7 +286,12 @@ def main() -> int:
     log(_machine.header(info))
     hf_dir = smollm2_dir()
     sampling = SamplingParams(0.0, 1.0, args.max_new_tokens, DEFAULT_STOP)
-    gen = ChatGenerator.from_checkpoint(str(hf_dir), name="smollm2_135m")
+    # float32 compute and weights, as transformers runs: an HF directory otherwise loads with the
+    # project's default compute dtype, bfloat16 (models/config.py), which is what made the first
+    # run's replies differ from transformers' (not a near-tie: logits ~0.3-1.1 apart).
+    gen = ChatGenerator.from_checkpoint(
+        str(hf_dir), name="smollm2_135m", dtype="float32", weights_dtype="float32"
+    )
     log(
         f"SmolLM2-135M-Instruct float32; tasks {', '.join(args.tasks)}: {args.episodes} episodes each, "
         f"<= {args.max_steps or 'the task default'} turns, {args.batch_size} in flight, "
