@@ -77,7 +77,9 @@ class Recorded:
 
     def act(self, requests: Sequence[Any]) -> list[Any]:
         replies = self.inner.act(requests)
-        self.calls.append([(list(r.messages), str(a)) for r, a in zip(requests, replies, strict=True)])
+        # A checkpoint actor answers with `Reply`s (text plus the sampled ids); the text is what is compared.
+        texts = [getattr(a, "text", a) for a in replies]
+        self.calls.append([(list(r.messages), str(t)) for r, t in zip(requests, texts, strict=True)])
         return replies
 
     def forget(self, key: Hashable) -> None:
