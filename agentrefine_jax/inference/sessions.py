@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -171,7 +171,9 @@ def _resize(cache: dict, columns: int) -> dict:
     }
 
 
-def _map(f, a: jax.Array | tuple, b: jax.Array | tuple) -> jax.Array | tuple:
+def _map(
+    f: Callable[[jax.Array, jax.Array], jax.Array], a: jax.Array | tuple, b: jax.Array | tuple
+) -> jax.Array | tuple:
     """`f` on K (or V) and its rows' update, per layer or vmapped over the stacked layers."""
     if isinstance(a, tuple):
         return tuple(f(x, y) for x, y in zip(a, b, strict=True))
