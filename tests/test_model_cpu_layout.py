@@ -153,3 +153,38 @@ def test_layer_weights_share_the_parameters_memory_and_compute_the_same_decode_s
 
     model.layers.wq[...] = model.layers.wq[...] + 1.0  # replaced parameters get new views
     assert layer_weights(model) is not layers
+
+
+def test_decode_loop_writes_the_per_layer_cache_in_place():
+    """On the CPU layout the KV cache is one array per layer from prefill through decode, and the compiled
+    decode program neither copies a layer's K/V inside its step loop (XLA:CPU copied each four times per
+    step when the column write fed two shapes) nor splits or re-stacks the cache around it."""
+    import re
+
+    from agentrefine_jax.inference import engine
+
+    model = create(dataclasses.replace(CFG, cpu_layout=True), seed=4)
+    graphdef, state = nnx.split(model)
+    layers = engine.layer_weights(model)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    ids, pos, seg = engine.left_pad(prompts, 8, 4)
+    prefill, decode = engine._compiled()
+    logits, cache = prefill(graphdef, 24, state, layers, ids, pos, seg)
+    assert isinstance(cache["k"], tuple) and len(cache["k"]) == CFG.num_layers
+    assert cache["k"][0].shape == (4, CFG.num_kv_heads, 24, CFG.head_dim)
+    args = (graphdef, 16, True, state, layers, cache, logits, jnp.asarray([3, 5, 1, 1], jnp.int32),
+            jnp.asarray([False, False, True, True]), jnp.int32(0), jnp.int32(16), jax.random.key(0),
+            jnp.float32(0), jnp.float32(1), engine.Stops(()).array)  # fmt: skip
+    hlo = decode.lower(*args).compile().as_text()
+    body = re.search(r"while\(%[\w.\-]+\), condition=%[\w.\-]+, body=%([\w.\-]+)", hlo).group(1)
+    start = hlo.index(f"%{body} (")
+    loop = hlo[start : hlo.index("\n}\n", start)]
+    entry = hlo[hlo.index("\nENTRY ") :]
+    flat_kv = f"f32[{4 * CFG.num_kv_heads},24,{CFG.head_dim}]"
+    kv = f"f32[4,{CFG.num_kv_heads},24,{CFG.head_dim}]"
+    copied = re.findall(r"= (f32\[[\d,]+\])\S* copy\(", loop)
+    assert flat_kv not in copied and kv not in copied, copied
+    assert " concatenate(" not in entry  # no re-stack after the loop
+    steps, out, *_ = decode(*args)  # the per-layer cache comes back per layer, in its own shape
+    assert int(steps) == 16 and isinstance(out["k"], tuple)
+    assert out["k"][0].shape == (4, CFG.num_kv_heads, 24, CFG.head_dim)

@@ -29,7 +29,7 @@ from flax import nnx
 
 from agentrefine_jax.inference.sampling import row_keys, sample
 from agentrefine_jax.models import cpu_layout, params
-from agentrefine_jax.models.llama import Transformer, init_cache, stack_cache, unstack_cache
+from agentrefine_jax.models.llama import Transformer, flat_heads, init_cache, unflat_heads
 
 DEFAULT_CHUNK = 16
 # Long prompts are prefilled in query blocks of this many tokens (exact), so the attention
@@ -166,7 +166,7 @@ def _prefill(
     model = nnx.merge(graphdef, state)
     if ids.shape[1] > PREFILL_BLOCK and not model.plan.attention_block_size:
         model.plan = dataclasses.replace(model.plan, attention_block_size=PREFILL_BLOCK)
-    cache = init_cache(model.cfg, ids.shape[0], cache_len)
+    cache = init_cache(model.cfg, ids.shape[0], cache_len, per_layer=model.plan.cpu_layout)
     hidden, cache = model.forward(ids, positions, segments, cache, layers=layers)
     # Left padding puts every row's last real token in the last column.
     return model.logits(hidden[:, -1:])[:, 0], cache
@@ -216,13 +216,14 @@ def _decode_chunk(
         hidden, cache = model.forward(tok[:, None], pos[:, None], seg, cache, layers=layers)
         return i + 1, cache, model.logits(hidden)[:, 0], pos + 1, done, out, lps
 
-    # CPU: per-layer cache arrays inside the loop, so a step writes its column in place rather
-    # than copying every layer's cache through the layer scan (~1/3 of a tiny model's step at
-    # 2k columns). Same layer math, unrolled.
-    layered = model.plan.cpu_layout
+    # CPU: a per-layer cache (`init_cache(per_layer=True)`), so a step writes its column in place
+    # rather than copying every layer's cache through the layer scan (~1/3 of a tiny model's step at
+    # 2k columns); carried flat ([B*KVH, T, D], a free reshape), the form attention reads
+    # (`flat_heads` says why). Same layer math, unrolled.
+    layered = isinstance(cache["k"], tuple)
     init = (
         jnp.int32(0),
-        unstack_cache(cache) if layered else cache,
+        flat_heads(cache) if layered else cache,
         logits,
         pos,
         done,
@@ -230,7 +231,7 @@ def _decode_chunk(
         jnp.zeros((b, chunk), jnp.float32),
     )
     steps, cache, logits, pos, done, out, lps = jax.lax.while_loop(cond, body, init)
-    return steps, stack_cache(cache) if layered else cache, logits, pos, done, out, lps
+    return steps, unflat_heads(cache, b) if layered else cache, logits, pos, done, out, lps
 
 
 @functools.cache
@@ -291,8 +292,7 @@ def decode_rows(
     logp: dict[int, list[float]] = {r: [] for r in live}
     reason = dict.fromkeys(live, "length")
     # Stop tokens end rows inside the loop; only a text-level check or a cancellation needs the host
-    # between chunks, so without one a call is a single chunk (one host round trip and cache
-    # re-layout, not ~7).
+    # between chunks, so without one a call is a single chunk (one host round trip, not ~7).
     chunk = (
         bucket(max_new_tokens)
         if stops.should_stop is None and stops.cancelled is None

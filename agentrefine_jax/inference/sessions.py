@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +58,7 @@ from agentrefine_jax.inference.engine import (
     layer_weights,
     validate_request,
 )
-from agentrefine_jax.models.llama import Transformer, init_cache
+from agentrefine_jax.models.llama import Transformer, init_cache, map_kv
 
 
 @dataclasses.dataclass
@@ -89,17 +89,15 @@ def _extend(
     the cache and their columns written back, the other rows' untouched; logits [len(rows), vocab].
     """
     if rows is not None:
-        sub = {
-            "k": cache["k"][:, rows],
-            "v": cache["v"][:, rows],
-            "segment_ids": cache["segment_ids"][rows],
-            "positions": cache["positions"][rows],
-            "index": cache["index"],
-        }
+        sub = map_kv(cache, lambda a: a[rows])
+        sub = {**sub, "segment_ids": cache["segment_ids"][rows], "positions": cache["positions"][rows]}
         logits, sub = _extend(graphdef, state, layers, sub, ids, pos, seg, last, end)
+        back = {
+            "k": _map(lambda a, b: a.at[rows].set(b), cache["k"], sub["k"]),
+            "v": _map(lambda a, b: a.at[rows].set(b), cache["v"], sub["v"]),
+        }
         return logits, {
-            "k": cache["k"].at[:, rows].set(sub["k"]),
-            "v": cache["v"].at[:, rows].set(sub["v"]),
+            **back,
             "segment_ids": cache["segment_ids"].at[rows].set(sub["segment_ids"]),
             "positions": cache["positions"].at[rows].set(sub["positions"]),
             "index": end,
@@ -148,8 +146,7 @@ def _compact(cache: dict, src: jax.Array, valid: jax.Array, index: jax.Array) ->
         return jnp.take_along_axis(a, src.reshape(shape), axis=axis)
 
     return {
-        "k": take(cache["k"], 1, 3),  # [layers, batch, kv_heads, columns, head_dim]
-        "v": take(cache["v"], 1, 3),
+        **map_kv(cache, lambda a: take(a, 0, 2)),  # each layer's [batch, kv_heads, columns, head_dim]
         "segment_ids": jnp.where(valid, take(cache["segment_ids"], 0, 1), 0),
         "positions": jnp.where(valid, take(cache["positions"], 0, 1), 0),
         "index": index,
@@ -167,18 +164,28 @@ def _resize(cache: dict, columns: int) -> dict:
         return jnp.pad(a, widths)
 
     return {
-        "k": fit(cache["k"], 3),
-        "v": fit(cache["v"], 3),
+        **map_kv(cache, lambda a: fit(a, 2)),
         "segment_ids": fit(cache["segment_ids"], 1),
         "positions": fit(cache["positions"], 1),
         "index": cache["index"],
     }
 
 
+def _map(
+    f: Callable[[jax.Array, jax.Array], jax.Array], a: jax.Array | tuple, b: jax.Array | tuple
+) -> jax.Array | tuple:
+    """`f` on K (or V) and its rows' update, per layer or vmapped over the stacked layers."""
+    if isinstance(a, tuple):
+        return tuple(f(x, y) for x, y in zip(a, b, strict=True))
+    return jax.vmap(f)(a, b)
+
+
 @functools.cache
 def _programs() -> tuple:
+    # The cache is donated to the extension (every caller replaces it with the returned one), so
+    # the new columns are written in place rather than into a fresh copy of the whole cache.
     return (
-        jax.jit(_extend, static_argnums=0),
+        jax.jit(_extend, static_argnums=0, donate_argnums=3),
         jax.jit(_keep),
         jax.jit(_resize, static_argnums=1),
         jax.jit(_compact),
@@ -318,7 +325,7 @@ class SessionCache:
         while size < need:  # powers of two: one compile per size the cache reaches
             size *= 2
         if self.cache is None:
-            self.cache = init_cache(self.model.cfg, b, size)
+            self.cache = init_cache(self.model.cfg, b, size, per_layer=self.model.plan.cpu_layout)
         elif self.cache["segment_ids"].shape[1] != size:
             # Every live column lies before `index`, so the cache is cut to the bucket this call needs
             # (after a compaction it shrinks): prefill and each decode step attend over (and copy) every

@@ -73,14 +73,15 @@ def attend(
 
     `cached`: keys come from a KV cache, in the cache's layout [B, KVH, T, D] (T != S, slots beyond
     the written ones), so only the XLA path applies; in the CPU layout a decode step (S = 1) takes
-    the flat dots, for which that layout is already [B*KVH, T, D].
+    the flat dots, for which that layout is already [B*KVH, T, D] (a decode loop passes it so).
     """
     impl = "xla" if cached else plan.attention
     if impl == "splash":
         return splash_attention(cfg, plan, q, k, v, seg.q_seg)
     if impl == "cudnn":
         return cudnn_attention(cfg, q, k, v, seg)
-    flat = plan.cpu_layout and (not cached or q.shape[1] == 1)
+    # A 3-D k is a decode loop's flat per-layer cache (`llama.flat_heads`): only the flat dots read it.
+    flat = plan.cpu_layout and (not cached or q.shape[1] == 1) or k.ndim == 3
     return xla_attention(cfg, q, k, v, seg, block=plan.attention_block_size, flat=flat, heads_first=cached)
 
 
@@ -126,7 +127,7 @@ def attend_flat(
     b, s, kvh, g, d = q.shape
     if not heads_first:
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    t = k.shape[2]
+    t = k.shape[-2]  # k may come flat already, [B*KVH, T, D] (a decode loop's cache: `llama.flat_heads`)
     qf = q.transpose(0, 2, 3, 1, 4).reshape(b * kvh, g * s, d)
     kf = k.reshape(b * kvh, t, d)
     vf = v.reshape(b * kvh, t, d)

@@ -111,8 +111,12 @@ def layer_forward(
     new_kv = None
     if kv is not None:  # the cache is [B, KVH, T, D] (`init_cache`): the new columns go in along T
         k_new, v_new = (t.transpose(0, 2, 1, 3).astype(kv[0].dtype) for t in (k, v))
-        k_cache = jax.lax.dynamic_update_slice_in_dim(kv[0], k_new, index, axis=2)
-        v_cache = jax.lax.dynamic_update_slice_in_dim(kv[1], v_new, index, axis=2)
+        axis = 2
+        if kv[0].ndim == 3:  # a decode loop's per-layer [B*KVH, T, D] arrays (`flat_heads`)
+            k_new, v_new = (t.reshape(-1, *t.shape[2:]) for t in (k_new, v_new))
+            axis = 1
+        k_cache = jax.lax.dynamic_update_slice_in_dim(kv[0], k_new, index, axis=axis)
+        v_cache = jax.lax.dynamic_update_slice_in_dim(kv[1], v_new, index, axis=axis)
         new_kv = (k_cache, v_cache)
         k, v = k_cache.astype(dt), v_cache.astype(dt)
     attn = attend(cfg, plan, q, k, v, seg, cached=kv is not None)
@@ -321,7 +325,7 @@ class Transformer(nnx.Module):
             return (x, acc + stats), new_kv
 
         # The CPU layout unrolls the layers of a full-sequence pass (models/cpu_layout.py); decoding
-        # keeps the scan unless the cache comes as one array per layer (see `unstack_cache`).
+        # keeps the scan unless the cache comes as one array per layer (`init_cache(per_layer=True)`).
         layered = cache is not None and isinstance(cache["k"], tuple)
         scan = plan.scan_full_sequence if cache is None else plan.scan_layers and not layered
         if layers is not None and (adapters is not None or len(layers) != cfg.num_layers):
@@ -371,32 +375,66 @@ def _unstack_layers(weights: dict[str, Any], n: int) -> list[dict[str, Any]]:
     return [jax.tree.unflatten(treedef, [p[i] for p in parts]) for i in range(n)]
 
 
-def unstack_cache(cache: Cache) -> Cache:
-    """The cache with one K and one V array per layer (tuples), for a loop of decode steps.
+def flat_heads(cache: Cache) -> Cache:
+    """A per-layer cache (`init_cache(per_layer=True)`) with each layer's K and V as [B*KVH, T, D]
+    (a reshape: no copy), the form a loop of decode steps carries.
 
-    Under the layer scan every step copies each layer's whole cache in (the scanned slice) and out
-    (the stacked result) to write one column; with separate arrays carried by the loop the write
-    is in place and attention reads the array itself. `stack_cache` undoes it.
+    Why flat: that is the form the attention dots read (`attention.attend_flat`). With
+    [B, KVH, T, D] arrays the step's column write fed both the loop's carry and, through a reshape,
+    the dot, and XLA:CPU duplicated the write into both consumers -- two updates of one buffer, so it
+    copied every layer's K and V four times per step (SmolLM2, batch 8, 128 columns: 189 MB per
+    step). `unflat_heads` undoes it.
     """
-    return {**cache, "k": tuple(cache["k"]), "v": tuple(cache["v"])}
+    return {**cache, "k": tuple(_flat(a) for a in cache["k"]), "v": tuple(_flat(a) for a in cache["v"])}
 
 
-def stack_cache(cache: Cache) -> Cache:
-    return {**cache, "k": jnp.stack(cache["k"]), "v": jnp.stack(cache["v"])}
+def _flat(a: jax.Array) -> jax.Array:
+    return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = None) -> Cache:
+def unflat_heads(cache: Cache, batch: int) -> Cache:
+    """`flat_heads` undone: each layer's K and V as [batch, kv_heads, T, D] again."""
+    return {
+        **cache,
+        "k": tuple(a.reshape(batch, -1, *a.shape[1:]) for a in cache["k"]),
+        "v": tuple(a.reshape(batch, -1, *a.shape[1:]) for a in cache["v"]),
+    }
+
+
+def map_kv(cache: Cache, f: Any) -> Cache:
+    """`cache` with `f` applied to each layer's K and V ([batch, kv_heads, T, D] -> same rank),
+    whether the cache is stacked ([layers, ...] arrays: `f` is vmapped over the layers) or per layer."""
+    if isinstance(cache["k"], tuple):
+        return {**cache, "k": tuple(map(f, cache["k"])), "v": tuple(map(f, cache["v"]))}
+    return {**cache, "k": jax.vmap(f)(cache["k"]), "v": jax.vmap(f)(cache["v"])}
+
+
+def init_cache(
+    cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = None, *, per_layer: bool = False
+) -> Cache:
     """An empty KV cache: every slot has segment 0, which no real query (segment >= 1) sees.
 
     K and V are [layers, batch, kv_heads, max_len, head_dim]: heads before columns, so attention reads
     each (row, head)'s keys as one contiguous [max_len, head_dim] block; with columns before heads
     XLA:CPU transposed every layer's whole cache on every decode step to get that form.
+
+    `per_layer` (the CPU layout's unrolled stack, `ExecutionPlan.cpu_layout`): K and V are tuples of
+    one [batch, kv_heads, max_len, head_dim] array per layer instead, kept so from prefill through
+    every decode call. A stacked cache had to be split into per-layer arrays for each decode call (so
+    a step writes its column in place) and stacked again after it: two copies of the whole cache per
+    call, i.e. per 16 steps where a stop string makes the engine decode in chunks (8 rows x 1,024
+    columns: ~0.75 GB each way).
     """
     dt = jnp.dtype(dtype or cfg.dtype)
     shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    if per_layer:
+        k = tuple(jnp.zeros(shape[1:], dt) for _ in range(cfg.num_layers))
+        v = tuple(jnp.zeros(shape[1:], dt) for _ in range(cfg.num_layers))
+    else:
+        k, v = jnp.zeros(shape, dt), jnp.zeros(shape, dt)
     return {
-        "k": jnp.zeros(shape, dt),
-        "v": jnp.zeros(shape, dt),
+        "k": k,
+        "v": v,
         "segment_ids": jnp.zeros((batch, max_len), jnp.int32),
         "positions": jnp.zeros((batch, max_len), jnp.int32),
         "index": jnp.zeros((), jnp.int32),
