@@ -117,6 +117,27 @@ def fail(tool: str, message: object) -> int:
     return USAGE_ERROR
 
 
+# `--config`'s help, the same for every tool (the rule: agentrefine_jax.config.resolve_config_path).
+CONFIG_HELP = (
+    "a shipped config in configs/, by name with or without .py (llama3_8b or llama3_8b.py), or a "
+    "path to your own (./mine.py, dir/mine.py; it is Python and runs with your privileges: change a "
+    "shared config with --set instead)"
+)
+
+
+def add_config_flags(p: argparse.ArgumentParser, set_example: str) -> None:
+    """`--config` and the repeatable `--set KEY=VALUE`, as every config-driven command spells them."""
+    p.add_argument("--config", required=True, help=CONFIG_HELP)
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override a config field, e.g. --set {set_example} (repeatable)",
+    )
+
+
 class OneLineParser(argparse.ArgumentParser):
     """ArgumentParser whose usage errors are one stderr line and exit 2 (subparsers inherit it)."""
 

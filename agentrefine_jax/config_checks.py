@@ -23,13 +23,6 @@ from typing import Any
 
 from agentrefine_jax import objective_table
 
-# `--config`'s help, the same for every tool (the rule: agentrefine_jax.config.resolve_config_path).
-CONFIG_HELP = (
-    "a shipped config in configs/, by name with or without .py (llama3_8b or llama3_8b.py), or a "
-    "path to your own (./mine.py, dir/mine.py; it is Python and runs with your privileges: change a "
-    "shared config with --set instead)"
-)
-
 
 class ConfigError(ValueError):
     """A config that cannot be used: bad value, unknown key, unreadable config file."""

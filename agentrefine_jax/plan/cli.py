@@ -10,8 +10,7 @@ from __future__ import annotations
 import argparse
 
 from agentrefine_jax import logs
-from agentrefine_jax.cli_errors import OneLineParser, fail, int_in
-from agentrefine_jax.config_checks import CONFIG_HELP
+from agentrefine_jax.cli_errors import OneLineParser, add_config_flags, fail, int_in
 from agentrefine_jax.outputs import json_dumps
 from agentrefine_jax.train import planner
 from agentrefine_jax.train.topology import HBM_BYTES
@@ -22,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m agentrefine_jax.plan",
         description="Per-device memory, FLOPs and step time of a training config on a TPU mesh.",
     )
-    ap.add_argument("--config", required=True, help=CONFIG_HELP)
+    add_config_flags(ap, "model.remat_policy=full")
     ap.add_argument(
         "--mesh",
         help="mesh axis sizes, e.g. fsdp=64 or fsdp=32,tensor=4,data=2 (unnamed axes keep the config's)",
@@ -42,7 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.1,
         help="fraction of HBM kept free for the runtime and unmodelled temporaries (default 0.1)",
     )
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument(
         "--topology",
         help="Cloud TPU slice (v5p-64, v5e-256, v6e-64, v4-32, ...): sets --chip and --devices",

@@ -12,8 +12,7 @@ import logging
 import os
 
 from agentrefine_jax import logs
-from agentrefine_jax.cli_errors import OneLineParser, fail
-from agentrefine_jax.config_checks import CONFIG_HELP
+from agentrefine_jax.cli_errors import OneLineParser, add_config_flags, fail
 from agentrefine_jax.outputs import json_dumps
 
 TOOL = "rl"
@@ -27,15 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example: python -m agentrefine_jax.rl --config grpo_demo --set train.max_steps=4 "
         "(add --print-config to see the resolved config)",
     )
-    p.add_argument("--config", required=True, help=CONFIG_HELP)
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set rl.group_size=8 (repeatable)",
-    )
+    add_config_flags(p, "rl.group_size=8")
     p.add_argument(
         "--print-config", action="store_true", help="validate and print the resolved config, then exit"
     )

@@ -11,8 +11,7 @@ import logging
 import os
 
 from agentrefine_jax import logs
-from agentrefine_jax.cli_errors import OneLineParser, fail
-from agentrefine_jax.config_checks import CONFIG_HELP
+from agentrefine_jax.cli_errors import OneLineParser, add_config_flags, fail
 from agentrefine_jax.outputs import json_dumps
 
 TOOL = "train"
@@ -26,15 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--set train.init_from_hf=/ckpt/Meta-Llama-3-8B-Instruct "
         "(add --print-config to see the resolved config)",
     )
-    p.add_argument("--config", required=True, help=CONFIG_HELP)
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set train.max_steps=100 (repeatable)",
-    )
+    add_config_flags(p, "train.max_steps=100")
     dist = p.add_argument_group("multi-host (jax.distributed)")
     dist.add_argument("--coordinator-address", help="HOST:PORT of process 0's coordinator")
     dist.add_argument("--num-processes", type=int)
