@@ -1,34 +1,42 @@
 """The paper in miniature: refinement-tune one base model under Table 2's settings and measure them.
 
-    python benchmarks/mini_paper.py --base ~/.cache/agentrefine_jax/smollm2-135m --out mini_paper \\
-        --tokens 200000 --episodes 20
+    python benchmarks/mini_paper.py --base ~/.cache/agentrefine_jax/smollm2-135m --out mini_paper
 
 Given a Hugging Face model directory (`--base`, e.g. the SmolLM2-135M-Instruct directory `python -m
 agentrefine_jax.export from-gguf` writes; any HF directory the trainer can initialise from), it
 
-1. trains one run per Table 2 setting on the shipped demo trajectories (agentrefine_jax/data/demo/
-   train.jsonl), every run for the same token budget (`--tokens`: train steps = ceil(tokens / (batch x
-   length)), packed rows of `--max-length` token slots), each a `python -m agentrefine_jax.train
-   --config tiny` subprocess whose `--set` overrides are built in `train_command`:
+1. generates the training data: worlds 0..N-1 of the demo's own generator (`_mini_data.demo_data`, the
+   generator of agentrefine_jax/data/demo/train.jsonl), N grown until the data holds 1.2x the token
+   budget even with refinement data dropped, so no setting's budget repeats a row (each run records its
+   epochs, which stay under 1);
+2. trains one run per setting, every run for the same token budget (`--tokens`: train steps =
+   ceil(tokens / (batch x length)), packed rows of `--max-length` token slots), each a `python -m
+   agentrefine_jax.train --config tiny` subprocess whose `--set` overrides are built in `train_command`:
      agentrefine           data.loss_on=correct,refinement (the AgentRefine loss)
      no_refinement_loss    data.loss_on=correct
      erroneous_loss        data.loss_on=correct,refinement,erroneous
      no_refinement_data    data.drop_refinement_data=true
      sft_dpo               train.objective=sft+dpo (only where agentrefine_jax.config has that key)
-2. evaluates the base and every tuned model (in this process, `agentrefine_jax.eval`'s CLI) on held-out
-   worlds of the demo's own generator (task `demo_world`: unseen seeds, the same action grammar and
-   simulator; `--demo-episodes`) and on the built-in held-out tasks (`--tasks`, default babyai, pddl,
-   sciworld, textworld; `--episodes` each), greedy;
-3. prints, per model and task, success with its Wilson 95% interval, progress, the valid-action rate and
-   the format-error rate, and writes Tables 1 and 2 (plus the episodes table: counts, intervals, why
-   episodes ended) through `python -m agentrefine_jax.analyze report`, rows named by setting.
+     onpolicy              agentrefine's recipe on data mixing in agentrefine's own mistakes: the trained
+                           agentrefine model plays `--onpolicy-episodes` training worlds, the expert refines
+                           each rejected action (`eval onpolicy`), and those rows replace demo rows
+3. evaluates the base and every tuned model (in this process, `agentrefine_jax.eval`'s CLI) on unseen
+   worlds of the demo's own generator (task `demo_world`: held-out seeds, the same action grammar and
+   simulator; `--demo-episodes`, also under `--perturbations` reworded action sets) and on the built-in
+   held-out tasks (`--tasks`, default babyai, pddl; `--episodes` each), greedy;
+4. prints, per model, task and variant, success with its Wilson 95% interval, progress, the valid-action,
+   format-error and recovery columns, evaluation episodes per hour, and the plain sentences (which tuned
+   rows' success intervals lie above base's; recovery per model), and writes Tables 1 and 2 (plus the
+   episodes table) through `python -m agentrefine_jax.analyze report`, rows named by setting.
 
-Everything goes under `--out`: `runs/<setting>/` (training runs and logs), `eval/<model>/<task>.json`
-(one eval result per model and task), `results/<model>.json` (a model's tasks merged into one eval
-result), `report/report.md`, `summary.md` / `summary.json` (the printed table, run time, machine). The
-run is resumable: a setting whose training finished and an (model, task) evaluation whose result exists
-are skipped, so the same command continues an interrupted run. `--out` must be new, empty, or an earlier
-mini-paper output with the same settings (`mini_paper.json` records them).
+Everything goes under `--out`: `data/` (the generated and on-policy data), `runs/<setting>/` (training
+runs and logs), `eval/<model>/<task>.json` (one eval result per model and task), `results/<model>.json`
+(a model's tasks merged into one eval result), `report/report.md`, `summary.md` / `summary.json` (the
+printed table, run time, machine). The run is resumable: data made, a setting whose training finished
+and an (model, task) evaluation whose result exists are skipped, and an interrupted training run,
+collection or evaluation resumes from its checkpoint or journal, so the same command continues an
+interrupted run. `--out` must be new, empty, or an earlier mini-paper output with the same settings
+(`mini_paper.json` records them).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import math
 import os
 import pathlib
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -57,10 +66,11 @@ from agentrefine_jax.outputs import write_json, write_text  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _machine  # noqa: E402
+import _mini_data  # noqa: E402
 
 TOOL = "mini_paper"
 MANIFEST = "mini_paper.json"
-HELD_OUT = ("babyai", "pddl", "sciworld", "textworld")
+HELD_OUT = ("babyai", "pddl")
 DEMO_TASK = "demo_world"
 BASE = "base"
 # Table 2's settings: name -> the `--set` overrides that make it (the rest of the recipe is shared).
@@ -73,6 +83,11 @@ SETTINGS: dict[str, tuple[str, ...]] = {
 OPTIONAL_SETTINGS: dict[str, tuple[str, ...]] = {
     "sft_dpo": ("data.loss_on=correct,refinement", "train.objective=sft+dpo"),
 }
+# Beyond the paper: the AgentRefine recipe on data that mixes in the `agentrefine` model's own mistakes on
+# training worlds, each refined by the expert (`eval onpolicy`; DAgger's first round: aggregate, retrain
+# from the base for the same budget). Its data is made after `agentrefine` trains (`_mini_data`).
+ONPOLICY = "onpolicy"
+ONPOLICY_FROM = "agentrefine"
 
 
 class MiniPaperError(Exception):
@@ -121,6 +136,7 @@ def available_settings() -> dict[str, tuple[str, ...]]:
     out = dict(SETTINGS)
     if "objective" in {f.name for f in dataclasses.fields(TrainConfig)}:
         out.update(OPTIONAL_SETTINGS)
+    out[ONPOLICY] = SETTINGS[ONPOLICY_FROM]  # the same recipe; only its data differs
     return out
 
 
@@ -153,10 +169,14 @@ def remat_policy(run_dir: pathlib.Path) -> str:
         return "full"
 
 
-def train_command(args: argparse.Namespace, setting: str, run_dir: pathlib.Path, steps: int) -> list[str]:
-    """`python -m agentrefine_jax.train` for one setting: the shared recipe, the model, the setting."""
+def train_command(
+    args: argparse.Namespace, setting: str, run_dir: pathlib.Path, steps: int, files: Sequence[str]
+) -> list[str]:
+    """`python -m agentrefine_jax.train` for one setting: the shared recipe, the model, the data, the
+    setting."""
     recipe = [
         f"train.run_dir={run_dir}",
+        f"data.train_files={json.dumps([str(f) for f in files])}",
         f"train.max_steps={steps}",
         "train.num_epochs=100000",  # the step count (the token budget) ends every run, not epochs
         f"train.global_batch_size={args.batch}",
@@ -199,6 +219,9 @@ def _manifest(args: argparse.Namespace, settings: Sequence[str], steps: int) -> 
         "demo_episodes": args.demo_episodes,
         "max_steps": args.max_steps,
         "max_new_tokens": args.max_new_tokens,
+        "perturbations": args.perturbations,
+        "error_rate": args.error_rate,
+        "onpolicy_episodes": args.onpolicy_episodes,
     }
 
 
@@ -229,21 +252,33 @@ def prepare_out(out: pathlib.Path, manifest: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------- stages
 
 
+def epochs_trained(log_file: pathlib.Path, steps: int) -> float | None:
+    """Steps over the trainer's steps per epoch (its start line): under 1 means no row was repeated."""
+    found = re.findall(r"\((\d+) steps/epoch", log_file.read_text(errors="replace"))
+    return round(steps / int(found[-1]), 3) if found and int(found[-1]) > 0 else None
+
+
 def train_setting(
-    args: argparse.Namespace, setting: str, out: pathlib.Path, steps: int, log: Any, sigterm: _Sigterm
+    args: argparse.Namespace,
+    setting: str,
+    out: pathlib.Path,
+    steps: int,
+    files: Sequence[str],
+    log: Any,
+    sigterm: _Sigterm,
 ) -> dict[str, Any]:
-    """Train one setting (skipped when its `done.json` exists); the record of its run."""
+    """Train one setting on `files` (skipped when its `done.json` exists); the record of its run."""
     run_dir = out / "runs" / setting
     done = run_dir.parent / f"{setting}.done.json"
     if done.exists():
         log(f"{setting}: trained earlier ({done}), skipped")
         return json.loads(done.read_text())
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    cmd = train_command(args, setting, run_dir, steps)
+    cmd = train_command(args, setting, run_dir, steps, files)
     log(f"{setting}: training {steps} steps ({run_dir})")
     t0 = time.perf_counter()
     with open(run_dir.parent / f"{setting}.log", "a", encoding="utf-8") as f:
-        sigterm.child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        sigterm.child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_mini_data.child_env())
         try:
             rc = sigterm.child.wait()
         finally:
@@ -253,9 +288,11 @@ def train_setting(
     if rc != 0:
         tail = (run_dir.parent / f"{setting}.log").read_text(errors="replace").strip().splitlines()[-3:]
         raise RuntimeError(f"{setting}: training exited {rc} after {seconds}s: " + " | ".join(tail))
+    epochs = epochs_trained(run_dir.parent / f"{setting}.log", steps)
     record = {"setting": setting, "run_dir": str(run_dir), "steps": steps, "train_seconds": seconds}
+    record |= {"train_files": list(map(str, files)), "epochs": epochs}
     write_json(done, record)
-    log(f"{setting}: trained in {seconds}s")
+    log(f"{setting}: trained in {seconds}s ({epochs} epochs of its data)")
     return record
 
 
@@ -276,6 +313,8 @@ def eval_model(
         path.parent.mkdir(parents=True, exist_ok=True)
         episodes = args.demo_episodes if task == DEMO_TASK else args.episodes
         argv = ["--checkpoint", checkpoint, "--tasks", task, "--episodes", str(episodes)]
+        if task == DEMO_TASK and args.perturbations:  # the same unseen worlds, reworded action sets
+            argv += ["--perturb", "--num-perturbations", str(args.perturbations)]
         argv += ["--out", str(path), "--workdir", str(out / "work" / label / task), "--name", label]
         argv += ["--seed", str(args.seed), "--max-new-tokens", str(args.max_new_tokens)]
         argv += ["--batch-size", str(args.eval_batch)] + (["-q"] if args.quiet else [])
@@ -343,40 +382,65 @@ def _pct(x: float | None) -> str:
 
 
 def summary_rows(results: dict[str, pathlib.Path]) -> list[dict[str, Any]]:
+    """One row per model, task and variant (`original`, `perturbation_K`): success with its Wilson
+    interval, progress, the action columns and the recovery columns (docs/eval.md, "Metrics")."""
     rows = []
     for label, path in results.items():
         doc = json.loads(path.read_text())
-        for task, m in doc["variants"]["original"]["tasks"].items():
-            n = int(m["episodes"])
-            ci = wilson_interval(round(m["success_rate"] * n), n)
-            rows.append(
-                {
-                    "model": label,
-                    "task": task,
-                    "episodes": n,
-                    "success_rate": m["success_rate"],
-                    "success_ci95": list(ci) if ci else None,
-                    "progress_rate": m["progress_rate"],
-                    "valid_action_rate": m.get("valid_action_rate"),
-                    "format_error_rate": m.get("format_error_rate"),
-                    "terminations": m.get("terminations", {}),
-                }
-            )
+        for variant, block in doc["variants"].items():
+            for task, m in block["tasks"].items():
+                n = int(m["episodes"])
+                ci = wilson_interval(round(m["success_rate"] * n), n)
+                rows.append(
+                    {
+                        "model": label,
+                        "task": task,
+                        "variant": variant,
+                        "episodes": n,
+                        "success_rate": m["success_rate"],
+                        "success_ci95": list(ci) if ci else None,
+                        "progress_rate": m["progress_rate"],
+                        "valid_action_rate": m.get("valid_action_rate"),
+                        "format_error_rate": m.get("format_error_rate"),
+                        "recovery_rate": m.get("recovery_rate"),
+                        "mean_steps_to_recover": m.get("mean_steps_to_recover"),
+                        "repeated_error_rate": m.get("repeated_error_rate"),
+                        "after_error_turns": (m.get("recovery_counts") or {}).get("after_error"),
+                        "terminations": m.get("terminations", {}),
+                    }
+                )
     return rows
+
+
+def episodes_per_hour(results: dict[str, pathlib.Path]) -> dict[str, float | None]:
+    """Each model's evaluation speed: its episodes (every task and variant) over eval's own seconds."""
+    out: dict[str, float | None] = {}
+    for label, path in results.items():
+        doc = json.loads(path.read_text())
+        seconds = float(doc.get("seconds") or 0)
+        out[label] = round(3600 * len(doc["episodes"]) / seconds, 1) if seconds > 0 else None
+    return out
+
+
+def _num(x: float | None, digits: int = 2) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
 def format_summary(rows: Sequence[dict[str, Any]]) -> str:
     head = (
-        "| model | task | n | success % (Wilson 95%) | progress % | valid-action % | format-error % | ends |"
+        "| model | task | variant | n | success % (Wilson 95%) | progress % | valid-action % "
+        "| format-error % | recovery % (turns after an error) | repeated-error % | steps to recover | ends |"
     )
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lo, hi = r["success_ci95"] or (None, None)
         ends = ", ".join(f"{k} {v}" for k, v in r["terminations"].items())
+        after = "–" if r["after_error_turns"] is None else r["after_error_turns"]
         lines.append(
-            f"| {r['model']} | {r['task']} | {r['episodes']} | {_pct(r['success_rate'])} "
+            f"| {r['model']} | {r['task']} | {r['variant']} | {r['episodes']} | {_pct(r['success_rate'])} "
             f"[{_pct(lo)}–{_pct(hi)}] | {_pct(r['progress_rate'])} | {_pct(r['valid_action_rate'])} | "
-            f"{_pct(r['format_error_rate'])} | {ends} |"
+            f"{_pct(r['format_error_rate'])} | {_pct(r['recovery_rate'])} ({after}) | "
+            f"{_pct(r['repeated_error_rate'])} | {_num(r['mean_steps_to_recover'])} | {ends} |"
         )
     return "\n".join(lines)
 
@@ -384,7 +448,7 @@ def format_summary(rows: Sequence[dict[str, Any]]) -> str:
 def write_report(results: dict[str, pathlib.Path], out: pathlib.Path) -> int:
     cmd = [sys.executable, "-m", "agentrefine_jax.analyze", "report"]
     cmd += [f"{label}={path}" for label, path in results.items()] + ["--out", str(out / "report")]
-    return subprocess.run(cmd, check=False).returncode
+    return subprocess.run(cmd, check=False, env=_mini_data.child_env()).returncode
 
 
 # ------------------------------------------------------------------------------------------- CLI
@@ -401,19 +465,37 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="see docs/mini_paper.md")
     p.add_argument("--base", required=True, help="the base model: a Hugging Face directory")
     p.add_argument("--out", required=True, help="where everything goes (new, empty, or a run to resume)")
-    p.add_argument("--tokens", type=_positive, default=200_000, help="training token budget per setting")
+    p.add_argument("--tokens", type=_positive, default=327_680, help="training token budget per setting")
     p.add_argument("--batch", type=_positive, default=4, help="sequences per train step")
-    p.add_argument("--max-length", type=_positive, default=512, help="token slots per (packed) sequence")
+    p.add_argument("--max-length", type=_positive, default=1024, help="token slots per (packed) sequence")
     p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate (cosine to 0, no warmup)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="params and compute")
     p.add_argument(
         "--settings",
-        help=f"comma-separated subset of {','.join(SETTINGS)},{','.join(OPTIONAL_SETTINGS)} (default: every "
-        "available one; sft_dpo only where the trainer has train.objective)",
+        help=f"comma-separated subset of {','.join(SETTINGS)},{','.join(OPTIONAL_SETTINGS)},{ONPOLICY} "
+        f"(default: every available one; sft_dpo only where the trainer has train.objective; {ONPOLICY} "
+        f"needs {ONPOLICY_FROM})",
     )
     p.add_argument("--tasks", default=",".join(HELD_OUT), help="held-out built-in tasks (comma-separated)")
-    p.add_argument("--episodes", type=_positive, default=20, help="episodes per held-out task")
-    p.add_argument("--demo-episodes", type=_positive, default=50, help="unseen demo worlds per model")
+    p.add_argument("--episodes", type=_positive, default=16, help="episodes per held-out task")
+    p.add_argument("--demo-episodes", type=_positive, default=64, help="unseen demo worlds per model")
+    p.add_argument(
+        "--perturbations",
+        type=int,
+        default=1,
+        choices=range(0, 6),
+        metavar="P",
+        help="reworded action sets the unseen demo worlds are also played under (default 1; 0: none)",
+    )
+    p.add_argument(
+        "--error-rate", type=float, default=0.25, help="the demo generator's mistake rate per step"
+    )
+    p.add_argument(
+        "--onpolicy-episodes",
+        type=_positive,
+        default=256,
+        help=f"training worlds the {ONPOLICY_FROM} model plays to make the {ONPOLICY} row's data",
+    )
     p.add_argument("--max-steps", type=_positive, help="steps per episode (default: each task's)")
     p.add_argument("--max-new-tokens", type=_positive, default=128, help="tokens per reply")
     p.add_argument("--eval-batch", type=_positive, default=8, help="episodes in flight per model call")
@@ -422,8 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(args: argparse.Namespace) -> int:
-    t0 = time.perf_counter()
+def check_args(args: argparse.Namespace) -> list[str]:
+    """The settings to run, after every check that needs no model: one line each (MiniPaperError)."""
     args.tasks = tuple(t for t in args.tasks.split(",") if t and t != DEMO_TASK)  # demo_world always runs
     available = available_settings()
     settings = list(available) if not args.settings else [s for s in args.settings.split(",") if s]
@@ -432,6 +514,12 @@ def run(args: argparse.Namespace) -> int:
             extra = " (needs train.objective in agentrefine_jax.config)" if s in OPTIONAL_SETTINGS else ""
             raise MiniPaperError(f"--settings: unknown or unavailable setting {s!r}{extra}; "
                                  f"choose from {', '.join(available)}")  # fmt: skip
+    if ONPOLICY in settings and ONPOLICY_FROM not in settings:
+        raise MiniPaperError(
+            f"--settings: {ONPOLICY} needs {ONPOLICY_FROM} (its data is {ONPOLICY_FROM}'s own mistakes)"
+        )
+    if not 0 <= args.error_rate < 1:
+        raise MiniPaperError(f"--error-rate must be in [0, 1), got {args.error_rate}")
     from agentrefine_jax.eval.registry import lookup
 
     for t in args.tasks:
@@ -442,6 +530,123 @@ def run(args: argparse.Namespace) -> int:
     if not pathlib.Path(args.base, "config.json").is_file():
         raise MiniPaperError(f"--base {args.base}: no config.json (expected a Hugging Face model directory)")
     model_settings(args.base)  # a directory the trainer cannot start from fails here, not in a subprocess
+    return settings
+
+
+def onpolicy_data(
+    args: argparse.Namespace,
+    out: pathlib.Path,
+    source: dict[str, Any],
+    demo: dict[str, Any],
+    log: Any,
+    sigterm: _Sigterm,
+) -> dict[str, Any]:
+    """The onpolicy row's data: `source` (the trained agentrefine run) plays `--onpolicy-episodes`
+    training worlds (seeds 0.., the worlds the demo data starts with: only who made the mistakes
+    differs), then its rows are mixed with demo rows to the size every row's data has."""
+    rows_file = out / "data" / "onpolicy.jsonl"
+    if rows_file.exists():
+        log(f"{ONPOLICY}: collected earlier ({rows_file}), skipped")
+    else:
+        argv = [
+            "--checkpoint",
+            source["run_dir"],
+            "--tasks",
+            DEMO_TASK,
+            "--episodes",
+            str(args.onpolicy_episodes),
+        ]
+        argv += [
+            "--seed",
+            "0",
+            "--batch-size",
+            str(args.eval_batch),
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+        ]
+        argv += ["--workdir", str(out / "work" / ONPOLICY)] + (["-q"] if args.quiet else [])
+        if args.max_steps:
+            argv += ["--max-steps", str(args.max_steps)]
+        t0 = time.perf_counter()
+        rc = _mini_data.collect_onpolicy(argv, rows_file, log)
+        sigterm.check("the on-policy collection", rc)
+        if rc != 0:
+            raise RuntimeError(f"{ONPOLICY}: the on-policy collection exited {rc}")
+        log(f"{ONPOLICY}: collected in {time.perf_counter() - t0:.1f}s")
+    try:
+        return _mini_data.onpolicy_mix(out, args.base, args.tokens, args.max_length, demo, log)
+    except _mini_data.DataError as e:
+        raise RuntimeError(f"{ONPOLICY}: {e}") from None
+
+
+def train_all(
+    args: argparse.Namespace,
+    settings: Sequence[str],
+    out: pathlib.Path,
+    steps: int,
+    log: Any,
+    sigterm: _Sigterm,
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any], list[str]]:
+    """Every setting's training run (the onpolicy row after its data), the data records, the failures."""
+    try:
+        demo = _mini_data.demo_data(out, args.base, args.tokens, args.max_length, args.error_rate, log)
+    except _mini_data.DataError as e:
+        raise MiniPaperError(f"the demo data: {e}") from None
+    data: dict[str, Any] = {"demo": demo}
+    trained: dict[str, dict[str, Any]] = {}
+    failures: list[str] = []
+    for s in settings:
+        try:
+            if s == ONPOLICY:
+                if ONPOLICY_FROM not in trained:
+                    raise RuntimeError(f"{ONPOLICY}: not trained, {ONPOLICY_FROM} failed")
+                data[ONPOLICY] = onpolicy_data(args, out, trained[ONPOLICY_FROM], demo, log, sigterm)
+                files = data[ONPOLICY]["files"]
+            else:
+                files = [demo["file"]]
+            trained[s] = train_setting(args, s, out, steps, files, log, sigterm)
+        # One setting failing (e.g. a missing objective) does not lose the rest.
+        except RuntimeError as e:
+            log(f"error: {e}")
+            failures.append(s)
+    return trained, data, failures
+
+
+def verdict(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The plain sentences the README's miniature asks for, computed from the rows: per task and variant,
+    the tuned rows whose success interval lies wholly above base's; and recovery, AgentRefine vs the rest."""
+    out = []
+    cells = sorted({(r["task"], r["variant"]) for r in rows})
+    for task, variant in cells:
+        cell = {r["model"]: r for r in rows if (r["task"], r["variant"]) == (task, variant)}
+        base = cell.get(BASE)
+        if base is None or base["success_ci95"] is None:
+            continue
+        above = [
+            m
+            for m, r in cell.items()
+            if m != BASE and r["success_ci95"] and r["success_ci95"][0] > base["success_ci95"][1]
+        ]
+        says = (
+            f"above base: {', '.join(above)}"
+            if above
+            else "no tuned row's success interval lies above base's"
+        )
+        out.append(f"{task}/{variant}: {says}")
+    for task, variant in cells:
+        cell = {r["model"]: r for r in rows if (r["task"], r["variant"]) == (task, variant)}
+        parts = []
+        for m, r in cell.items():
+            n, rate = r["after_error_turns"], r["recovery_rate"]
+            ci = wilson_interval(round(rate * n), n) if n and rate is not None else None
+            parts.append(f"{m} {_pct(rate)}" + (f" [{_pct(ci[0])}–{_pct(ci[1])}]" if ci else ""))
+        out.append(f"recovery {task}/{variant} (turns after an error, Wilson 95%): " + "; ".join(parts))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    settings = check_args(args)
     out = pathlib.Path(args.out).absolute()
     steps = train_steps(args.tokens, args.batch, args.max_length)
     prepare_out(out, _manifest(args, settings, steps))
@@ -455,18 +660,10 @@ def run(args: argparse.Namespace) -> int:
         f"machine: {info['cpu_count']} CPUs ({info['cpu_model']}), {info['device']}; budget {args.tokens} "
         f"tokens = {steps} steps x {args.batch} x {args.max_length}"
     )
-    failures: list[str] = []
-    trained: dict[str, dict[str, Any]] = {}
     results: dict[str, pathlib.Path] = {}
     try:
         with _Sigterm() as sigterm:
-            for s in settings:
-                try:
-                    trained[s] = train_setting(args, s, out, steps, log, sigterm)
-                # One setting failing (e.g. a missing objective) does not lose the rest.
-                except RuntimeError as e:
-                    log(f"error: {e}")
-                    failures.append(s)
+            trained, data, failures = train_all(args, settings, out, steps, log, sigterm)
             models = [(BASE, str(pathlib.Path(args.base).resolve()))] + [
                 (s, r["run_dir"]) for s, r in trained.items()
             ]
@@ -482,6 +679,8 @@ def run(args: argparse.Namespace) -> int:
         return TERMINATED
     rows = summary_rows(results)
     table = format_summary(rows)
+    speed = episodes_per_hour(results)
+    sentences = verdict(rows)
     rc_report = write_report(results, out) if results else 1
     seconds = round(time.perf_counter() - t0, 1)
     doc = {
@@ -489,20 +688,29 @@ def run(args: argparse.Namespace) -> int:
         "machine": info,
         "seconds_this_invocation": seconds,
         "train_seconds": {s: r.get("train_seconds") for s, r in trained.items()},
+        "epochs": {s: r.get("epochs") for s, r in trained.items()},
+        "eval_episodes_per_hour": speed,
+        "data": data,
         "steps": steps,
         "tokens": args.tokens,
         "settings": settings,
         "failures": failures,
         "rows": rows,
+        "verdict": sentences,
     }
     write_json(out / "summary.json", doc)
+    speeds = ", ".join(f"{m} {v}" for m, v in speed.items())
     write_text(
         out / "summary.md",
         f"# Mini paper\n\nbase `{args.base}`; {args.tokens} tokens per setting "
-        f"({steps} steps x {args.batch} x {args.max_length}); machine: {info['cpu_count']} CPUs "
-        f"({info['cpu_model']}), {info['device']}; this invocation {seconds} s.\n\n{table}\n",
+        f"({steps} steps x {args.batch} x {args.max_length}); demo data {data['demo']['worlds']} worlds, "
+        f"{data['demo']['tokens']} tokens; machine: {info['cpu_count']} CPUs "
+        f"({info['cpu_model']}), {info['device']}; this invocation {seconds} s; evaluation episodes/hour: "
+        f"{speeds}.\n\n{table}\n\n" + "\n".join(f"- {x}" for x in sentences) + "\n",
     )
     print(table)
+    for x in sentences:
+        log(x)
     where = out / "report" / "report.md"
     log(f"done in {seconds}s on {info['cpu_count']} CPUs ({info['cpu_model']}); tables: {where}")
     if failures:

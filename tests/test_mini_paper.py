@@ -61,9 +61,10 @@ def base_dir(tmp_path_factory) -> pathlib.Path:
 
 
 def _run(base: pathlib.Path, out: pathlib.Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(SCRIPT), "--base", str(base), "--out", str(out), "--tokens", "1024",
-           "--batch", "1", "--max-length", "512", "--tasks", "babyai", "--episodes", "1",
-           "--demo-episodes", "2", "--max-steps", "2", "--max-new-tokens", "6", "-q", *extra]  # fmt: skip
+    cmd = [sys.executable, str(SCRIPT), "--base", str(base), "--out", str(out), "--tokens", "2048",
+           "--batch", "1", "--max-length", "1024", "--tasks", "babyai", "--episodes", "1",
+           "--demo-episodes", "2", "--max-steps", "2", "--max-new-tokens", "6", "--onpolicy-episodes", "2",
+           "-q", *extra]  # fmt: skip
     # As a user runs it: one CPU device, not the 8 the test session's XLA_FLAGS fake for sharding tests.
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=out.parent, env=env)
@@ -78,8 +79,21 @@ def test_mini_paper_end_to_end_and_resume(base_dir, tmp_path):
     settings = ["agentrefine", "no_refinement_loss", "erroneous_loss", "no_refinement_data"]
     if "objective" in TrainConfig.__dataclass_fields__:
         settings.append("sft_dpo")
-    for s in settings:  # the same token budget: 1024 / (1 x 512) = 2 steps each
-        assert json.loads((out / "runs" / f"{s}.done.json").read_text())["steps"] == 2
+    settings.append("onpolicy")
+    demo = json.loads((out / "data" / "train.done.json").read_text())
+    assert demo["tokens_without_refinement_data"] >= 1.2 * 2048  # enough that no budget repeats a row
+    for s in settings:  # the same token budget: 2048 / (1 x 1024) = 2 steps each, under one epoch
+        done = json.loads((out / "runs" / f"{s}.done.json").read_text())
+        assert done["steps"] == 2 and 0 < done["epochs"] < 1, done
+        assert done["train_files"] == ([demo["file"]] if s != "onpolicy" else done["train_files"])
+    # The onpolicy row trains on agentrefine's own rejected turns (a random model makes plenty), refined
+    # by the expert, mixed with the head of the demo data.
+    mix = json.loads((out / "data" / "onpolicy_mix.done.json").read_text())
+    onpolicy_rows = (out / "data" / "onpolicy.jsonl").read_text().splitlines()
+    assert mix["onpolicy_rows"] == len(onpolicy_rows) >= 1
+    assert json.loads((out / "runs" / "onpolicy.done.json").read_text())["train_files"] == mix["files"]
+    first = json.loads(onpolicy_rows[0])
+    assert any(m.get("loss") is False for m in first["messages"] if m["role"] == "assistant")
     md = (out / "report" / "report.md").read_text()
     t1 = md.split("## Table 1", 1)[1].split("\n## ", 1)[0]
     t2 = md.split("## Table 2", 1)[1].split("\n## ", 1)[0]
@@ -99,14 +113,26 @@ def test_mini_paper_end_to_end_and_resume(base_dir, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["machine"]["cpu_count"] >= 1 and summary["steps"] == 2
     row = next(x for x in summary["rows"] if x["model"] == "base" and x["task"] == "demo_world")
-    assert row["episodes"] == 2 and len(row["success_ci95"]) == 2
+    assert row["episodes"] == 2 and len(row["success_ci95"]) == 2 and row["variant"] == "original"
     assert row["format_error_rate"] is not None  # a random model's replies
+    for label in ["base", *settings]:  # the same unseen worlds under a reworded action set
+        cells = {(x["task"], x["variant"]): x for x in summary["rows"] if x["model"] == label}
+        assert cells[("demo_world", "perturbation_1")]["episodes"] == 2, sorted(cells)
+        assert set(cells) == {
+            ("demo_world", "original"),
+            ("demo_world", "perturbation_1"),
+            ("babyai", "original"),
+        }
+        assert summary["eval_episodes_per_hour"][label] > 0
+    assert all("recovery_rate" in x and "repeated_error_rate" in x for x in summary["rows"])
+    assert any(v.startswith("recovery demo_world/original") for v in summary["verdict"])
     assert "CPUs" in r.stdout and "done in" in r.stdout
     # Resume: everything exists, nothing is trained or evaluated again.
     r2 = _run(base_dir, out)
     assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
     assert "training" not in r2.stdout and "evaluating" not in r2.stdout
-    assert r2.stdout.count("skipped") == len(settings) + 2 * (len(settings) + 1)
+    # every setting's training, every (model, task) evaluation, and the on-policy collection
+    assert r2.stdout.count("skipped") == len(settings) + 2 * (len(settings) + 1) + 1
     # Other settings on the same --out, or a foreign non-empty --out: one line, exit 2.
     r3 = _run(base_dir, out, "--lr", "1e-3")
     assert r3.returncode == 2 and "other settings" in r3.stderr and "Traceback" not in r3.stderr
@@ -192,3 +218,25 @@ def test_sigterm_stops_the_whole_script_with_75(base_dir, tmp_path):
     ), stdout
     assert "Traceback" not in stdout
     assert any((out / "runs" / "agentrefine" / "checkpoints").iterdir())  # the trainer saved on SIGTERM
+
+
+def test_verdict_names_only_rows_whose_interval_lies_above_base():
+    """The README's sentence comes from the rows: a tuned row counts only when its Wilson interval's
+    lower end is above base's upper end, per task and variant; recovery is given per model."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import mini_paper
+
+    def row(model, task, successes, n, recovered=0, after=0):
+        ci = mini_paper.wilson_interval(successes, n)
+        rate = recovered / after if after else None
+        return {"model": model, "task": task, "variant": "original", "success_ci95": list(ci),
+                "after_error_turns": after, "recovery_rate": rate}  # fmt: skip
+
+    rows = [row("base", "demo_world", 0, 64, 5, 50), row("agentrefine", "demo_world", 20, 64, 40, 50),
+            row("erroneous_loss", "demo_world", 3, 64, 10, 50), row("base", "babyai", 2, 16),
+            row("agentrefine", "babyai", 5, 16)]  # fmt: skip
+    says = mini_paper.verdict(rows)
+    assert "demo_world/original: above base: agentrefine" in says  # 20/64 [21-43%] vs 0/64 [0-5.7%]
+    assert "babyai/original: no tuned row's success interval lies above base's" in says  # 5/16 vs 2/16
+    rec = next(s for s in says if s.startswith("recovery demo_world/original"))
+    assert "agentrefine 80.0 [" in rec and "base 10.0 [" in rec
