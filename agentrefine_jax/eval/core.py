@@ -13,6 +13,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import logging
+import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
@@ -22,6 +24,8 @@ from agentrefine_jax.eval.policies import Reply, SamplingParams, forget
 
 if TYPE_CHECKING:
     from agentrefine_jax.eval.journal import Journal
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +87,11 @@ def job_key(job: EpisodeJob) -> tuple[str, int, int, int]:
     """The conversation an episode-sample is to a model actor and its journal key (distinct among a
     run's jobs of one phase): task, perturbation variant, episode, sample."""
     return (job.name, job.perturbation, job.episode, job.sample)
+
+
+def variant_name(perturbation: int) -> str:
+    """A perturbation variant's name in results ("original": variant 0, the task's own wording)."""
+    return "original" if perturbation == 0 else f"perturbation_{perturbation}"
 
 
 def job_seed(seed: int, task: str, perturbation: int, episode: int, sample: int) -> int:
@@ -159,6 +168,40 @@ class EpisodeResult:
     def end(self) -> str:
         """AgentBoard's end reason: "done", "max_steps", or the error ("model_error: ...", ...)."""
         return _AGENTBOARD_END.get(self.termination) or str(self.error)
+
+
+class Episode:
+    """One episode in flight, from either source and under any protocol: its job, its env (None when it
+    failed to start), its record (the one `EpisodeResult`, filled in as the episode runs), the
+    Observation/Action history a prompt or a solver reads, a privileged policy's solver, and every reply
+    the actor gave (with token ids and log-probabilities when it has them; the record keeps the text).
+    A protocol keeps what only it needs beside these (AgentBoard's prompt set, a rollout's token ids)."""
+
+    def __init__(self, job: EpisodeJob, env: Env | None = None):
+        self.job, self.env = job, env
+        variant = variant_name(job.perturbation)
+        self.record = EpisodeResult(
+            job.name, variant, job.episode, job.sample, job.spec, False, 0.0, 0, "", None, 0, 0, 0.0, [], []
+        )
+        self.history: list[tuple[str, str]] = []
+        self.solver: Any = None  # a privileged policy's solver for this episode (`for_episode`)
+        self.prompt: Any = None  # what every prompt is built from, if fixed (AgentBoard's prompt set)
+        self.replies: list[Reply] = []
+        self.finished = False
+        self.t0 = time.perf_counter()
+
+    def finish(self, termination: str, error: str | None = None) -> None:
+        """End the episode: its record's end and time; the env is closed (a failing close is logged: it
+        must not lose the episode's record)."""
+        self.finished = True
+        r = self.record
+        r.termination, r.error = termination, error
+        r.seconds = round(time.perf_counter() - self.t0, 3) if self.env is not None else 0.0
+        if self.env is not None:
+            try:
+                self.env.close()
+            except Exception as e:  # noqa: BLE001
+                log.warning(f"warning: closing {self.job.name} env failed: {e}")
 
 
 class Running(Protocol):
