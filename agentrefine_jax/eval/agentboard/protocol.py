@@ -248,16 +248,24 @@ def _take(ep: Episode, action: str) -> None:
 
 @dataclasses.dataclass
 class Agent:
-    """Who answers: a model backend (`model`), or a privileged policy made per episode (`policy_for`)."""
+    """Who answers: a model backend (`model`), or a privileged policy's per-episode solver: made by
+    `policy_for`, or by `policy` (`policies.OraclePolicy`, `RandomPolicy`) from the job's seed."""
 
     model: ModelBackend | None = None
     # (task, env, spec) -> the episode's solver (`policies.Solver`: next_action(env, history) -> str)
     policy_for: Callable[[Any, Env, EpisodeSpec], Solver] | None = None
     system_suffix: str = ""  # appended to every system message (AgentBoard's vLLM sentence for open models)
+    policy: Any = None
 
     def __post_init__(self) -> None:
-        if (self.model is None) == (self.policy_for is None):
+        if sum(x is not None for x in (self.model, self.policy_for, self.policy)) != 1:
             raise ValueError("an Agent needs exactly one of a model backend or a policy")
+
+    def solver(self, task: Any, env: Env, job: EpisodeJob) -> Solver:
+        if self.policy is not None:
+            return self.policy.for_episode(task, env, job.spec, job.seed)
+        assert self.policy_for is not None
+        return self.policy_for(task, env, job.spec)
 
 
 def budget_fits(model: ModelBackend, system: str) -> Callable[[str], bool]:
@@ -273,11 +281,24 @@ def episode_jobs(
     *,
     perturbation: int = 0,
     sample: int = 0,
+    seed: int = 0,
 ) -> list[EpisodeJob]:
     """The jobs of AgentBoard's episodes `specs` of `task`, in order, under reworded-action variant
-    `perturbation` (0: the original) as Best-of-N sample `sample`. Their seed is unused: a privileged
-    policy's comes from its `Agent`, a model backend draws its own."""
-    return [EpisodeJob(task.name, task, s, s.index, perturbation, sample, max_steps, seed=0) for s in specs]
+    `perturbation` (0: the original) as Best-of-N sample `sample`. A job's seed (from the run's `seed`)
+    is a privileged policy's (`Agent.policy`); a model backend draws its own."""
+    return [
+        EpisodeJob(
+            task.name,
+            task,
+            s,
+            s.index,
+            perturbation,
+            sample,
+            max_steps,
+            seed * 100003 + s.index + sample * 7_000_003,
+        )
+        for s in specs
+    ]
 
 
 def reworded(prompt: PromptSet, perturbation: int) -> PromptSet:
@@ -318,9 +339,9 @@ class AgentBoardProtocol:
         except CheckoutError:
             env.close()
             raise
-        if agent.policy_for is not None and not ep.finished:
+        if agent.model is None and not ep.finished:
             try:
-                ep.solver = agent.policy_for(task, env, spec)
+                ep.solver = agent.solver(task, env, job)
             except (RuntimeError, OSError, ValueError) as e:  # e.g. the planner found no plan: reported
                 ep.finish("error", f"policy_error: {e}")
         return ep
