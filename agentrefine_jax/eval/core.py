@@ -44,6 +44,23 @@ class StepResult:
     action: str | None = None
 
 
+class Task:
+    """What every task of either source is to the runner and the policies: its registered `name`, the
+    reference solver of an episode (`oracle(env)`: a `policies.Solver`, None where it has none) and `close`
+    (its simulators, files, processes). Each source's base adds what its source reads: the built-in
+    `envs.base.EvalTask` (episodes from a run seed, action vocabularies, `make_env(spec, perturbation)`),
+    AgentBoard's `agentboard.tasks.base.Task` (a checkout's episodes and prompt files, `make_env(checkout,
+    spec)`)."""
+
+    name: str
+
+    def oracle(self, env: Any) -> Any | None:
+        return None
+
+    def close(self) -> None:
+        """Release what the task holds (simulators, generated files, processes)."""
+
+
 class Env(Protocol):
     """One running episode of any task, from either source, as every protocol drives it: `reset` starts the
     episode and returns the first observation (and sets `goal`); `step` applies one action; `valid_actions`

@@ -3,12 +3,12 @@ engine (`core.run_episodes`), for either episode source; the source is data (`So
 protocol, and the results document it writes). The built-in source (`BuiltinSource`, `run_eval`) lives
 here; AgentBoard's is `agentboard.runner.AgentBoardSource`.
 
-A task's run is a list of passes (`plan`), each one engine call under one journal phase. Where Best-of-N
-samples stand is the source's data (`Source.sampled_variants`): the built-in source samples every variant
-N times in its main pass and runs the greedy original beside them; AgentBoard's runs every variant greedily
-and samples the original N times in a pass of its own. A privileged policy answers from the env and its
-seed alone, so a later pass's job that an earlier pass already ran with the same seed (any seed, for a
-seedless policy such as the oracle) takes that record instead of running again.
+A task's run is a list of passes (`task_passes`), each one engine call under one journal phase. Where
+Best-of-N samples stand is the source's data (`Source.sampled_variants`): the built-in source samples
+every variant N times in its main pass and runs the greedy original beside them; AgentBoard's runs every
+variant greedily and samples the original N times in a pass of its own. A privileged policy answers from
+the env and its seed alone, so a later pass's job that an earlier pass already ran with the same seed (any
+seed, for a seedless policy such as the oracle) takes that record instead of running again.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class Pass:
     greedy: bool
 
 
-def plan(variants: int, best_of: int, *, sampled_variants: bool) -> list[Pass]:
+def task_passes(variants: int, best_of: int, *, sampled_variants: bool) -> list[Pass]:
     """A task's passes. Sampled variants: every variant N times in the main pass (the run's sampling
     settings), the greedy original beside them when N > 1. Otherwise: the greedy original, its N samples
     when N > 1, then the other variants greedily."""
@@ -102,7 +102,7 @@ class Source(Protocol):
 
     name: str  # "builtin" | "agentboard"
     config: EvalConfig  # the run's
-    sampled_variants: bool  # where Best-of-N samples stand (`plan`)
+    sampled_variants: bool  # where Best-of-N samples stand (`task_passes`)
     actor: Any  # a privileged policy's `seeded` says which records a later pass may reuse
 
     def tasks(self) -> Sequence[Any]: ...
@@ -154,7 +154,7 @@ def _run_task(
 
     ran: dict[tuple[Any, ...], EpisodeResult] = {}
     passes: dict[str, list[EpisodeResult]] = {}
-    for ps in plan(variants, source.config.best_of, sampled_variants=source.sampled_variants):
+    for ps in task_passes(variants, source.config.best_of, sampled_variants=source.sampled_variants):
         jobs = source.jobs(name, task, specs, ps)
         todo = [j for j in jobs if not (privileged and same(j) in ran)]
         runs = {id(j) for j in todo}
@@ -243,7 +243,7 @@ class BuiltinSource:
         config = self.config
         results = [r for run in runs.values() for r in run.variants]
         variants = task_metrics(results)
-        best_of = self._best_of(runs) if config.best_of > 1 else None
+        best_of = self._best_of_section(runs) if config.best_of > 1 else None
         # The headline is the greedy run where Best-of-N sampled the variants, else the original variant.
         headline = (
             task_metrics([r for run in runs.values() for r in run.greedy])["original"] if best_of else None
@@ -259,7 +259,7 @@ class BuiltinSource:
             extra={"policy": self.actor.name, "seconds": seconds},
         )
 
-    def _best_of(self, runs: dict[str, TaskRun]) -> dict[str, Any]:
+    def _best_of_section(self, runs: dict[str, TaskRun]) -> dict[str, Any]:
         sampling = getattr(self.actor, "sampling", None)
         return {
             "n": self.config.best_of,
