@@ -23,11 +23,10 @@ from agentrefine_jax.eval import perturb
 from agentrefine_jax.eval.agentboard.checkout import CLONE, Checkout, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
 from agentrefine_jax.eval.config import AGENTBOARD_MAX_STEPS as DEFAULT_MAX_STEPS  # CFG run.max_num_steps
-from agentrefine_jax.eval.core import Env, Episode, EpisodeJob, EpisodeResult, job_key
+from agentrefine_jax.eval.core import Episode, EpisodeJob, EpisodeResult, job_key
 from agentrefine_jax.eval.policies import (
     RandomPolicy,  # noqa: F401 - the one random policy, re-exported
     Reply,
-    Solver,
     as_reply,
 )
 from agentrefine_jax.layout import agentboard_head, history_lines
@@ -248,24 +247,17 @@ def _take(ep: Episode, action: str) -> None:
 
 @dataclasses.dataclass
 class Agent:
-    """Who answers: a model backend (`model`), or a privileged policy's per-episode solver: made by
-    `policy_for`, or by `policy` (`policies.OraclePolicy`, `RandomPolicy`) from the job's seed."""
+    """Who answers: a model backend (`model`), or a privileged policy (`policy`: `policies.OraclePolicy`,
+    `RandomPolicy`, anything with `for_episode(task, env, spec, seed) -> Solver`), each episode's solver
+    made from the job's seed."""
 
     model: ModelBackend | None = None
-    # (task, env, spec) -> the episode's solver (`policies.Solver`: next_action(env, history) -> str)
-    policy_for: Callable[[Any, Env, EpisodeSpec], Solver] | None = None
     system_suffix: str = ""  # appended to every system message (AgentBoard's vLLM sentence for open models)
     policy: Any = None
 
     def __post_init__(self) -> None:
-        if sum(x is not None for x in (self.model, self.policy_for, self.policy)) != 1:
+        if (self.model is None) == (self.policy is None):
             raise ValueError("an Agent needs exactly one of a model backend or a policy")
-
-    def solver(self, task: Any, env: Env, job: EpisodeJob) -> Solver:
-        if self.policy is not None:
-            return self.policy.for_episode(task, env, job.spec, job.seed)
-        assert self.policy_for is not None
-        return self.policy_for(task, env, job.spec)
 
 
 def budget_fits(model: ModelBackend, system: str) -> Callable[[str], bool]:
@@ -341,7 +333,7 @@ class AgentBoardProtocol:
             raise
         if agent.model is None and not ep.finished:
             try:
-                ep.solver = agent.solver(task, env, job)
+                ep.solver = agent.policy.for_episode(task, env, spec, job.seed)
             except (RuntimeError, OSError, ValueError) as e:  # e.g. the planner found no plan: reported
                 ep.finish("error", f"policy_error: {e}")
         return ep
