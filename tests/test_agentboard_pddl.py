@@ -17,6 +17,7 @@ from agentrefine_jax.eval.agentboard.runner import run
 from agentrefine_jax.eval.agentboard.tasks.pddl import PddlTask, fd_compatible
 from agentrefine_jax.eval.config import EvalConfig
 from agentrefine_jax.eval.core import run_episodes
+from agentrefine_jax.eval.policies import OraclePolicy
 
 pytest.importorskip("pddlgym")
 pytest.importorskip("nltk")
@@ -106,7 +107,12 @@ def test_loop_logs_steps_grounding_and_score_changes(checkout):
         "move rooma roomb",
         "drop ball1 roomb left",
     ]
-    agent = Agent(policy_for=lambda *_: Scripted(script))
+
+    class ScriptedPolicy:
+        def for_episode(self, task, env, spec, seed):
+            return Scripted(script)
+
+    agent = Agent(policy=ScriptedPolicy())
     [log] = run_episodes(episode_jobs(task, specs[1:], 10), AgentBoardProtocol(task, checkout, agent))
     assert (log.success, log.progress, log.steps, log.valid_steps, log.end) == (True, 1.0, 4, 3, "done")
     assert log.grounding == 0.75
@@ -128,7 +134,8 @@ def test_random_policy_is_seeded_and_mostly_grounded(checkout):
     runs = [
         run_episodes(
             episode_jobs(task, specs, 30),
-            AgentBoardProtocol(task, checkout, Agent(policy_for=lambda t, e, s: RandomPolicy(s.index))),
+            # episode_jobs' seed 0: each episode's seed is its index
+            AgentBoardProtocol(task, checkout, Agent(policy=RandomPolicy())),
         )
         for _ in range(2)
     ]
@@ -237,7 +244,7 @@ def test_real_oracle_solves_hard_problems_beyond_30_steps():
     task = PddlTask(strict=False)
     specs = {s.id: s for s in task.episodes(Checkout(SHARED))}
     picked = [specs[k] for k in ("barman/p07.pddl", "gripper/prob05.pddl", "tyreworld/p01.pddl")]
-    oracle = Agent(policy_for=lambda t, e, s: t.oracle(e))
+    oracle = Agent(policy=OraclePolicy())
     logs = run_episodes(episode_jobs(task, picked, 200), AgentBoardProtocol(task, Checkout(SHARED), oracle))
     assert [(x.success, x.progress, x.grounding) for x in logs] == [(True, 1.0, 1.0)] * 3
     assert logs[1].steps > 30

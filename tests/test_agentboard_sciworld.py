@@ -11,6 +11,7 @@ from agentrefine_jax.eval.agentboard.checkout import Checkout, CheckoutError
 from agentrefine_jax.eval.agentboard.protocol import Agent, AgentBoardProtocol, episode_jobs
 from agentrefine_jax.eval.agentboard.tasks.sciworld import SIMPLIFICATION, SciWorldTask
 from agentrefine_jax.eval.core import run_episodes
+from agentrefine_jax.eval.policies import OraclePolicy
 
 # Gold paths may pick any plant (the simulator's choice varies between runs): subgoals that any of them meets.
 SUBGOALS = ["move to the greenhouse", r"^You focus on the \w+", "to the red box"]
@@ -86,7 +87,7 @@ def test_progress_help_grounding_and_gold_path_oracle(tmp_path):
         env.close()
 
         task.gold_paths = True
-        oracle = Agent(policy_for=lambda t, e, s: t.oracle(e))
+        oracle = Agent(policy=OraclePolicy())
         [log] = run_episodes(episode_jobs(task, [spec], 30), AgentBoardProtocol(task, co, oracle))
         assert (log.success, log.progress, log.end) == (True, 1.0, "done"), [t["action"] for t in log.turns]
         assert [p for _, p in log.score_change_record] == pytest.approx([1 / 3, 2 / 3, 1.0])

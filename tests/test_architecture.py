@@ -60,6 +60,14 @@ EVAL_ONE_HOME = {
     "job_key": "agentrefine_jax/eval/core.py",
     "EpisodeResult": "agentrefine_jax/eval/core.py",
     "EpisodeLog": None,  # AgentBoard's record, now the one record read in its vocabulary
+    "Episode": "agentrefine_jax/eval/core.py",  # the running episode every protocol drives
+    "_Running": None,  # the chat protocol's running episode, now core.Episode
+    "Task": "agentrefine_jax/eval/core.py",  # the task base; each source's (EvalTask, AgentBoardTask) over it
+    "Source": "agentrefine_jax/eval/runner.py",  # what the one runner reads of an episode source
+    "task_passes": "agentrefine_jax/eval/runner.py",  # Best-of-N and perturbation passes, as data
+    "_samples": None,  # AgentBoard's own Best-of-N orchestration
+    "_perturbed": None,  # AgentBoard's own perturbation orchestration
+    "_greedy": None,  # the built-in source's own greedy run beside Best-of-N
 }
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import logging
+import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
@@ -22,6 +24,8 @@ from agentrefine_jax.eval.policies import Reply, SamplingParams, forget
 
 if TYPE_CHECKING:
     from agentrefine_jax.eval.journal import Journal
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +42,23 @@ class StepResult:
     # The action as the environment parsed it, when it rewrites replies (AgentBoard's ALFWorld `parseAction`,
     # Jericho's cut): AgentBoard records this form, not the raw reply, in the history a model reads next.
     action: str | None = None
+
+
+class Task:
+    """What every task of either source is to the runner and the policies: its registered `name`, the
+    reference solver of an episode (`oracle(env)`: a `policies.Solver`, None where it has none) and `close`
+    (its simulators, files, processes). Each source's base adds what its source reads: the built-in
+    `envs.base.EvalTask` (episodes from a run seed, action vocabularies, `make_env(spec, perturbation)`),
+    AgentBoard's `agentboard.tasks.base.Task` (a checkout's episodes and prompt files, `make_env(checkout,
+    spec)`)."""
+
+    name: str
+
+    def oracle(self, env: Any) -> Any | None:
+        return None
+
+    def close(self) -> None:
+        """Release what the task holds (simulators, generated files, processes)."""
 
 
 class Env(Protocol):
@@ -83,6 +104,11 @@ def job_key(job: EpisodeJob) -> tuple[str, int, int, int]:
     """The conversation an episode-sample is to a model actor and its journal key (distinct among a
     run's jobs of one phase): task, perturbation variant, episode, sample."""
     return (job.name, job.perturbation, job.episode, job.sample)
+
+
+def variant_name(perturbation: int) -> str:
+    """A perturbation variant's name in results ("original": variant 0, the task's own wording)."""
+    return "original" if perturbation == 0 else f"perturbation_{perturbation}"
 
 
 def job_seed(seed: int, task: str, perturbation: int, episode: int, sample: int) -> int:
@@ -159,6 +185,40 @@ class EpisodeResult:
     def end(self) -> str:
         """AgentBoard's end reason: "done", "max_steps", or the error ("model_error: ...", ...)."""
         return _AGENTBOARD_END.get(self.termination) or str(self.error)
+
+
+class Episode:
+    """One episode in flight, from either source and under any protocol: its job, its env (None when it
+    failed to start), its record (the one `EpisodeResult`, filled in as the episode runs), the
+    Observation/Action history a prompt or a solver reads, a privileged policy's solver, and every reply
+    the actor gave (with token ids and log-probabilities when it has them; the record keeps the text).
+    A protocol keeps what only it needs beside these (AgentBoard's prompt set, a rollout's token ids)."""
+
+    def __init__(self, job: EpisodeJob, env: Env | None = None):
+        self.job, self.env = job, env
+        variant = variant_name(job.perturbation)
+        self.record = EpisodeResult(
+            job.name, variant, job.episode, job.sample, job.spec, False, 0.0, 0, "", None, 0, 0, 0.0, [], []
+        )
+        self.history: list[tuple[str, str]] = []
+        self.solver: Any = None  # a privileged policy's solver for this episode (`for_episode`)
+        self.prompt: Any = None  # what every prompt is built from, if fixed (AgentBoard's prompt set)
+        self.replies: list[Reply] = []
+        self.finished = False
+        self.t0 = time.perf_counter()
+
+    def finish(self, termination: str, error: str | None = None) -> None:
+        """End the episode: its record's end and time; the env is closed (a failing close is logged: it
+        must not lose the episode's record)."""
+        self.finished = True
+        r = self.record
+        r.termination, r.error = termination, error
+        r.seconds = round(time.perf_counter() - self.t0, 3) if self.env is not None else 0.0
+        if self.env is not None:
+            try:
+                self.env.close()
+            except Exception as e:  # noqa: BLE001
+                log.warning(f"warning: closing {self.job.name} env failed: {e}")
 
 
 class Running(Protocol):

@@ -9,13 +9,10 @@ turn is a step, as in AgentBoard: malformed replies and "check valid actions" co
 from __future__ import annotations
 
 import logging
-import time
 import traceback
 from typing import Any
 
-from agentrefine_jax.eval.core import EpisodeJob, EpisodeResult, job_key
-from agentrefine_jax.eval.envs.base import TextEnv
-from agentrefine_jax.eval.perturb import variant_name
+from agentrefine_jax.eval.core import Episode, EpisodeJob, EpisodeResult, job_key
 from agentrefine_jax.eval.policies import (
     ActRequest,
     ContextOverflow,
@@ -36,66 +33,25 @@ from agentrefine_jax.layout import (
 log = logging.getLogger(__name__)
 
 
-class _Running:
-    """One episode in flight under the chat protocol (`finished` and `result` are set at its end)."""
-
-    def __init__(
-        self, job: EpisodeJob, env: TextEnv | None = None, messages: list[dict[str, str]] | None = None
-    ):
-        self.job = job
-        self.env = env
-        self.messages = messages or []
-        self.solver: Any = None  # a privileged policy's solver for this episode (`for_episode`)
-        # Every reply the actor gave, with its token ids and log-probabilities when it has them (kept in
-        # memory for callers that learn from them; the results record keeps the text, in `messages`).
-        self.replies: list[Reply] = []
-        self.steps = 0
-        self.invalid = 0
-        self.format_errors = 0
-        self.trace: list[dict[str, Any]] = []
-        self.t0 = time.perf_counter()
-        # agentboard style: the Observation/Action history the single user message is rebuilt from.
-        self.goal = ""
-        self.history: list[tuple[str, str]] = []
-        self.finished = False
-        self.result: EpisodeResult | None = None
-
-    def request_messages(self) -> list[dict[str, str]]:
-        """What the policy sees: the transcript (chat style) or AgentBoard's single-message prompt."""
-        assert self.env is not None
-        if self.job.prompt_style == "agentboard":
-            return agentboard_messages(SYSTEM_PROMPT, self.env.instruction, self.goal, self.history)
-        return self.messages
-
-    def finish(self, termination: str, error: str | None = None) -> None:
-        env = self.env
-        if env is not None:
-            try:
-                env.close()
-            except Exception as e:  # noqa: BLE001 - a failing close must not lose the episode's result
-                log.warning(f"warning: closing {self.job.name} env failed: {e}")
-        job = self.job
-        self.finished = True
-        self.result = EpisodeResult(
-            task=job.name,
-            variant=variant_name(job.perturbation),
-            episode=job.episode,
-            sample=job.sample,
-            spec=job.spec,
-            success=bool(env is not None and env.success),
-            progress=float(env.best_progress) if env is not None else 0.0,
-            steps=self.steps,
-            termination=termination,
-            error=error,
-            invalid_actions=self.invalid,
-            format_errors=self.format_errors,
-            seconds=round(time.perf_counter() - self.t0, 3) if env is not None else 0.0,
-            messages=self.messages,
-            trace=self.trace,
-        )
+def _prompt(run: Episode) -> list[dict[str, str]]:
+    """What the policy sees: the transcript (chat style) or AgentBoard's single-message prompt."""
+    assert run.env is not None
+    if run.job.prompt_style == "agentboard":
+        return agentboard_messages(SYSTEM_PROMPT, run.env.instruction, run.record.goal, run.history)
+    return run.record.messages
 
 
-def _start(job: EpisodeJob, policy: Policy) -> _Running:
+def end(run: Episode, termination: str, error: str | None = None) -> None:
+    """End a chat-protocol episode: success and best-so-far progress are the env's at its end."""
+    env = run.env
+    run.record.success = bool(env is not None and env.success)
+    run.record.progress = float(env.best_progress) if env is not None else 0.0
+    run.finish(termination, error)
+
+
+def start(job: EpisodeJob, policy: Policy) -> Episode:
+    """A chat-protocol episode of `job`, its env reset (one that failed to start comes back finished);
+    a privileged `policy` gets its solver for the episode."""
     try:
         env = job.task.make_env(job.spec, job.perturbation, oracle=policy.needs_oracle)
         try:
@@ -106,16 +62,17 @@ def _start(job: EpisodeJob, policy: Policy) -> _Running:
             env.close()
             raise
     except Exception as e:  # noqa: BLE001 - reported per episode, the run goes on
-        failed = _Running(job)
-        failed.finish("error", f"environment failed to start: {type(e).__name__}: {e}")
+        failed = Episode(job)
+        end(failed, "error", f"environment failed to start: {type(e).__name__}: {e}")
         return failed
     check_style(job.prompt_style)
-    messages = [
+    run = Episode(job, env)
+    run.record.messages += [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": first_user_turn(env.instruction, goal, obs)},
     ]
-    run = _Running(job, env, messages)
-    run.goal, run.history, run.solver = goal, [("Observation", obs)], solver
+    run.record.goal, run.record.initial_observation = goal, obs
+    run.history, run.solver = [("Observation", obs)], solver
     return run
 
 
@@ -130,15 +87,15 @@ class ChatProtocol:
 
     key = staticmethod(job_key)
 
-    def start(self, job: EpisodeJob) -> _Running:
-        return _start(job, self.actor)
+    def start(self, job: EpisodeJob) -> Episode:
+        return start(job, self.actor)
 
-    def answer(self, runs: list[_Running]) -> list[tuple[_Running, Reply | Exception]]:
+    def answer(self, runs: list[Episode]) -> list[tuple[Episode, Reply | Exception]]:
         requests = [
             ActRequest(
-                r.request_messages(),
+                _prompt(r),
                 r.job.seed,
-                r.steps,
+                r.record.steps,
                 r.job.sampling,
                 r.env,
                 r.history,
@@ -149,23 +106,22 @@ class ChatProtocol:
         ]
         return list(zip(runs, ask(self.actor, requests), strict=True))
 
-    def apply(self, run: _Running, reply: Reply) -> None:
+    def apply(self, run: Episode, reply: Reply) -> None:
         run.replies.append(reply)
         termination = _advance(run, reply.text)
         if termination is not None:
-            run.finish(termination, run.trace[-1].get("error") if termination == "error" else None)
+            end(run, termination, run.record.trace[-1].get("error") if termination == "error" else None)
 
-    def failed(self, run: _Running, error: Exception) -> None:
+    def failed(self, run: Episode, error: Exception) -> None:
         if isinstance(error, ContextOverflow):
-            run.finish("context_overflow", str(error))
+            end(run, "context_overflow", str(error))
         else:
             log.warning(f"{run.job.name} episode {run.job.episode}: policy error: {error}")
-            run.finish("error", str(error))
+            end(run, "error", str(error))
 
     @staticmethod
-    def result(run: _Running) -> EpisodeResult:
-        assert run.result is not None
-        return run.result
+    def result(run: Episode) -> EpisodeResult:
+        return run.record
 
     @staticmethod
     def dump(result: EpisodeResult) -> dict[str, Any]:
@@ -176,39 +132,40 @@ class ChatProtocol:
         return EpisodeResult(**record)
 
 
-def _advance(run: _Running, reply: str) -> str | None:
+def _advance(run: Episode, reply: str) -> str | None:
     """Apply one assistant turn; returns a termination reason or None to continue."""
-    assert run.env is not None
-    run.messages.append({"role": "assistant", "content": reply})
-    run.steps += 1
+    env, r = run.env, run.record
+    assert env is not None
+    r.messages.append({"role": "assistant", "content": reply})
+    r.steps += 1
     action = parse_action(reply)
-    entry: dict[str, Any] = {"step": run.steps, "action": action}
+    entry: dict[str, Any] = {"step": r.steps, "action": action}
     if action is None:
-        run.format_errors += 1
+        r.format_errors += 1
         observation = FORMAT_ERROR
         entry.update(valid=False, executed=False)
     else:
         try:
-            result = run.env.step(action)
+            result = env.step(action)
         except Exception as e:  # noqa: BLE001 - a simulator crash ends this episode only
             entry.update(
                 valid=False, executed=False, error=f"environment step failed: {type(e).__name__}: {e}"
             )
             log.warning(f"{run.job.name} episode {run.job.episode}: {entry['error']}")
             log.debug(traceback.format_exc(limit=3))
-            run.trace.append(entry)
+            r.trace.append(entry)
             return "error"
         observation = result.observation
-        run.invalid += 0 if result.valid else 1
+        r.invalid_actions += 0 if result.valid else 1
         entry.update(valid=result.valid, executed=result.executed)
-    entry.update(progress=round(run.env.best_progress, 4), success=run.env.success)
-    run.trace.append(entry)
-    run.messages.append({"role": "user", "content": observation_turn(observation)})
+    entry.update(progress=round(env.best_progress, 4), success=env.success)
+    r.trace.append(entry)
+    r.messages.append({"role": "user", "content": observation_turn(observation)})
     run.history += [("Action", action if action is not None else reply.strip()), ("Observation", observation)]
-    if run.env.success:
+    if env.success:
         return "success"
-    if run.env.done:
+    if env.done:
         return "env_done"
-    if run.steps >= run.job.max_steps:
+    if r.steps >= run.job.max_steps:
         return "max_steps"
     return None

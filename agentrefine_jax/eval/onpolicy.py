@@ -28,9 +28,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from agentrefine_jax.eval import core
-from agentrefine_jax.eval.core import EpisodeJob, job_seed
+from agentrefine_jax.eval.core import Episode, EpisodeJob, job_seed
 from agentrefine_jax.eval.journal import Journal
-from agentrefine_jax.eval.loop import ChatProtocol, _Running, _start
+from agentrefine_jax.eval.loop import ChatProtocol, end, start
 from agentrefine_jax.eval.policies import PolicyError, Reply
 from agentrefine_jax.eval.registry import lookup, make_task
 from agentrefine_jax.layout import assistant_turn
@@ -52,7 +52,7 @@ def recovery_thought(observation: str, unparseable: bool) -> str:
     return dw._recovery_thought(observation)
 
 
-def expert_thought(run: _Running, observation: str, unparseable: bool) -> str:
+def expert_thought(run: Episode, observation: str, unparseable: bool) -> str:
     """The expert turn's thought: the recovery sentence, then the step's reason (the demo expert's own
     words in a demo world; a plain one elsewhere)."""
     from agentrefine_jax.data import demo_world as dw
@@ -71,8 +71,8 @@ class OnPolicyProtocol(ChatProtocol):
 
     source = SOURCE
 
-    def start(self, job: EpisodeJob) -> _Running:
-        run = _start(job, _WITH_ORACLE)
+    def start(self, job: EpisodeJob) -> Episode:
+        run = start(job, _WITH_ORACLE)
         run.expert_steps = []  # the steps (1-based) the expert answered
         run.expert_invalid = 0  # expert actions the environment rejected (never expected)
         run.expert_next = None  # the expert's action for the current state
@@ -83,13 +83,13 @@ class OnPolicyProtocol(ChatProtocol):
         try:
             run.expert = job.task.oracle(run.env)
         except Exception as e:  # noqa: BLE001 - reported per episode
-            run.finish("error", f"expert failed to start: {type(e).__name__}: {e}")
+            end(run, "error", f"expert failed to start: {type(e).__name__}: {e}")
             return run
         self._ask_expert(run)
         return run
 
     @staticmethod
-    def _ask_expert(run: _Running) -> None:
+    def _ask_expert(run: Episode) -> None:
         try:
             run.expert_next = run.expert.next_action(run.env, run.history)
             run.expert_error = None
@@ -97,10 +97,10 @@ class OnPolicyProtocol(ChatProtocol):
             run.expert_next, run.expert_error = None, f"{type(e).__name__}: {e}"
 
     @staticmethod
-    def _rejected(run: _Running) -> bool:
-        return bool(run.trace) and not run.trace[-1]["valid"]
+    def _rejected(run: Episode) -> bool:
+        return bool(run.record.trace) and not run.record.trace[-1]["valid"]
 
-    def answer(self, runs: list[_Running]) -> list[tuple[_Running, Reply | Exception]]:
+    def answer(self, runs: list[Episode]) -> list[tuple[Episode, Reply | Exception]]:
         replies: dict[int, Reply | Exception] = {}
         for run in runs:
             run.expert_pending = self._rejected(run)
@@ -112,27 +112,28 @@ class OnPolicyProtocol(ChatProtocol):
         return [(r, replies[id(r)]) for r in runs]
 
     @staticmethod
-    def _expert_reply(run: _Running) -> Reply | Exception:
+    def _expert_reply(run: Episode) -> Reply | Exception:
         if run.expert_next is None:
             return PolicyError(f"no expert action for this state ({run.expert_error})")
         observation = run.history[-1][1]
-        thought = expert_thought(run, observation, unparseable=run.trace[-1]["action"] is None)
+        thought = expert_thought(run, observation, unparseable=run.record.trace[-1]["action"] is None)
         return Reply(assistant_turn(thought, run.expert_next))
 
-    def apply(self, run: _Running, reply: Reply) -> None:
+    def apply(self, run: Episode, reply: Reply) -> None:
         expert, run.expert_pending = run.expert_pending, False
-        before = len(run.trace)
+        trace = run.record.trace
+        before = len(trace)
         super().apply(run, reply)
-        entry = run.trace[-1] if len(run.trace) > before else None
+        entry = trace[-1] if len(trace) > before else None
         if expert:
-            run.expert_steps.append(run.steps)
+            run.expert_steps.append(run.record.steps)
             if entry is not None and not entry["valid"]:
                 run.expert_invalid += 1
                 log.warning(f"{run.job.name} episode {run.job.episode}: the expert's action was rejected")
         if not run.finished and entry is not None and entry.get("executed"):
             self._ask_expert(run)  # every executed step: a stateful expert follows the episode
 
-    def result(self, run: _Running) -> dict[str, Any]:  # type: ignore[override]
+    def result(self, run: Episode) -> dict[str, Any]:  # type: ignore[override]
         r = super().result(run)
         expert = set(getattr(run, "expert_steps", []))
         model_steps = [e for e in r.trace if e["step"] not in expert]

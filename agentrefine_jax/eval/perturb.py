@@ -34,7 +34,7 @@ import textwrap
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
-from agentrefine_jax.eval.core import StepResult
+from agentrefine_jax.eval.core import StepResult, variant_name
 from agentrefine_jax.layout import CHECK_VALID_ACTIONS as HELP
 
 ORIGINAL = 0
@@ -144,10 +144,6 @@ class Vocabulary:
             f"- {w.usage.format(verb=self._surface[w.canonical])}: {self._desc[w.canonical]}"
             for w in self.words
         )
-
-
-def variant_name(perturbation: int) -> str:
-    return "original" if perturbation == ORIGINAL else f"perturbation_{perturbation}"
 
 
 def _starts_with_phrase(text: str, phrase: str) -> bool:

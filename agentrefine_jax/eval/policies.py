@@ -140,6 +140,9 @@ class PrivilegedPolicy:
     name: str
     needs_oracle: bool
     thought: str
+    # whether its solver depends on the seed it is made with (the runner reuses a seedless one's episode
+    # for every seed: its Best-of-N samples and greedy run are one run)
+    seeded = True
 
     def act(self, requests: Sequence[ActRequest]) -> list[Reply | PolicyError]:
         out: list[Reply | PolicyError] = []
@@ -158,6 +161,7 @@ class OraclePolicy(PrivilegedPolicy):
 
     name = "oracle"
     needs_oracle = True
+    seeded = False
     thought = "I follow the reference solver."
 
     def for_episode(self, task: Any, env: Any, spec: Any, seed: int) -> Solver:

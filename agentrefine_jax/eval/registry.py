@@ -7,7 +7,7 @@ A task is one name with up to two *episode sources*:
   (`reset() -> (goal, observation)`, `step(command) -> StepResult`, `valid_actions()`,
   `oracle_action()`); the episodes run under our chat-style ReAct layout. `options` come from the CLI's
   ``--task-option NAME.KEY=VALUE`` (strings) and from `EvalConfig.task_options`.
-- ``agentboard(strict: bool) -> Task`` (`eval/agentboard/tasks/base.py`): AgentBoard's episodes and
+- ``agentboard(strict: bool) -> AgentBoardTask`` (`eval/agentboard/tasks/base.py`): AgentBoard's episodes and
   rules read from the user's checkout (``--agentboard-dir``; the default source whenever it is given).
   `strict` is True for a model run (every protocol file required), False for oracle/random runs.
 

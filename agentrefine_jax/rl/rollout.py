@@ -44,8 +44,8 @@ from typing import Any
 
 from agentrefine_jax.config import Config
 from agentrefine_jax.eval import core
-from agentrefine_jax.eval.core import EpisodeJob, job_key, job_seed
-from agentrefine_jax.eval.loop import ChatProtocol, _Running, _start
+from agentrefine_jax.eval.core import Episode, EpisodeJob, job_key, job_seed
+from agentrefine_jax.eval.loop import ChatProtocol, start
 from agentrefine_jax.eval.onpolicy import plan
 from agentrefine_jax.eval.policies import DEFAULT_STOP, ContextOverflow, Reply
 from agentrefine_jax.rl.batch import Rollout
@@ -105,15 +105,15 @@ class RolloutProtocol(ChatProtocol):
         self.stop_ids = frozenset(generator.stop_token_ids)
         self.context = generator.model.cfg.max_position_embeddings
 
-    def start(self, job: EpisodeJob) -> _Running:
-        run = _start(job, _MODEL_ACTOR)  # type: ignore[arg-type]
+    def start(self, job: EpisodeJob) -> Episode:
+        run = start(job, _MODEL_ACTOR)  # type: ignore[arg-type]
         run.seq = _Sequence()
         if not run.finished:
-            run.seq.scaffolding(self.scaffold.first_prompt(run.messages))
+            run.seq.scaffolding(self.scaffold.first_prompt(run.record.messages))
         return run
 
-    def answer(self, runs: list[_Running]) -> list[tuple[_Running, Reply | Exception]]:
-        out: list[tuple[_Running, Reply | Exception]] = []
+    def answer(self, runs: list[Episode]) -> list[tuple[Episode, Reply | Exception]]:
+        out: list[tuple[Episode, Reply | Exception]] = []
         ask = []
         for run in runs:
             if len(run.seq.ids) >= self.context:  # not even one new token fits: AgentBoard ends it here
@@ -129,13 +129,13 @@ class RolloutProtocol(ChatProtocol):
                 top_p=self.top_p,
                 stop=list(DEFAULT_STOP),
                 # One call's key (as the checkpoint actor's); each cache row samples its own stream.
-                seed=(sum(r.job.seed for r in ask) + max(r.steps for r in ask)) % 2**31,
+                seed=(sum(r.job.seed for r in ask) + max(r.record.steps for r in ask)) % 2**31,
                 keys=[job_key(r.job) for r in ask],
             )
             out += [(r, Reply(c.text, c.token_ids, c.logprobs)) for r, c in zip(ask, done, strict=True)]
         return out
 
-    def apply(self, run: _Running, reply: Reply) -> None:
+    def apply(self, run: Episode, reply: Reply) -> None:
         ids, logprobs = reply.token_ids or (), reply.logprobs or ()
         if not ids or len(ids) != len(logprobs):
             raise RuntimeError("the engine returned a reply without its sampled ids and log-probabilities")
@@ -144,9 +144,9 @@ class RolloutProtocol(ChatProtocol):
         if ids[-1] not in self.stop_ids:  # cut by a stop string or max_new_tokens: close the turn
             run.seq.scaffolding(self.scaffold.end_ids)
         if not run.finished:
-            run.seq.scaffolding(self.scaffold.observation(run.messages[-1]))
+            run.seq.scaffolding(self.scaffold.observation(run.record.messages[-1]))
 
-    def result(self, run: _Running) -> Played:  # type: ignore[override]
+    def result(self, run: Episode) -> Played:  # type: ignore[override]
         r = ChatProtocol.result(run)
         if r.termination == "error" and not r.trace:
             raise RuntimeError(f"{r.task} world {r.spec}: {r.error}")

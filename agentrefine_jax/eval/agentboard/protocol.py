@@ -16,7 +16,6 @@ Written from the fact sheet (docs/eval.md, "AgentBoard protocol"), not from Agen
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
@@ -24,11 +23,10 @@ from agentrefine_jax.eval import perturb
 from agentrefine_jax.eval.agentboard.checkout import CLONE, Checkout, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec
 from agentrefine_jax.eval.config import AGENTBOARD_MAX_STEPS as DEFAULT_MAX_STEPS  # CFG run.max_num_steps
-from agentrefine_jax.eval.core import Env, EpisodeJob, EpisodeResult, StepResult, job_key
+from agentrefine_jax.eval.core import Episode, EpisodeJob, EpisodeResult, job_key
 from agentrefine_jax.eval.policies import (
     RandomPolicy,  # noqa: F401 - the one random policy, re-exported
     Reply,
-    Solver,
     as_reply,
 )
 from agentrefine_jax.layout import agentboard_head, history_lines
@@ -208,82 +206,40 @@ class ModelBackend(Protocol):
 # ----------------------------------------------------------------------------------------- episodes
 
 
-class Episode:
-    """One running AgentBoard episode: env, memory and its record (`log`, the one `core.EpisodeResult`,
-    read in AgentBoard's vocabulary by its log writer). Drives the loop one step at a time so a model
-    backend can answer many episodes in one batched call."""
+def _begin(ep: Episode) -> None:
+    """Reset the env: its goal and first observation start the record and the history."""
+    obs = ep.env.reset()
+    ep.record.goal, ep.record.initial_observation = ep.env.goal, obs
+    ep.history = [("Observation", obs)]
+    if ep.job.max_steps <= 0:
+        ep.finish("max_steps")
 
-    def __init__(self, job: EpisodeJob, env: Env):
-        self.job, self.env = job, env
-        self.spec, self.task, self.max_steps = job.spec, job.task, job.max_steps
-        variant = perturb.variant_name(job.perturbation)
-        self.log = EpisodeResult(
-            job.name, variant, job.episode, job.sample, job.spec, False, 0.0, 0, "", None, 0, 0, 0.0, [], []
-        )
-        self.t0 = time.perf_counter()
-        self.memory: list[tuple[str, str]] = []
-        self.finished = False
-        self.prompt_set: PromptSet | None = None
-        self.policy: Solver | None = None  # a privileged policy's solver for this episode
 
-    def start(self) -> None:
-        obs = self.env.reset()
-        self.log.goal = self.env.goal
-        self.log.initial_observation = obs
-        self.memory = [("Observation", obs)]
-        if self.max_steps <= 0:
-            self._finish("max_steps")
+def _head(ep: Episode, prompt: PromptSet) -> str:
+    task = ep.job.task  # its prompt-side settings: the help and inventory lines
+    return prompt_head(prompt, ep.record.goal, task.check_actions, bool(task.check_inventory))
 
-    def head(self) -> str:
-        assert self.prompt_set is not None
-        task = self.task  # its prompt-side settings: the help and inventory lines
-        return prompt_head(self.prompt_set, self.log.goal, task.check_actions, bool(task.check_inventory))
 
-    def history(self) -> list[tuple[str, str]]:
-        return list(self.memory)
-
-    def apply(self, action: str) -> StepResult:
-        """Take one (parsed) action; update memory, metrics and the log."""
-        result = self.env.step(action)
-        # AgentBoard's tasks that parse the reply (ALFWorld's parseAction, Jericho's cut) log and remember the
-        # parsed action: the history the model reads next shows what was executed.
-        action = result.action if result.action is not None else action
-        self.log.steps += 1
-        self.log.invalid_actions += not result.valid
-        self.log.progress = max(self.log.progress, result.progress)
-        self.log.trace.append(
-            {
-                "action": action,
-                "observation": result.observation,
-                "progress": result.progress,
-                "valid": result.valid,
-            }
-        )
-        self.memory += [("Action", action), ("Observation", result.observation)]
-        if result.done:
-            self.log.success = self.log.success or self.env_success(result)
-            self._finish("success" if self.log.success else "env_done")
-        elif self.log.steps >= self.max_steps:
-            self._finish("max_steps")
-        return result
-
-    def env_success(self, result: StepResult) -> bool:
+def _take(ep: Episode, action: str) -> None:
+    """Take one (parsed) action; update the history and the record."""
+    result = ep.env.step(action)
+    # AgentBoard's tasks that parse the reply (ALFWorld's parseAction, Jericho's cut) log and remember the
+    # parsed action: the history the model reads next shows what was executed.
+    action = result.action if result.action is not None else action
+    r = ep.record
+    r.steps += 1
+    r.invalid_actions += not result.valid
+    r.progress = max(r.progress, result.progress)
+    step = {"action": action, "observation": result.observation, "progress": result.progress}
+    r.trace.append(step | {"valid": result.valid})
+    ep.history += [("Action", action), ("Observation", result.observation)]
+    if result.done:
         # A task may define success apart from done (BabyAI: done with progress <= 0.5 is cleared by the env).
-        success = getattr(self.env, "success", None)
-        return bool(success) if success is not None else True
-
-    def fail(self, why: str, termination: str = "error") -> None:
-        """End the episode on a failure; `why` is AgentBoard's end reason ("model_error: ...", ...)."""
-        self._finish(termination, why)
-
-    def _finish(self, termination: str, error: str | None = None) -> None:
-        self.finished = True
-        self.log.termination, self.log.error = termination, error
-        self.log.seconds = round(time.perf_counter() - self.t0, 3)
-        try:
-            self.env.close()
-        except Exception:  # noqa: BLE001 - closing must not mask the episode's result
-            pass
+        success = getattr(ep.env, "success", None)
+        r.success = r.success or (bool(success) if success is not None else True)
+        ep.finish("success" if r.success else "env_done")
+    elif r.steps >= ep.job.max_steps:
+        ep.finish("max_steps")
 
 
 # ----------------------------------------------------------------------------------------- the loop
@@ -291,15 +247,16 @@ class Episode:
 
 @dataclasses.dataclass
 class Agent:
-    """Who answers: a model backend (`model`), or a privileged policy made per episode (`policy_for`)."""
+    """Who answers: a model backend (`model`), or a privileged policy (`policy`: `policies.OraclePolicy`,
+    `RandomPolicy`, anything with `for_episode(task, env, spec, seed) -> Solver`), each episode's solver
+    made from the job's seed."""
 
     model: ModelBackend | None = None
-    # (task, env, spec) -> the episode's solver (`policies.Solver`: next_action(env, history) -> str)
-    policy_for: Callable[[Any, Env, EpisodeSpec], Solver] | None = None
     system_suffix: str = ""  # appended to every system message (AgentBoard's vLLM sentence for open models)
+    policy: Any = None
 
     def __post_init__(self) -> None:
-        if (self.model is None) == (self.policy_for is None):
+        if (self.model is None) == (self.policy is None):
             raise ValueError("an Agent needs exactly one of a model backend or a policy")
 
 
@@ -316,11 +273,24 @@ def episode_jobs(
     *,
     perturbation: int = 0,
     sample: int = 0,
+    seed: int = 0,
 ) -> list[EpisodeJob]:
     """The jobs of AgentBoard's episodes `specs` of `task`, in order, under reworded-action variant
-    `perturbation` (0: the original) as Best-of-N sample `sample`. Their seed is unused: a privileged
-    policy's comes from its `Agent`, a model backend draws its own."""
-    return [EpisodeJob(task.name, task, s, s.index, perturbation, sample, max_steps, seed=0) for s in specs]
+    `perturbation` (0: the original) as Best-of-N sample `sample`. A job's seed (from the run's `seed`)
+    is a privileged policy's (`Agent.policy`); a model backend draws its own."""
+    return [
+        EpisodeJob(
+            task.name,
+            task,
+            s,
+            s.index,
+            perturbation,
+            sample,
+            max_steps,
+            seed * 100003 + s.index + sample * 7_000_003,
+        )
+        for s in specs
+    ]
 
 
 def reworded(prompt: PromptSet, perturbation: int) -> PromptSet:
@@ -355,18 +325,17 @@ class AgentBoardProtocol:
         ep = Episode(job, env)
         try:
             if agent.model is not None:
-                ep.prompt_set = load_prompt_set(self.checkout, task.prompt_file, task.examples_key(spec))
-                if job.perturbation:
-                    ep.prompt_set = reworded(ep.prompt_set, job.perturbation)
-            ep.start()
+                prompt = load_prompt_set(self.checkout, task.prompt_file, task.examples_key(spec))
+                ep.prompt = reworded(prompt, job.perturbation) if job.perturbation else prompt
+            _begin(ep)
         except CheckoutError:
             env.close()
             raise
-        if agent.policy_for is not None and not ep.finished:
+        if agent.model is None and not ep.finished:
             try:
-                ep.policy = agent.policy_for(task, env, spec)
+                ep.solver = agent.policy.for_episode(task, env, spec, job.seed)
             except (RuntimeError, OSError, ValueError) as e:  # e.g. the planner found no plan: reported
-                ep.fail(f"policy_error: {e}")
+                ep.finish("error", f"policy_error: {e}")
         return ep
 
     def answer(self, active: list[Episode]) -> list[tuple[Episode, Reply | Exception]]:
@@ -375,15 +344,14 @@ class AgentBoardProtocol:
             return [(ep, _act(ep)) for ep in active]
         batch: list[tuple[str, str]] = []
         for ep in active:
-            assert ep.prompt_set is not None
-            system = ep.prompt_set.system_msg + self.agent.system_suffix
+            system = ep.prompt.system_msg + self.agent.system_suffix
             try:
-                user, dropped = fit_history(ep.head(), ep.memory, budget_fits(model, system))
+                user, dropped = fit_history(_head(ep, ep.prompt), ep.history, budget_fits(model, system))
             except PromptTooLong as e:
-                ep.fail(f"prompt_too_long: {e}", "context_overflow")
+                ep.finish("context_overflow", f"prompt_too_long: {e}")
                 user, dropped = "", 0
-            ep.log.dropped_history = max(ep.log.dropped_history, dropped)
-            ep.log.last_prompt = user
+            ep.record.dropped_history = max(ep.record.dropped_history, dropped)
+            ep.record.last_prompt = user
             batch.append((system, user))
         live = [k for k, ep in enumerate(active) if not ep.finished]
         keys = [self.key(active[k].job) for k in live]
@@ -399,11 +367,11 @@ class AgentBoardProtocol:
 
     def failed(self, ep: Episode, error: Exception) -> None:
         who = "policy" if self.agent.model is None else "model"
-        ep.fail(f"{who}_error: {type(error).__name__}: {error}")
+        ep.finish("error", f"{who}_error: {type(error).__name__}: {error}")
 
     @staticmethod
     def result(ep: Episode) -> EpisodeResult:
-        return ep.log
+        return ep.record
 
     @staticmethod
     def dump(log: EpisodeResult) -> dict[str, Any]:
@@ -417,18 +385,18 @@ class AgentBoardProtocol:
 def _act(ep: Episode) -> Reply | Exception:
     """A privileged policy's reply (its solver's action, as AgentBoard's parser reads it: no ReAct turn
     around it); its failure ends this episode only, reported."""
-    assert ep.policy is not None
+    assert ep.solver is not None
     try:
-        return Reply(ep.policy.next_action(ep.env, ep.history()))
+        return Reply(ep.solver.next_action(ep.env, list(ep.history)))
     except Exception as e:  # noqa: BLE001
         return e
 
 
 def _step(ep: Episode, action: str, reply: str) -> None:
     try:
-        ep.apply(action)
+        _take(ep, action)
     except Exception as e:  # noqa: BLE001 - a simulator crash ends this episode, reported with its step
-        ep.fail(f"env_error: {type(e).__name__}: {e}")
+        ep.finish("error", f"env_error: {type(e).__name__}: {e}")
         return
-    if reply != ep.log.trace[-1]["action"]:
-        ep.log.trace[-1]["reply"] = reply
+    if reply != ep.record.trace[-1]["action"]:
+        ep.record.trace[-1]["reply"] = reply

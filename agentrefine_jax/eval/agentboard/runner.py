@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from agentrefine_jax.eval import perturb, registry
+from agentrefine_jax.eval import perturb, registry, runner
 from agentrefine_jax.eval.agentboard.checkout import Checkout
 from agentrefine_jax.eval.agentboard.protocol import (
     MAX_NEW_TOKENS,
@@ -25,10 +24,9 @@ from agentrefine_jax.eval.agentboard.protocol import (
     vllm_system_suffix,
 )
 from agentrefine_jax.eval.config import EvalConfig
-from agentrefine_jax.eval.core import EpisodeResult, run_episodes
+from agentrefine_jax.eval.core import EpisodeJob, EpisodeResult
 from agentrefine_jax.eval.journal import Journal
 from agentrefine_jax.eval.metrics import AGENTBOARD_COLUMNS, best_of_metrics, group_metrics
-from agentrefine_jax.eval.perturb import variant_name
 from agentrefine_jax.eval.policies import (
     ActRequest,
     CheckpointPolicy,
@@ -39,6 +37,7 @@ from agentrefine_jax.eval.policies import (
     forget,
 )
 from agentrefine_jax.eval.results import results_document
+from agentrefine_jax.eval.runner import Pass, TaskRun
 from agentrefine_jax.outputs import json_dumps
 
 # AgentBoard's own task names (its log file names); ours differ only for ScienceWorld.
@@ -224,6 +223,138 @@ class LogWriter:
 # ----------------------------------------------------------------------------------------- run
 
 
+class AgentBoardSource:
+    """AgentBoard's episodes on a checkout under its protocol (`runner.run` runs it): every variant run
+    greedily, the original sampled N times in a pass of its own; its logs written as episodes end."""
+
+    name = "agentboard"
+    sampled_variants = False
+
+    def __init__(
+        self, checkout: Checkout, config: EvalConfig, model: ModelBackend | None, policy: str | None, log: Any
+    ):
+        self.checkout, self.config, self.model, self.policy, self.log = checkout, config, model, policy, log
+        # strict (a model run): every protocol file is required
+        strict = model is not None
+        self.opened = [registry.make_task(t, source="agentboard", strict=strict) for t in config.tasks]
+        for task in self.opened:
+            # tasks whose oracle data costs time at load (ScienceWorld) make it now
+            if policy == "oracle" and hasattr(task, "gold_paths"):
+                task.gold_paths = True
+        # every checkout error before any episode runs
+        self.all_episodes = {t.name: t.episodes(checkout) for t in self.opened}
+        self.suffix = vllm_system_suffix(checkout) if model is not None else ""
+        self.actor: Any = model or (OraclePolicy() if policy == "oracle" else RandomPolicy())
+        self.writer = LogWriter(config.log_dir) if config.log_dir else None
+
+    def tasks(self) -> Sequence[Any]:
+        return self.opened
+
+    @staticmethod
+    def open(task: Any) -> tuple[str, Any]:
+        return task.name, task
+
+    def episodes(self, name: str, task: Any) -> tuple[list[Any], int]:
+        cfg, specs = self.config, self.all_episodes[name]
+        # AgentBoard's reworded-action variants (Table 3) are ALFWorld's
+        variants = cfg.perturbations + 1 if name == "alfworld" else 1
+        return specs[: cfg.episodes] if cfg.episodes else specs, variants
+
+    def jobs(self, name: str, task: Any, specs: list[Any], ps: Pass) -> list[EpisodeJob]:
+        cfg = self.config
+        assert cfg.max_steps is not None  # validate() resolved AgentBoard's default
+        return [
+            job
+            for p in ps.variants
+            for k in ps.samples
+            for job in episode_jobs(task, specs, cfg.max_steps, perturbation=p, sample=k, seed=cfg.seed)
+        ]
+
+    def protocol(self, task: Any, ps: Pass) -> AgentBoardProtocol:
+        cfg = self.config
+        if self.model is None:
+            agent = Agent(policy=self.actor)
+        elif ps.greedy:
+            agent = Agent(model=self.model, system_suffix=self.suffix)
+        else:  # a fresh sampled copy per task: its calls draw their seeds from the run's seed
+            sampled = self.model.sampled(float(cfg.temperature or 0.0), cfg.top_p, cfg.seed)
+            agent = Agent(model=sampled, system_suffix=self.suffix)
+        return AgentBoardProtocol(task, self.checkout, agent, cfg.batch_size)
+
+    def announce(self, name: str, ps: Pass, jobs: list[EpisodeJob], episodes: int) -> str:
+        n = self.config.best_of
+        if ps.name == "samples":
+            return f"[agentboard] {name}: Best-of-{n}, {episodes} episodes x {n} samples"
+        if ps.name == "perturb":
+            return "\n".join(
+                f"[agentboard] {name}: perturbation {k} ({perturb.rewording(k).name})" for k in ps.variants
+            )
+        return ""
+
+    def on_done(self, name: str, specs: list[Any]) -> Callable[[EpisodeResult], None]:
+        def report(ep: EpisodeResult) -> None:
+            self.log(
+                f"[agentboard] {name} {ep.spec.index + 1}/{len(specs)} {ep.spec.id}: "
+                f"success={int(ep.success)} progress={ep.progress:.3f} steps={ep.steps} ({ep.end})"
+            )
+            if self.writer is not None:
+                self.writer.episode(name, ep)
+
+        return report
+
+    def document(self, runs: dict[str, TaskRun], seconds: float) -> dict[str, Any]:
+        config = self.config
+        per_task: dict[str, Any] = {}
+        variants: dict[str, dict[str, Any]] = {"original": per_task}
+        records: list[dict[str, Any]] = []
+        bon: dict[str, Any] | None = None
+        if config.best_of > 1:
+            bon = {
+                "n": config.best_of,
+                "temperature": config.temperature,
+                "top_p": config.top_p,
+                "greedy_run": "temperature 0",  # a run of its own, also for a policy (same seeds)
+                "tasks": {},
+                "episodes": [],
+            }
+        for name, run in runs.items():
+            main = run.passes["main"]
+            metrics = group_metrics(main, AGENTBOARD_COLUMNS) | {"seconds": run.seconds}
+            if config.episodes:
+                metrics["limited_to"] = config.episodes
+            per_task[name] = metrics
+            records += [episode_record(x) for x in main]
+            if self.writer is not None:
+                self.writer.task(name, metrics)
+            if bon is not None:
+                bon["tasks"][name] = best_of_metrics(run.greedy, run.samples)
+                bon["episodes"] += [
+                    episode_record(x) | {"sample": x.sample, "actions": [t["action"] for t in x.trace]}
+                    for x in run.samples
+                ]
+            perturbed = run.passes.get("perturb", [])
+            for variant in dict.fromkeys(x.variant for x in perturbed):  # perturbation_<k>, in k's order
+                logs = [x for x in perturbed if x.variant == variant]
+                m = {"rewording": perturb.rewording(int(variant.split("_")[1])).name}
+                variants.setdefault(variant, {})[name] = m | group_metrics(logs, AGENTBOARD_COLUMNS)
+                records += [episode_record(x) for x in logs]
+        extra: dict[str, Any] = {"agentboard_dir": str(self.checkout.root), "max_steps": config.max_steps}
+        notes = [n for t in self.opened for n in getattr(t, "notes", [])]
+        if notes:
+            extra["checkout_notes"] = notes
+        name = self.model.name if self.model is not None else str(self.policy)
+        return results_document(
+            "agentboard",
+            name,
+            config,
+            tasks=per_task,
+            variants=variants,
+            episodes=records,
+            best_of=bon,
+            extra=extra,
+        )
+
+
 def run(
     checkout: Checkout,
     config: EvalConfig,
@@ -243,174 +374,8 @@ def run(
         raise ValueError("give exactly one of a model or a policy")
     if policy not in (None, "oracle", "random"):
         raise ValueError(f"unknown policy {policy!r}")
-    # strict (a model run): every protocol file is required
-    tasks = [registry.make_task(t, source="agentboard", strict=model is not None) for t in config.tasks]
-    for task in tasks:
-        if policy == "oracle" and hasattr(task, "gold_paths"):
-            task.gold_paths = True  # tasks whose oracle data costs time at load (ScienceWorld) make it now
-    episodes = {t.name: t.episodes(checkout) for t in tasks}  # every checkout error before any episode runs
-    suffix = vllm_system_suffix(checkout) if model is not None else ""
-    agent = _agent(model, policy, config.seed, suffix)
-    writer = LogWriter(config.log_dir) if config.log_dir else None
-    per_task: dict[str, Any] = {}
-    variants: dict[str, dict[str, Any]] = {"original": per_task}
-    records: list[dict[str, Any]] = []
-    bon: dict[str, Any] | None = None
-    for task in tasks:
-        specs = episodes[task.name][: config.episodes] if config.episodes else episodes[task.name]
-        t0 = time.time()
-
-        def report(ep: EpisodeResult, task: Any = task, specs: list = specs) -> None:
-            log(
-                f"[agentboard] {task.name} {ep.spec.index + 1}/{len(specs)} {ep.spec.id}: "
-                f"success={int(ep.success)} progress={ep.progress:.3f} steps={ep.steps} ({ep.end})"
-            )
-            if writer is not None:
-                writer.episode(task.name, ep)
-
-        try:
-            jr = {"journal": journal}
-            logs = _episodes(
-                task, checkout, specs, agent, config, on_done=report, phase=[*phase, "main"], **jr
-            )
-            if config.best_of > 1:
-                samples = _samples(
-                    task, checkout, specs, logs, model, policy, suffix, config, log, [*phase, "samples"], jr
-                )
-                bon = bon or {
-                    "n": config.best_of,
-                    "temperature": config.temperature,
-                    "top_p": config.top_p,
-                    "greedy_run": "temperature 0",  # a run of its own, also for a policy (same seeds)
-                    "tasks": {},
-                    "episodes": [],
-                }
-                bon["tasks"][task.name] = best_of_metrics(logs, samples)
-                bon["episodes"] += [
-                    episode_record(x) | {"sample": x.sample, "actions": [t["action"] for t in x.trace]}
-                    for x in samples
-                ]
-        finally:
-            task.close()
-        metrics = group_metrics(logs, AGENTBOARD_COLUMNS) | {"seconds": round(time.time() - t0, 1)}
-        if config.episodes:
-            metrics["limited_to"] = config.episodes
-        per_task[task.name] = metrics
-        records += [episode_record(x) for x in logs]
-        if writer is not None:
-            writer.task(task.name, metrics)
-        if config.perturbations and task.name == "alfworld":
-            for k, plogs in _perturbed(
-                task, checkout, specs, agent, config, log, [*phase, "perturb"], journal
-            ):
-                m = {"rewording": perturb.rewording(k).name} | group_metrics(plogs, AGENTBOARD_COLUMNS)
-                variants.setdefault(variant_name(k), {})[task.name] = m
-                records += [episode_record(x) for x in plogs]
-    extra: dict[str, Any] = {"agentboard_dir": str(checkout.root), "max_steps": config.max_steps}
-    notes = [n for t in tasks for n in getattr(t, "notes", [])]
-    if notes:
-        extra["checkout_notes"] = notes
-    name = model.name if model is not None else str(policy)
-    return results_document(
-        "agentboard",
-        name,
-        config,
-        tasks=per_task,
-        variants=variants,
-        episodes=records,
-        best_of=bon,
-        extra=extra,
-    )
-
-
-def _episodes(
-    task: Any,
-    checkout: Checkout,
-    specs: Sequence[Any],
-    agent: Agent,
-    config: EvalConfig,
-    *,
-    perturbations: Sequence[int] = (0,),
-    samples: Sequence[int] = (0,),
-    **kw: Any,
-) -> list[EpisodeResult]:
-    """Every episode of `specs` under each perturbation variant and as each Best-of-N sample (in that
-    order: variant, sample, episode), all in one engine call."""
-    assert config.max_steps is not None  # validate() resolved AgentBoard's default
-    jobs = [
-        job
-        for p in perturbations
-        for k in samples
-        for job in episode_jobs(task, specs, config.max_steps, perturbation=p, sample=k)
-    ]
-    return run_episodes(jobs, AgentBoardProtocol(task, checkout, agent, config.batch_size), **kw)
-
-
-# ----------------------------------------------------------------------------------------- Best-of-N
-
-
-def _agent(model: ModelBackend | None, policy: str | None, seed: int, suffix: str, sample: int = 0) -> Agent:
-    if model is not None:
-        return Agent(model=model, system_suffix=suffix)
-    actor = OraclePolicy() if policy == "oracle" else RandomPolicy()
-    # Sample 0 of a privileged policy is the greedy run itself (same seeds): Best-of-N >= single sample.
-    return Agent(
-        policy_for=lambda task, env, spec: actor.for_episode(
-            task, env, spec, seed * 100003 + spec.index + sample * 7_000_003
-        )
-    )
-
-
-def _samples(
-    task: Any,
-    checkout: Checkout,
-    specs: Sequence[Any],
-    greedy: Sequence[EpisodeResult],
-    model: ModelBackend | None,
-    policy: str | None,
-    suffix: str,
-    config: EvalConfig,
-    log: Callable[[str], None],
-    phase: list[Any],
-    jr: dict[str, Any],
-) -> list[EpisodeResult]:
-    """`config.best_of` samples of every episode. A model decodes at the temperature and all samples of all
-    episodes share the batched calls; the random policy draws sample k with its own seed (sample 0 = the
-    greedy run's); the oracle is deterministic, so its samples are the greedy run."""
-    n = config.best_of
-    log(f"[agentboard] {task.name}: Best-of-{n}, {len(specs)} episodes x {n} samples")
-    if policy == "oracle":
-        out = [dataclasses.replace(x, sample=k) for k in range(n) for x in greedy]
-    elif model is not None:
-        sampled = model.sampled(float(config.temperature or 0.0), config.top_p, config.seed)
-        agent = Agent(model=sampled, system_suffix=suffix)
-        out = _episodes(task, checkout, specs, agent, config, samples=range(n), phase=phase, **jr)
-    else:
-        out = []
-        for k in range(n):
-            agent = _agent(None, policy, config.seed, suffix, sample=k)
-            out += _episodes(task, checkout, specs, agent, config, samples=[k], phase=[*phase, k], **jr)
-    return out
-
-
-def _perturbed(
-    task: Any,
-    checkout: Checkout,
-    specs: Sequence[Any],
-    agent: Agent,
-    config: EvalConfig,
-    log: Callable[[str], None],
-    phase: list[Any],
-    journal: Journal | None,
-) -> list[tuple[int, list[EpisodeResult]]]:
-    """(k, episodes) of the task's episodes again under each reworded-action variant k (Table 3). The
-    variants' jobs run together, as the built-in source's do: a model answers them in the same batches."""
-    ks = range(1, config.perturbations + 1)
-    for k in ks:
-        log(f"[agentboard] {task.name}: perturbation {k} ({perturb.rewording(k).name})")
-    logs = _episodes(task, checkout, specs, agent, config, perturbations=ks, phase=phase, journal=journal)
-    n = len(specs)
-    return [(k, logs[i * n : (i + 1) * n]) for i, k in enumerate(ks)]
+    source = AgentBoardSource(checkout, config, model, policy, log)
+    return runner.run(source, log=log, journal=journal, phase=phase)
 
 
 # ----------------------------------------------------------------------------------------- run directories

@@ -11,7 +11,7 @@ import abc
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from agentrefine_jax.eval.core import StepResult
+from agentrefine_jax.eval.core import StepResult, Task
 from agentrefine_jax.eval.perturb import ActionWord, Vocabulary
 from agentrefine_jax.eval.react import CHECK_VALID_ACTIONS
 
@@ -119,8 +119,8 @@ class TextEnv(abc.ABC):
         )
 
 
-class EvalTask(abc.ABC):
-    """A family of episodes (e.g. all BabyAI levels) with its paper weight and defaults."""
+class EvalTask(Task, abc.ABC):
+    """A built-in family of episodes (e.g. all BabyAI levels) with its paper weight and defaults."""
 
     name: ClassVar[str]
     display_name: ClassVar[str]
@@ -164,9 +164,6 @@ class EvalTask(abc.ABC):
 
         `oracle` asks for whatever the reference solver needs (e.g. ScienceWorld's gold path).
         """
-
-    def close(self) -> None:  # noqa: B027 - optional hook
-        pass
 
     def oracle(self, env: TextEnv) -> EnvOracle:
         return EnvOracle()

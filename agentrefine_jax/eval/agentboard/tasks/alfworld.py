@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA, CheckoutError
-from agentrefine_jax.eval.agentboard.tasks.base import HELP, EpisodeSpec, Task
+from agentrefine_jax.eval.agentboard.tasks.base import HELP, AgentBoardTask, EpisodeSpec
 from agentrefine_jax.eval.core import StepResult
 
 BASE_CONFIG = "agentboard/environment/alfworld/base_config.yaml"
@@ -274,7 +274,7 @@ class ExpertOracle:
         return rewording.to_surface(env.expert_plan[0]) if rewording else env.expert_plan[0]
 
 
-class ALFWorldTask(Task):
+class ALFWorldTask(AgentBoardTask):
     name = "alfworld"
     prompt_file = PROMPT_FILE
 

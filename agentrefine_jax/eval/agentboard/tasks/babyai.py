@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from agentrefine_jax.eval.agentboard.checkout import DATA, CheckoutError
-from agentrefine_jax.eval.agentboard.tasks.base import EpisodeSpec, Task
+from agentrefine_jax.eval.agentboard.tasks.base import AgentBoardTask, EpisodeSpec
 from agentrefine_jax.eval.core import StepResult
 from agentrefine_jax.eval.envs.babyai import COLORS, DOOR_STATES, OBJECTS, make_level
 
@@ -471,7 +471,7 @@ class BotOracle:
 # ------------------------------------------------------------------------------------ the task
 
 
-class BabyAITask(Task):
+class BabyAITask(AgentBoardTask):
     name = "babyai"
     prompt_file = PROMPT_FILE  # CFG env.babyai.check_inventory: "inventory" (the default: on)
 

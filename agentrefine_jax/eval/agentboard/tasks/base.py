@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA
-from agentrefine_jax.eval.core import Env
+from agentrefine_jax.eval.core import Env, Task
 from agentrefine_jax.layout import CHECK_VALID_ACTIONS as HELP  # AgentBoard's help action, all tasks
 
 
@@ -21,8 +21,8 @@ class EpisodeSpec:
     info: dict[str, Any] = dataclasses.field(default_factory=dict)  # task-specific (subgoals, paths, seed...)
 
 
-class Task:
-    """An AgentBoard-source task; the defaults are what most of AgentBoard's tasks use."""
+class AgentBoardTask(Task):
+    """An AgentBoard-source task (over `core.Task`); the defaults are what most of AgentBoard's tasks use."""
 
     name: str  # as in AgentBoard: "alfworld", "babyai", "scienceworld"->"sciworld" here, "pddl", "jericho"
     # path relative to the checkout, e.g. "agentboard/prompts/VanillaAgent/babyai_vanilla_prompt.json"
@@ -51,10 +51,3 @@ class Task:
     def examples_key(self, episode: EpisodeSpec) -> str | None:
         """Which prompt example set (alfworld/pddl); None for a task with one."""
         return None
-
-    def oracle(self, env: Env) -> Any | None:
-        """A policy object with act(env, history: list[tuple[str, str]]) -> str, or None."""
-        return None
-
-    def close(self) -> None:
-        pass

@@ -29,7 +29,7 @@ from typing import Any
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, DATA, CheckoutError
 from agentrefine_jax.eval.agentboard.tasks.babyai import SubgoalProgress
-from agentrefine_jax.eval.agentboard.tasks.base import HELP, EpisodeSpec, Task
+from agentrefine_jax.eval.agentboard.tasks.base import HELP, AgentBoardTask, EpisodeSpec
 from agentrefine_jax.eval.core import StepResult
 from agentrefine_jax.eval.policies import Replay
 
@@ -116,7 +116,7 @@ class JerichoEnv:
             self.env = None
 
 
-class JerichoTask(Task):
+class JerichoTask(AgentBoardTask):
     name = "jericho"
     prompt_file = PROMPT_FILE  # CFG env.jericho.check_inventory: "inventory" (the default: on)
 

@@ -26,7 +26,7 @@ import tempfile
 from typing import Any
 
 from agentrefine_jax.eval.agentboard.checkout import CLONE, Checkout, CheckoutError
-from agentrefine_jax.eval.agentboard.tasks.base import HELP, EpisodeSpec, Task
+from agentrefine_jax.eval.agentboard.tasks.base import HELP, AgentBoardTask, EpisodeSpec
 from agentrefine_jax.eval.core import StepResult
 from agentrefine_jax.eval.envs.pddl import ground_literals, open_problem, quiet_pddlgym
 from agentrefine_jax.eval.policies import Replay
@@ -77,7 +77,7 @@ def _hint_sentences(path: pathlib.Path) -> tuple[str, str] | None:
     return other[0], no_effect[0]
 
 
-class PddlTask(Task):
+class PddlTask(AgentBoardTask):
     name = "pddl"
     prompt_file = PROMPT_FILE
     check_inventory = False

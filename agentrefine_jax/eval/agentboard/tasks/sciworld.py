@@ -19,7 +19,7 @@ import re
 from typing import Any
 
 from agentrefine_jax.eval.agentboard.checkout import CONFIG_FILE, DATA, Checkout, CheckoutError
-from agentrefine_jax.eval.agentboard.tasks.base import HELP, EpisodeSpec, Task
+from agentrefine_jax.eval.agentboard.tasks.base import HELP, AgentBoardTask, EpisodeSpec
 from agentrefine_jax.eval.core import StepResult
 from agentrefine_jax.eval.envs.sciworld import JVMPool
 from agentrefine_jax.eval.policies import Replay
@@ -30,7 +30,7 @@ SIMPLIFICATION = "selfWateringFlowerPots,openContainers,openDoors,noElectricalAc
 ENV_STEP_LIMIT = 30  # CFG env.scienceworld.envStepLimit
 
 
-class SciWorldTask(Task):
+class SciWorldTask(AgentBoardTask):
     name = "sciworld"
     prompt_file = PROMPT_FILE
     max_in_flight = 4  # each episode in flight holds a simulator JVM (~0.5 GB)
