@@ -4,11 +4,11 @@
   phase 1, after its first update's checkpoint commits, resumes there on the phase's journaled
   episodes and ends equal to the uninterrupted run: every metrics.jsonl row (timings aside) and
   the final parameters and optimizer state, bit for bit;
-* every update of that run is driven by reward: each phase has groups whose rewards differ, so
-  every optimizer step has non-zero advantages, a non-zero policy-gradient loss and gradient, and
-  each phase's second update sees the policy moved by its first (the trainer's log-probabilities
-  off the rollout's); the resumed step's equality is then a check of the journal -> rewards ->
-  advantages -> mini-batch path, not of a no-op (no weight decay either: only gradients move them);
+* the phase the kill lands in learns from reward: its groups' rewards differ, so both its optimizer
+  steps have non-zero advantages, a non-zero policy-gradient loss and gradient, and its second
+  update sees the policy moved by its first (the trainer's log-probabilities off the rollout's);
+  the resumed step's equality then checks the journal -> rewards -> advantages -> mini-batch path
+  on a gradient step, not on a no-op (no weight decay either: only gradients move the parameters);
 * the journal round-trips a phase exactly and refuses one made under other rl settings;
 * bad settings are one line and exit 2: phases that do not divide, an objective of the other
   command (both ways: the train command names the rl command), a resume under changed rl settings.
@@ -19,7 +19,8 @@ the trainer on episodes the engine played on the run's own training worlds: Baby
 solver and its uniform random valid-action actor, each reply cut to its `Action:` line (a short
 reply the tiny model learns in those steps). At temperature 1 the tuned model mixes turns and
 forward moves, so a few of its 3-action episodes reach the red ball (reward 1.5 with progress
-shaping) and the others do not.
+shaping) and the others do not (measured: 1 of phase 0's 16 episodes, 4 of phase 1's; the check
+asserts phase 1's, the one the resume depends on).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ RUN_RL = [
     "rl.updates_per_phase=2",
 ]
 TUNING_EPISODES = 4  # per world and actor, for the starting policy's tuning
+TUNING_STEPS, TUNING_BATCH = 10, 4
 RUN = [*SETTINGS, *(a for s in ["data.max_length=1024", *RUN_RL] for a in ("--set", s))]  # ~560 tokens
 TIMINGS = {"tokens_per_sec", "mfu", "rollout_seconds", "rollout_tokens_per_sec", "train_tokens_per_sec"}
 TIMEOUT = 300
@@ -148,9 +150,10 @@ def policy(tmp_path_factory) -> pathlib.Path:
     sets = [
         *model_overrides(base), "model.remat_policy=none", f"train.init_from_hf={base}",
         f"train.run_dir={run}", f"data.train_files={json.dumps([str(data)])}", "data.eval_files=[]",
-        "data.max_length=1024", "train.eval_every=0", "train.max_steps=10", "train.num_epochs=10",
-        "train.global_batch_size=4", "train.checkpoint_every=10", "train.export_hf_at_end=hf",
-        "optim.learning_rate=0.03", "optim.schedule=constant",
+        "data.max_length=1024", "train.eval_every=0", f"train.max_steps={TUNING_STEPS}",
+        f"train.num_epochs={TUNING_STEPS}", f"train.global_batch_size={TUNING_BATCH}",
+        f"train.checkpoint_every={TUNING_STEPS}", "train.export_hf_at_end=hf", "optim.learning_rate=0.03",
+        "optim.schedule=constant",
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "agentrefine_jax.train", "--config", "tiny"]
     proc = subprocess.Popen(
@@ -176,16 +179,17 @@ def _state(run_dir: pathlib.Path, step: int) -> dict:
     return {i: ckpt.restore(run_dir / "checkpoints" / str(step) / i) for i in ("params", "opt_state")}
 
 
-def _assert_learning_signal(rows: list[dict]) -> None:
-    """Every update of the run learned from rewards that differ within groups (module docstring)."""
-    steps = [r for r in rows if "phase" not in r]
-    phases = [r for r in rows if "phase" in r]
-    for r in phases:
-        assert r["reward_std"] > 0 and r["groups_with_signal"] > 0, r
-    for r in steps:
+def _assert_learning_signal(rows: list[dict], phase: int = 1) -> None:
+    """`phase` (default: the one the kill lands in) learned from rewards that differ within a group:
+    its every update had non-zero advantages, loss and gradient, and its second update saw the
+    policy its first had moved (the trainer's log-probabilities off the rollout's)."""
+    (row,) = [r for r in rows if r.get("phase") == phase]
+    assert row["reward_std"] > 0 and row["groups_with_signal"] > 0, row
+    updates = [r for r in rows if "phase" not in r and (r["step"] - 1) // 2 == phase]
+    assert len(updates) == 2, rows
+    for r in updates:
         assert r["advantage_std"] > 0 and r["loss"] != 0 and r["grad_norm"] > 0, r
-        if r["step"] % 2 == 0:  # a phase's second update: its first moved the policy off the rollout's
-            assert r["max_abs_logp_delta"] > 1e-3, r
+    assert updates[1]["max_abs_logp_delta"] > 1e-3, updates[1]
 
 
 @pytest.fixture(scope="module")
