@@ -104,29 +104,61 @@ def _extend(
         }
     model = nnx.merge(graphdef, state)
     if ids.shape[1] > PREFILL_BLOCK and not model.plan.attention_block_size:
-        model.plan = dataclasses.replace(model.plan, attention_block_size=PREFILL_BLOCK)
+        model.plan = dataclasses.replace(model.plan, attention_block_size=query_block(ids.shape[1]))
     hidden, cache = model.forward(ids, pos, seg, cache, layers=layers)
     hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
     return model.logits(hidden)[:, 0], {**cache, "index": end}
+
+
+# A block's width is rounded up in steps of BLOCK_STEP (powers of two below it), not engine.bucket's 512:
+# a first turn of 517 tokens ran as 1,024 columns per row (2x the prefill), and its cache then took
+# 2,048 columns that every decode step of the episode read (~1.7x slower steps than at 1,024, SmolLM2
+# at batch 4). Each width is one more compile (seconds); an episode's prefill and decode cost more.
+BLOCK_STEP = 64
+# The cache's lengths: 2^k or 1.5 x 2^k columns (from MIN_COLUMNS). Every decode step reads every
+# column, so a cache at most 1.33x (not 2x) longer than needed; one compile per length reached.
+MIN_COLUMNS = 256
+
+
+def block_width(n: int) -> int:
+    """The bucketed width of a block of `n` new tokens per row."""
+    return bucket(n, step=BLOCK_STEP)
+
+
+def cache_columns(need: int) -> int:
+    """The cache length for `need` columns: the least 2^k or 3 x 2^(k-1) >= need, >= MIN_COLUMNS."""
+    size = MIN_COLUMNS
+    while size < need:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return size
+
+
+def query_block(width: int) -> int:
+    """Prefill's attention query block for a block wider than PREFILL_BLOCK: the largest multiple of
+    BLOCK_STEP <= PREFILL_BLOCK that divides `width`, so the scores never span the whole block."""
+    b = PREFILL_BLOCK
+    while width % b:
+        b -= BLOCK_STEP
+    return b
 
 
 def _long_rows(widths: Sequence[int], batch: int) -> list[int]:
     """Indices of `widths` (new tokens per row of a call) to extend in a block of their own, or [].
 
     Cost model: a block costs (cache rows it runs on) x (its bucketed width) -- the projections, the
-    MLP and attention over the cache all scale so. One block: batch x bucket(max). Split: batch x
-    bucket(longest short row) + pow2(long rows) x bucket(longest long row). Split only where that
+    MLP and attention over the cache all scale so. One block: batch x width(max). Split: batch x
+    width(longest short row) + pow2(long rows) x width(longest long row). Split only where that
     at least halves the cost (each split shape is one more compile).
     """
     order = sorted(range(len(widths)), key=lambda i: widths[i])
-    one = batch * bucket(widths[order[-1]])
+    one = batch * block_width(widths[order[-1]])
     best, best_cost = [], one
     for n_long in range(1, len(order)):
         sub = batch_bucket(n_long)
         if sub >= batch:
             break
         short, long_ = order[:-n_long], order[-n_long:]
-        cost = batch * bucket(widths[short[-1]]) + sub * bucket(widths[long_[-1]])
+        cost = batch * block_width(widths[short[-1]]) + sub * block_width(widths[long_[-1]])
         if 2 * cost <= one and cost < best_cost:
             best, best_cost = long_, cost
     return sorted(best)
@@ -313,7 +345,7 @@ class SessionCache:
             widths = [len(x) for x in suffixes]
             long_ = _long_rows(widths, b)
             groups = [[i for i in range(len(rows)) if i not in long_]] + ([long_] if long_ else [])
-            blocks = sum(bucket(max(widths[i] for i in g)) for g in groups)
+            blocks = sum(block_width(max(widths[i] for i in g)) for g in groups)
             need = self.index + blocks + bucket(max_new_tokens)
             if self.cache is not None and need > self.cache["segment_ids"].shape[1]:
                 self._compact()  # before growing: the dead columns are usually most of the cache
@@ -321,9 +353,7 @@ class SessionCache:
             if need <= self.max_columns:
                 break
             self._reset()
-        size = 256
-        while size < need:  # powers of two: one compile per size the cache reaches
-            size *= 2
+        size = cache_columns(need)
         if self.cache is None:
             self.cache = init_cache(self.model.cfg, b, size, per_layer=self.model.plan.cpu_layout)
         elif self.cache["segment_ids"].shape[1] != size:
@@ -344,7 +374,7 @@ class SessionCache:
                 filler = [r for r in range(b) if r not in cache_rows]
                 cache_rows += filler[: batch_bucket(len(group)) - len(group)]
             n = b if g == 0 else len(cache_rows)
-            width = bucket(max(widths[i] for i in group))
+            width = block_width(max(widths[i] for i in group))
             ids = np.zeros((n, width), np.int32)
             pos = np.zeros((n, width), np.int32)
             seg = np.zeros((n, width), np.int32)
