@@ -142,6 +142,62 @@ def query_block(width: int) -> int:
     return b
 
 
+# A new conversation whose prompt starts with at least this many tokens another row holds (an episode
+# of the same task: the system prompt and the task's instructions, 100-330 tokens for demo_world and
+# BabyAI) copies that row instead of prefilling them; new conversations with such a prefix in common
+# and no row to copy it from have it prefilled once, on one of their rows.
+FORK_MIN = 32
+
+
+@dataclasses.dataclass
+class _Share:
+    """How one call's rows come by what they hold before their block (`_share_plan`)."""
+
+    kept: list[int]  # per request: tokens its row holds when its block is written
+    forks: dict[int, tuple[int, int]]  # request index -> (donor cache row, tokens copied from it)
+    seed: tuple[int, int, int] | None  # (request index, from, to): a shared prefix written on its row
+
+
+def _share_plan(
+    held: Sequence[Sequence[int]], rows: Sequence[int], prompts: Sequence[Sequence[int]]
+) -> _Share:
+    """Which requests copy a prefix from another cache row (`held`: each row's tokens, already cut to
+    the common prefix with its own prompt), and which shared prefix is prefilled once first. A row
+    that is copied from is never itself replaced in the same call, nor the other way round."""
+    kept = [len(held[r]) for r in rows]
+    forks: dict[int, tuple[int, int]] = {}
+    donors: set[int] = set()
+    forked = set()
+    lonely = []
+    for i, (r, p) in enumerate(zip(rows, prompts, strict=True)):
+        if len(p) - kept[i] < 2 * FORK_MIN or r in donors:
+            continue
+        best, best_n = -1, kept[i] + FORK_MIN - 1
+        for d, toks in enumerate(held):
+            if d == r or d in forked or len(toks) <= best_n:
+                continue
+            n = min(_common_prefix(toks, p), len(p) - 1)
+            if n > best_n:
+                best, best_n = d, n
+        if best < 0:
+            lonely.append(i)
+        else:
+            forks[i], kept[i] = (best, best_n), best_n
+            donors.add(best)
+            forked.add(r)
+    lonely = [i for i in lonely if rows[i] not in donors]
+    seed = None
+    if len(lonely) > 1:
+        first = prompts[lonely[0]]
+        n = min(min(_common_prefix(first, prompts[i]), len(prompts[i]) - 1) for i in lonely)
+        if n - max(kept[i] for i in lonely) >= FORK_MIN:
+            seed = (lonely[0], kept[lonely[0]], n)
+            kept[lonely[0]] = n
+            for i in lonely[1:]:
+                forks[i], kept[i] = (rows[lonely[0]], n), n
+    return _Share(kept, forks, seed)
+
+
 def _long_rows(widths: Sequence[int], batch: int) -> list[int]:
     """Indices of `widths` (new tokens per row of a call) to extend in a block of their own, or [].
 
@@ -203,6 +259,16 @@ def _resize(cache: dict, columns: int) -> dict:
     }
 
 
+def _fork_rows(cache: dict, src: jax.Array) -> dict:
+    """Cache row r becomes a copy of row src[r] (K, V, segments and positions)."""
+    return {
+        **map_kv(cache, lambda a: a[src]),
+        "segment_ids": cache["segment_ids"][src],
+        "positions": cache["positions"][src],
+        "index": cache["index"],
+    }
+
+
 def _map(
     f: Callable[[jax.Array, jax.Array], jax.Array], a: jax.Array | tuple, b: jax.Array | tuple
 ) -> jax.Array | tuple:
@@ -221,6 +287,7 @@ def _programs() -> tuple:
         jax.jit(_keep),
         jax.jit(_resize, static_argnums=1),
         jax.jit(_compact),
+        jax.jit(_fork_rows, donate_argnums=0),
     )
 
 
@@ -243,7 +310,7 @@ class SessionCache:
         self.cache: dict | None = None
         self.index = 0  # host copy of cache["index"]
         self.calls = 0
-        counters = ("prefill_tokens", "reused_tokens", "resets", "compactions", "split_calls")
+        counters = ("prefill_tokens", "reused_tokens", "resets", "compactions", "split_calls", "forked_rows")
         self.stats = dict.fromkeys(counters, 0)
 
     # ------------------------------------------------------------------ API
@@ -329,23 +396,24 @@ class SessionCache:
         stops: Stops,
         seed: int,
     ) -> list[Generation]:
-        extend, keep, resize, _ = _programs()
+        keep, resize = _programs()[1:3]
         self.calls += 1
         rows = self._assign(keys)
         row_to_req.update({r: q for r, q in zip(rows, req_ids, strict=True)})
         b = len(self.slots)
         for _ in range(2):  # at most one reset: a fresh cache always has room
-            suffixes = []
             for r, prompt in zip(rows, prompts, strict=True):
                 slot = self.slots[r]
                 common = _common_prefix(slot.tokens, prompt)
                 common = min(common, len(prompt) - 1)  # feed at least one token for its logits
                 del slot.tokens[common:], slot.columns[common:]
-                suffixes.append(prompt[common:])
-            widths = [len(x) for x in suffixes]
+            share = _share_plan([self.slots[r].tokens for r in range(b)], rows, prompts)
+            widths = [len(p) - share.kept[i] for i, p in enumerate(prompts)]
             long_ = _long_rows(widths, b)
             groups = [[i for i in range(len(rows)) if i not in long_]] + ([long_] if long_ else [])
             blocks = sum(block_width(max(widths[i] for i in g)) for g in groups)
+            if share.seed is not None:
+                blocks += block_width(share.seed[2] - share.seed[1])
             need = self.index + blocks + bucket(max_new_tokens)
             if self.cache is not None and need > self.cache["segment_ids"].shape[1]:
                 self._compact()  # before growing: the dead columns are usually most of the cache
@@ -365,42 +433,20 @@ class SessionCache:
         # prefix, an evicted conversation's, and filler written by the previous call's decode.
         self.cache = {**keep(self.cache, jnp.asarray(self._live_columns())), "index": jnp.int32(self.index)}
         end = self.index
+        if share.seed is not None:  # the shared prefix, once, on one row (its logits unused)
+            i, lo, hi = share.seed
+            end = self._extend_rows([(rows[i], prompts[i][lo:hi])], end, full=False)[1]
+        if share.forks:
+            self._fork(share.forks, rows, prompts)
+        suffixes = [p[len(self.slots[r].tokens) :] for r, p in zip(rows, prompts, strict=True)]
         logits: jax.Array | None = None
         for g, group in enumerate(groups):
-            # The first block runs on every cache row (rows outside it are filler); a second one on
-            # its rows plus distinct filler rows up to a power of two (one compile per such size).
-            cache_rows = [rows[i] for i in group]
-            if g:
-                filler = [r for r in range(b) if r not in cache_rows]
-                cache_rows += filler[: batch_bucket(len(group)) - len(group)]
-            n = b if g == 0 else len(cache_rows)
-            width = block_width(max(widths[i] for i in group))
-            ids = np.zeros((n, width), np.int32)
-            pos = np.zeros((n, width), np.int32)
-            seg = np.zeros((n, width), np.int32)
-            last = np.zeros(n, np.int32)  # filler rows: any column (their logits are unused)
-            start = end
-            for i in group:
-                r, suffix = rows[i], suffixes[i]
-                slot, k, at = self.slots[r], len(suffix), r if g == 0 else cache_rows.index(rows[i])
-                ids[at, :k] = suffix
-                pos[at, :k] = np.arange(len(slot.tokens), len(slot.tokens) + k)
-                seg[at, :k] = 1
-                last[at] = k - 1
-                slot.tokens += suffix
-                slot.columns += range(start, start + k)
-                slot.last_used = self.calls
-                self.stats["prefill_tokens"] += k
-                self.stats["reused_tokens"] += len(slot.tokens) - k
-            end = start + max(widths[i] for i in group)
-            sub = None if g == 0 else jnp.asarray(cache_rows, jnp.int32)
-            out, self.cache = extend(
-                self.graphdef, self.state, self.layers, self.cache, ids, pos, seg, last, jnp.int32(end), sub
-            )
+            out, end = self._extend_rows([(rows[i], suffixes[i]) for i in group], end, full=g == 0)
             if g == 0:
                 logits = out
             else:
-                logits = logits.at[sub[: len(group)]].set(out[: len(group)])
+                sub = jnp.asarray([rows[i] for i in group], jnp.int32)
+                logits = logits.at[sub].set(out[: len(group)])
                 self.stats["split_calls"] += 1
         positions = [len(s.tokens) for s in self.slots]
         gens, self.cache, steps = decode_rows(
@@ -413,6 +459,55 @@ class SessionCache:
             self.slots[r].tokens += tokens
             self.slots[r].columns += range(end, end + len(tokens))
         return [gens[r] for r in rows]
+
+    def _extend_rows(self, entries: list[tuple[int, list[int]]], start: int, *, full: bool) -> tuple:
+        """Write each (cache row, new tokens) of `entries` as one block at column `start`: on every
+        cache row (`full`; rows not named are filler) or on the named rows plus distinct filler rows up
+        to a power of two (one compile per such size). Returns (logits [rows run, vocab], the end)."""
+        extend = _programs()[0]
+        b = len(self.slots)
+        cache_rows = [r for r, _ in entries]
+        if not full:
+            filler = [r for r in range(b) if r not in cache_rows]
+            cache_rows += filler[: batch_bucket(len(entries)) - len(entries)]
+        n = b if full else len(cache_rows)
+        width = block_width(max(len(t) for _, t in entries))
+        ids = np.zeros((n, width), np.int32)
+        pos = np.zeros((n, width), np.int32)
+        seg = np.zeros((n, width), np.int32)
+        last = np.zeros(n, np.int32)  # filler rows: any column (their logits are unused)
+        for at, (r, new) in enumerate(entries):
+            slot, k, at = self.slots[r], len(new), r if full else at
+            ids[at, :k] = new
+            pos[at, :k] = np.arange(len(slot.tokens), len(slot.tokens) + k)
+            seg[at, :k] = 1
+            last[at] = k - 1
+            slot.tokens += new
+            slot.columns += range(start, start + k)
+            slot.last_used = self.calls
+            self.stats["prefill_tokens"] += k
+            self.stats["reused_tokens"] += len(slot.tokens) - k
+        end = start + max(len(t) for _, t in entries)
+        sub = None if full else jnp.asarray(cache_rows, jnp.int32)
+        out, self.cache = extend(
+            self.graphdef, self.state, self.layers, self.cache, ids, pos, seg, last, jnp.int32(end), sub
+        )
+        return out, end
+
+    def _fork(self, forks: dict[int, tuple[int, int]], rows: list[int], prompts: list[list[int]]) -> None:
+        """Each forked row (index into `rows`: (donor cache row, shared tokens)) becomes a copy of its
+        donor's row holding the donor's first tokens; the donor's other columns are masked after."""
+        src = np.arange(len(self.slots), dtype=np.int32)
+        for i, (d, n) in forks.items():
+            r, donor = rows[i], self.slots[d]
+            assert donor.tokens[:n] == prompts[i][:n]
+            src[r] = d
+            slot = self.slots[r]
+            slot.tokens, slot.columns = list(donor.tokens[:n]), list(donor.columns[:n])
+            self.stats["forked_rows"] += 1
+        fork, keep = _programs()[4], _programs()[1]
+        self.cache = fork(self.cache, jnp.asarray(src))
+        self.cache = {**keep(self.cache, jnp.asarray(self._live_columns())), "index": self.cache["index"]}
 
     def _compact(self) -> None:
         assert self.cache is not None
