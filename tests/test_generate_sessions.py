@@ -92,15 +92,16 @@ def test_episodes_of_one_task_prefill_their_common_prefix_once(model) -> None:
     prompts = {k: shared + rng.integers(1, vocab, int(rng.integers(5, 30))).tolist() for k in "abcd"}
     sessions = SessionCache(model, slots=4)
     tails = sum(len(prompts[k]) - len(shared) for k in "abc")
-    _turns(model, sessions, list("abc"), prompts, rng, turns=1)
+    sent = _turns(model, sessions, list("abc"), prompts, rng, turns=1)
     assert sessions.stats["forked_rows"] == 2
     assert sessions.stats["prefill_tokens"] == len(shared) + tails  # the shared 80 tokens once
-    _turns(model, sessions, list("abc"), prompts, rng, turns=1)
+    sent += _turns(model, sessions, list("abc"), prompts, rng, turns=1)
     assert sessions.stats["forked_rows"] == 2  # continuing rows keep their own cache
     before = sessions.stats["prefill_tokens"]
-    _turns(model, sessions, list("abcd"), prompts, rng, turns=2)
+    sent += _turns(model, sessions, list("abcd"), prompts, rng, turns=2)
     assert sessions.stats["forked_rows"] == 3  # d copies a, b or c's first 80 tokens
     assert sessions.stats["prefill_tokens"] - before < sum(len(prompts[k]) for k in "abcd") / 2
+    assert sessions.stats["prefill_tokens"] + sessions.stats["reused_tokens"] == sent  # each token once
 
 
 def test_cache_compacts_then_restarts_at_its_limit(model) -> None:

@@ -433,6 +433,7 @@ class SessionCache:
         # prefix, an evicted conversation's, and filler written by the previous call's decode.
         self.cache = {**keep(self.cache, jnp.asarray(self._live_columns())), "index": jnp.int32(self.index)}
         end = self.index
+        prefilled = self.stats["prefill_tokens"]
         if share.seed is not None:  # the shared prefix, once, on one row (its logits unused)
             i, lo, hi = share.seed
             end = self._extend_rows([(rows[i], prompts[i][lo:hi])], end, full=False)[1]
@@ -448,6 +449,8 @@ class SessionCache:
                 sub = jnp.asarray([rows[i] for i in group], jnp.int32)
                 logits = logits.at[sub].set(out[: len(group)])
                 self.stats["split_calls"] += 1
+        # What was not prefilled came from a kept cache: the row's own or a copied prefix.
+        self.stats["reused_tokens"] += sum(map(len, prompts)) - (self.stats["prefill_tokens"] - prefilled)
         positions = [len(s.tokens) for s in self.slots]
         gens, self.cache, steps = decode_rows(
             self.graphdef, self.state, self.cache, logits, positions, rows, max_new_tokens=max_new_tokens,
@@ -486,7 +489,6 @@ class SessionCache:
             slot.columns += range(start, start + k)
             slot.last_used = self.calls
             self.stats["prefill_tokens"] += k
-            self.stats["reused_tokens"] += len(slot.tokens) - k
         end = start + max(len(t) for _, t in entries)
         sub = None if full else jnp.asarray(cache_rows, jnp.int32)
         out, self.cache = extend(
