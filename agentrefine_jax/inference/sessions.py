@@ -7,8 +7,8 @@ common prefix with what that row already holds; a history that changed earlier (
 re-rendered) simply shares a shorter prefix, and the rest of the row is masked out.
 
 Layout. The cache has one write index shared by all rows (the model's cache format). Each call
-writes one block of columns (two, see below; a bucketed width: one compile per width), every row's new tokens
-left-aligned in it (segment 0 elsewhere), and the index moves only past the longest row's new
+writes one block of columns (two, see below; a width bucketed in steps of 64: one compile per width), every
+row's new tokens left-aligned in it (segment 0 elsewhere), and the index moves only past the longest row's new
 tokens, so the decode steps, one column each, overwrite the block's padding tail. A row's tokens
 therefore sit in increasing but not contiguous columns; every other column of the row has
 segment 0, which no real query attends (`attention_mask`: equal segments and causal positions),
@@ -16,9 +16,9 @@ and positions are the row's own token positions, so a row computes what it would
 Columns of tokens that are no longer part of a row (after the common prefix, an evicted
 conversation's, filler of rows that sat out a call, decode steps after a row ended) are set to
 segment 0 before each call attends.
-Each call sizes the cache to the power of two its columns need (one compile per size): the
-prefill and every decode step attend over, and copy, all of the cache's columns, so none are
-kept beyond the last one written. When a call would need the next power of two, each row's live
+Each call sizes the cache to the 2^k or 1.5 x 2^k columns it needs (`cache_columns`; one compile per
+size): the prefill and every decode step attend over, and copy, all of the cache's columns, so none are
+kept beyond the last one written. When a call would need the next size, each row's live
 columns are first packed to the front of the row (compaction: a gather, so the cache stays about
 as long as its longest conversation instead of growing by every call's block); only if they
 still do not fit does it grow; at `max_columns` every row starts over (fresh prefills).
@@ -28,6 +28,12 @@ beside others' one-turn tails) would pad every row to the longest: attention and
 rows x block width. Such a call writes two blocks instead: the short rows' block for the whole
 batch, then the long rows' block on just those rows (gathered out of the cache and scattered back,
 `_extend` with `rows`), the split chosen by that cost (`_long_rows`).
+
+Episodes of one task start alike (the system prompt and the task's instructions: 99 of ~300 tokens
+for demo_world, 326 of ~470 for BabyAI). A new conversation whose prompt shares at least FORK_MIN
+tokens with what another row holds copies that row (`_fork_rows`, the other columns then masked)
+instead of prefilling them; new conversations of one call that share such a prefix and have no row to
+copy it from have it written once, on one of their rows, which the others then copy (`_share_plan`).
 
 Slots are assigned per conversation key; a key seen for the first time takes a free slot, or
 the least recently used one not in the current call ("continuous batching": a finished
