@@ -1,7 +1,7 @@
 """KV-cache reuse across turns (inference/sessions.py): greedy replies equal fresh prefills of the
 same prompts, turn after turn, while only the tokens after the common prefix are prefilled; a
-history rewritten earlier (truncation), eviction by a new conversation and more conversations
-than slots all keep the equality."""
+history rewritten earlier (truncation), eviction by a new conversation, more conversations
+than slots, fewer than slots (a gathered sub-batch) and shared prefixes all keep the equality."""
 
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ def test_greedy_replies_equal_fresh_prefills_and_prefill_only_new_tokens(model) 
     before = sessions.stats["prefill_tokens"]
     _turns(model, sessions, ["a", "b"], prompts, rng, turns=1)
     assert sessions.stats["prefill_tokens"] - before >= len(prompts["a"]) - 5 - 40  # 'a' re-prefilled
+    assert sessions.stats["narrow_calls"] == 1  # 2 of 4 rows: run on those 2, c's row left as it was
 
     # More conversations than slots: served 4 at a time, new keys evict the least recently used.
     prompts.update({k: rng.integers(1, vocab, int(rng.integers(10, 30))).tolist() for k in "defgh"})

@@ -275,6 +275,17 @@ def _fork_rows(cache: dict, src: jax.Array) -> dict:
     }
 
 
+def _scatter_rows(cache: dict, sub: dict, rows: jax.Array) -> dict:
+    """`cache` with its rows `rows` replaced by `sub`'s (a gathered sub-batch, `_fork_rows`, written on)."""
+    return {
+        "k": _map(lambda a, b: a.at[rows].set(b), cache["k"], sub["k"]),
+        "v": _map(lambda a, b: a.at[rows].set(b), cache["v"], sub["v"]),
+        "segment_ids": cache["segment_ids"].at[rows].set(sub["segment_ids"]),
+        "positions": cache["positions"].at[rows].set(sub["positions"]),
+        "index": sub["index"],
+    }
+
+
 def _map(
     f: Callable[[jax.Array, jax.Array], jax.Array], a: jax.Array | tuple, b: jax.Array | tuple
 ) -> jax.Array | tuple:
@@ -294,6 +305,8 @@ def _programs() -> tuple:
         jax.jit(_resize, static_argnums=1),
         jax.jit(_compact),
         jax.jit(_fork_rows, donate_argnums=0),
+        jax.jit(_fork_rows),  # a gather of rows (the cache is kept: they are scattered back)
+        jax.jit(_scatter_rows, donate_argnums=0),
     )
 
 
@@ -316,7 +329,15 @@ class SessionCache:
         self.cache: dict | None = None
         self.index = 0  # host copy of cache["index"]
         self.calls = 0
-        counters = ("prefill_tokens", "reused_tokens", "resets", "compactions", "split_calls", "forked_rows")
+        counters = (
+            "prefill_tokens",
+            "reused_tokens",
+            "resets",
+            "compactions",
+            "split_calls",
+            "forked_rows",
+            "narrow_calls",
+        )
         self.stats = dict.fromkeys(counters, 0)
 
     # ------------------------------------------------------------------ API
@@ -440,12 +461,52 @@ class SessionCache:
         self.cache = {**keep(self.cache, jnp.asarray(self._live_columns())), "index": jnp.int32(self.index)}
         end = self.index
         prefilled = self.stats["prefill_tokens"]
+        decode = dict(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stops=stops, seed=seed
+        )
         if share.seed is not None:  # the shared prefix, once, on one row (its logits unused)
             i, lo, hi = share.seed
             end = self._extend_rows([(rows[i], prompts[i][lo:hi])], end, full=False)[1]
         if share.forks:
             self._fork(share.forks, rows, prompts)
         suffixes = [p[len(self.slots[r].tokens) :] for r, p in zip(rows, prompts, strict=True)]
+        n = batch_bucket(len(rows))
+        if n >= b:
+            return self._blocks_and_decode(rows, prompts, suffixes, groups, end, prefilled, decode)
+        # Fewer conversations than cache rows (the last episodes of a run, a short call): the blocks and
+        # every decode step run on a gathered sub-batch of their rows (plus filler up to a power of two),
+        # not on every row of the cache -- each decode step reads every row's K/V, ~46 KB per row and
+        # column for SmolLM2 -- and the rows are scattered back after.
+        gather, scatter = _programs()[5:7]
+        pick = rows + [r for r in range(b) if r not in rows][: n - len(rows)]
+        row_to_req.clear()  # text-level stops are asked by the sub-batch's row
+        row_to_req.update(dict(enumerate(req_ids)))
+        self.stats["narrow_calls"] += 1
+        full, slots = self.cache, self.slots
+        self.cache, self.slots = gather(full, jnp.asarray(pick, jnp.int32)), [slots[r] for r in pick]
+        try:
+            out = self._blocks_and_decode(
+                list(range(len(rows))), prompts, suffixes, groups, end, prefilled, decode
+            )
+            self.cache = scatter(full, self.cache, jnp.asarray(pick, jnp.int32))
+        except BaseException:
+            self.slots = slots
+            self._reset()  # the cache's rows are not where the slots say
+            raise
+        self.slots = slots
+        return out
+
+    def _blocks_and_decode(
+        self,
+        rows: list[int],
+        prompts: list[list[int]],
+        suffixes: list[list[int]],
+        groups: list[list[int]],
+        end: int,
+        prefilled: int,
+        decode: dict,
+    ) -> list[Generation]:
+        """Each group's block, then the decode steps, on the cache's rows (`rows`: each request's)."""
         logits: jax.Array | None = None
         for g, group in enumerate(groups):
             out, end = self._extend_rows([(rows[i], suffixes[i]) for i in group], end, full=g == 0)
@@ -459,9 +520,8 @@ class SessionCache:
         self.stats["reused_tokens"] += sum(map(len, prompts)) - (self.stats["prefill_tokens"] - prefilled)
         positions = [len(s.tokens) for s in self.slots]
         gens, self.cache, steps = decode_rows(
-            self.graphdef, self.state, self.cache, logits, positions, rows, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_p=top_p, stops=stops, seed=seed, layers=self.layers,
-        )  # fmt: skip
+            self.graphdef, self.state, self.cache, logits, positions, rows, layers=self.layers, **decode
+        )
         self.index = end + steps
         for r in rows:  # every sampled token was fed: the row now holds prompt + reply
             tokens = gens[r].tokens
