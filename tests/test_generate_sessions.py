@@ -1,7 +1,7 @@
 """KV-cache reuse across turns (inference/sessions.py): greedy replies equal fresh prefills of the
 same prompts, turn after turn, while only the tokens after the common prefix are prefilled; a
-history rewritten earlier (truncation), eviction by a new conversation and more conversations
-than slots all keep the equality."""
+history rewritten earlier (truncation), eviction by a new conversation, more conversations
+than slots, fewer than slots (a gathered sub-batch) and shared prefixes all keep the equality."""
 
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ def test_greedy_replies_equal_fresh_prefills_and_prefill_only_new_tokens(model) 
     before = sessions.stats["prefill_tokens"]
     _turns(model, sessions, ["a", "b"], prompts, rng, turns=1)
     assert sessions.stats["prefill_tokens"] - before >= len(prompts["a"]) - 5 - 40  # 'a' re-prefilled
+    assert sessions.stats["narrow_calls"] == 1  # 2 of 4 rows: run on those 2, c's row left as it was
 
     # More conversations than slots: served 4 at a time, new keys evict the least recently used.
     prompts.update({k: rng.integers(1, vocab, int(rng.integers(10, 30))).tolist() for k in "defgh"})
@@ -63,8 +64,8 @@ def test_a_long_new_prompt_beside_short_tails_is_extended_on_its_own_rows(model)
     equal fresh prefills, for the joining row, the continuing ones and every later turn."""
     from agentrefine_jax.inference.sessions import _long_rows
 
-    assert _long_rows([20, 25, 30, 300], 4) == [3]  # 4 x 32 + 1 x 512 <= half of 4 x 512
-    assert _long_rows([20, 25, 300, 310], 8) == [2, 3]  # 8 x 32 + 2 x 512 vs 8 x 512
+    assert _long_rows([20, 25, 30, 300], 4) == [3]  # 4 x 32 + 1 x 320 <= half of 4 x 320
+    assert _long_rows([20, 25, 300, 310], 8) == [2, 3]  # 8 x 32 + 2 x 320 vs 8 x 320
     assert _long_rows([200, 250, 300, 310], 4) == []  # not worth a second block
     assert _long_rows([20, 300, 300, 310], 4) == []  # 3 long rows pad to the whole batch
     rng = np.random.default_rng(2)
@@ -80,6 +81,28 @@ def test_a_long_new_prompt_beside_short_tails_is_extended_on_its_own_rows(model)
     _turns(model, sessions, list("abde"), prompts, rng, turns=1)
     assert sessions.stats["split_calls"] == 2
     _turns(model, sessions, list("abde"), prompts, rng, turns=2)
+
+
+def test_episodes_of_one_task_prefill_their_common_prefix_once(model) -> None:
+    """New conversations that start alike (one task's system prompt and instructions) prefill the shared
+    prefix once on one row and copy it to the others; a conversation joining later copies it from a row
+    that holds it. Replies still equal fresh prefills, turn after turn."""
+    rng = np.random.default_rng(4)
+    vocab = model.cfg.vocab_size
+    shared = rng.integers(1, vocab, 80).tolist()
+    prompts = {k: shared + rng.integers(1, vocab, int(rng.integers(5, 30))).tolist() for k in "abcd"}
+    sessions = SessionCache(model, slots=4)
+    tails = sum(len(prompts[k]) - len(shared) for k in "abc")
+    sent = _turns(model, sessions, list("abc"), prompts, rng, turns=1)
+    assert sessions.stats["forked_rows"] == 2
+    assert sessions.stats["prefill_tokens"] == len(shared) + tails  # the shared 80 tokens once
+    sent += _turns(model, sessions, list("abc"), prompts, rng, turns=1)
+    assert sessions.stats["forked_rows"] == 2  # continuing rows keep their own cache
+    before = sessions.stats["prefill_tokens"]
+    sent += _turns(model, sessions, list("abcd"), prompts, rng, turns=2)
+    assert sessions.stats["forked_rows"] == 3  # d copies a, b or c's first 80 tokens
+    assert sessions.stats["prefill_tokens"] - before < sum(len(prompts[k]) for k in "abcd") / 2
+    assert sessions.stats["prefill_tokens"] + sessions.stats["reused_tokens"] == sent  # each token once
 
 
 def test_cache_compacts_then_restarts_at_its_limit(model) -> None:

@@ -7,8 +7,8 @@ common prefix with what that row already holds; a history that changed earlier (
 re-rendered) simply shares a shorter prefix, and the rest of the row is masked out.
 
 Layout. The cache has one write index shared by all rows (the model's cache format). Each call
-writes one block of columns (two, see below; a bucketed width: one compile per width), every row's new tokens
-left-aligned in it (segment 0 elsewhere), and the index moves only past the longest row's new
+writes one block of columns (two, see below; a width bucketed in steps of 64: one compile per width), every
+row's new tokens left-aligned in it (segment 0 elsewhere), and the index moves only past the longest row's new
 tokens, so the decode steps, one column each, overwrite the block's padding tail. A row's tokens
 therefore sit in increasing but not contiguous columns; every other column of the row has
 segment 0, which no real query attends (`attention_mask`: equal segments and causal positions),
@@ -16,9 +16,9 @@ and positions are the row's own token positions, so a row computes what it would
 Columns of tokens that are no longer part of a row (after the common prefix, an evicted
 conversation's, filler of rows that sat out a call, decode steps after a row ended) are set to
 segment 0 before each call attends.
-Each call sizes the cache to the power of two its columns need (one compile per size): the
-prefill and every decode step attend over, and copy, all of the cache's columns, so none are
-kept beyond the last one written. When a call would need the next power of two, each row's live
+Each call sizes the cache to the 2^k or 1.5 x 2^k columns it needs (`cache_columns`; one compile per
+size): the prefill and every decode step attend over, and copy, all of the cache's columns, so none are
+kept beyond the last one written. When a call would need the next size, each row's live
 columns are first packed to the front of the row (compaction: a gather, so the cache stays about
 as long as its longest conversation instead of growing by every call's block); only if they
 still do not fit does it grow; at `max_columns` every row starts over (fresh prefills).
@@ -28,6 +28,12 @@ beside others' one-turn tails) would pad every row to the longest: attention and
 rows x block width. Such a call writes two blocks instead: the short rows' block for the whole
 batch, then the long rows' block on just those rows (gathered out of the cache and scattered back,
 `_extend` with `rows`), the split chosen by that cost (`_long_rows`).
+
+Episodes of one task start alike (the system prompt and the task's instructions: 99 of ~300 tokens
+for demo_world, 326 of ~470 for BabyAI). A new conversation whose prompt shares at least FORK_MIN
+tokens with what another row holds copies that row (`_fork_rows`, the other columns then masked)
+instead of prefilling them; new conversations of one call that share such a prefix and have no row to
+copy it from have it written once, on one of their rows, which the others then copy (`_share_plan`).
 
 Slots are assigned per conversation key; a key seen for the first time takes a free slot, or
 the least recently used one not in the current call ("continuous batching": a finished
@@ -104,29 +110,117 @@ def _extend(
         }
     model = nnx.merge(graphdef, state)
     if ids.shape[1] > PREFILL_BLOCK and not model.plan.attention_block_size:
-        model.plan = dataclasses.replace(model.plan, attention_block_size=PREFILL_BLOCK)
+        model.plan = dataclasses.replace(model.plan, attention_block_size=query_block(ids.shape[1]))
     hidden, cache = model.forward(ids, pos, seg, cache, layers=layers)
     hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
     return model.logits(hidden)[:, 0], {**cache, "index": end}
+
+
+# A block's width is rounded up in steps of BLOCK_STEP (powers of two below it), not engine.bucket's 512:
+# a first turn of 517 tokens ran as 1,024 columns per row (2x the prefill), and its cache then took
+# 2,048 columns that every decode step of the episode read (~1.7x slower steps than at 1,024, SmolLM2
+# at batch 4). Each width is one more compile (seconds); an episode's prefill and decode cost more.
+BLOCK_STEP = 64
+# The cache's lengths: 2^k or 1.5 x 2^k columns (from MIN_COLUMNS). Every decode step reads every
+# column, so a cache at most 1.33x (not 2x) longer than needed; one compile per length reached.
+MIN_COLUMNS = 256
+
+
+def block_width(n: int) -> int:
+    """The bucketed width of a block of `n` new tokens per row."""
+    return bucket(n, step=BLOCK_STEP)
+
+
+def cache_columns(need: int) -> int:
+    """The cache length for `need` columns: the least 2^k or 3 x 2^(k-1) >= need, >= MIN_COLUMNS."""
+    size = MIN_COLUMNS
+    while size < need:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return size
+
+
+def query_block(width: int) -> int:
+    """Prefill's attention query block for a block wider than PREFILL_BLOCK: the largest multiple of
+    BLOCK_STEP <= PREFILL_BLOCK that divides `width`, so the scores never span the whole block."""
+    b = PREFILL_BLOCK
+    while width % b:
+        b -= BLOCK_STEP
+    return b
+
+
+# A new conversation whose prompt starts with at least this many tokens another row holds (an episode
+# of the same task: the system prompt and the task's instructions, 100-330 tokens for demo_world and
+# BabyAI) copies that row instead of prefilling them; new conversations with such a prefix in common
+# and no row to copy it from have it prefilled once, on one of their rows.
+FORK_MIN = 32
+
+
+@dataclasses.dataclass
+class _Share:
+    """How one call's rows come by what they hold before their block (`_share_plan`)."""
+
+    kept: list[int]  # per request: tokens its row holds when its block is written
+    forks: dict[int, tuple[int, int]]  # request index -> (donor cache row, tokens copied from it)
+    seed: tuple[int, int, int] | None  # (request index, from, to): a shared prefix written on its row
+
+
+def _share_plan(
+    held: Sequence[Sequence[int]], rows: Sequence[int], prompts: Sequence[Sequence[int]]
+) -> _Share:
+    """Which requests copy a prefix from another cache row (`held`: each row's tokens, already cut to
+    the common prefix with its own prompt), and which shared prefix is prefilled once first. A row
+    that is copied from is never itself replaced in the same call, nor the other way round."""
+    kept = [len(held[r]) for r in rows]
+    forks: dict[int, tuple[int, int]] = {}
+    donors: set[int] = set()
+    forked = set()
+    lonely = []
+    for i, (r, p) in enumerate(zip(rows, prompts, strict=True)):
+        if len(p) - kept[i] < 2 * FORK_MIN or r in donors:
+            continue
+        best, best_n = -1, kept[i] + FORK_MIN - 1
+        for d, toks in enumerate(held):
+            if d == r or d in forked or len(toks) <= best_n:
+                continue
+            n = min(_common_prefix(toks, p), len(p) - 1)
+            if n > best_n:
+                best, best_n = d, n
+        if best < 0:
+            lonely.append(i)
+        else:
+            forks[i], kept[i] = (best, best_n), best_n
+            donors.add(best)
+            forked.add(r)
+    lonely = [i for i in lonely if rows[i] not in donors]
+    seed = None
+    if len(lonely) > 1:
+        first = prompts[lonely[0]]
+        n = min(min(_common_prefix(first, prompts[i]), len(prompts[i]) - 1) for i in lonely)
+        if n - max(kept[i] for i in lonely) >= FORK_MIN:
+            seed = (lonely[0], kept[lonely[0]], n)
+            kept[lonely[0]] = n
+            for i in lonely[1:]:
+                forks[i], kept[i] = (rows[lonely[0]], n), n
+    return _Share(kept, forks, seed)
 
 
 def _long_rows(widths: Sequence[int], batch: int) -> list[int]:
     """Indices of `widths` (new tokens per row of a call) to extend in a block of their own, or [].
 
     Cost model: a block costs (cache rows it runs on) x (its bucketed width) -- the projections, the
-    MLP and attention over the cache all scale so. One block: batch x bucket(max). Split: batch x
-    bucket(longest short row) + pow2(long rows) x bucket(longest long row). Split only where that
+    MLP and attention over the cache all scale so. One block: batch x width(max). Split: batch x
+    width(longest short row) + pow2(long rows) x width(longest long row). Split only where that
     at least halves the cost (each split shape is one more compile).
     """
     order = sorted(range(len(widths)), key=lambda i: widths[i])
-    one = batch * bucket(widths[order[-1]])
+    one = batch * block_width(widths[order[-1]])
     best, best_cost = [], one
     for n_long in range(1, len(order)):
         sub = batch_bucket(n_long)
         if sub >= batch:
             break
         short, long_ = order[:-n_long], order[-n_long:]
-        cost = batch * bucket(widths[short[-1]]) + sub * bucket(widths[long_[-1]])
+        cost = batch * block_width(widths[short[-1]]) + sub * block_width(widths[long_[-1]])
         if 2 * cost <= one and cost < best_cost:
             best, best_cost = long_, cost
     return sorted(best)
@@ -171,6 +265,27 @@ def _resize(cache: dict, columns: int) -> dict:
     }
 
 
+def _fork_rows(cache: dict, src: jax.Array) -> dict:
+    """Cache row r becomes a copy of row src[r] (K, V, segments and positions)."""
+    return {
+        **map_kv(cache, lambda a: a[src]),
+        "segment_ids": cache["segment_ids"][src],
+        "positions": cache["positions"][src],
+        "index": cache["index"],
+    }
+
+
+def _scatter_rows(cache: dict, sub: dict, rows: jax.Array) -> dict:
+    """`cache` with its rows `rows` replaced by `sub`'s (a gathered sub-batch, `_fork_rows`, written on)."""
+    return {
+        "k": _map(lambda a, b: a.at[rows].set(b), cache["k"], sub["k"]),
+        "v": _map(lambda a, b: a.at[rows].set(b), cache["v"], sub["v"]),
+        "segment_ids": cache["segment_ids"].at[rows].set(sub["segment_ids"]),
+        "positions": cache["positions"].at[rows].set(sub["positions"]),
+        "index": sub["index"],
+    }
+
+
 def _map(
     f: Callable[[jax.Array, jax.Array], jax.Array], a: jax.Array | tuple, b: jax.Array | tuple
 ) -> jax.Array | tuple:
@@ -189,6 +304,9 @@ def _programs() -> tuple:
         jax.jit(_keep),
         jax.jit(_resize, static_argnums=1),
         jax.jit(_compact),
+        jax.jit(_fork_rows, donate_argnums=0),
+        jax.jit(_fork_rows),  # a gather of rows (the cache is kept: they are scattered back)
+        jax.jit(_scatter_rows, donate_argnums=0),
     )
 
 
@@ -211,7 +329,15 @@ class SessionCache:
         self.cache: dict | None = None
         self.index = 0  # host copy of cache["index"]
         self.calls = 0
-        counters = ("prefill_tokens", "reused_tokens", "resets", "compactions", "split_calls")
+        counters = (
+            "prefill_tokens",
+            "reused_tokens",
+            "resets",
+            "compactions",
+            "split_calls",
+            "forked_rows",
+            "narrow_calls",
+        )
         self.stats = dict.fromkeys(counters, 0)
 
     # ------------------------------------------------------------------ API
@@ -297,23 +423,24 @@ class SessionCache:
         stops: Stops,
         seed: int,
     ) -> list[Generation]:
-        extend, keep, resize, _ = _programs()
+        keep, resize = _programs()[1:3]
         self.calls += 1
         rows = self._assign(keys)
         row_to_req.update({r: q for r, q in zip(rows, req_ids, strict=True)})
         b = len(self.slots)
         for _ in range(2):  # at most one reset: a fresh cache always has room
-            suffixes = []
             for r, prompt in zip(rows, prompts, strict=True):
                 slot = self.slots[r]
                 common = _common_prefix(slot.tokens, prompt)
                 common = min(common, len(prompt) - 1)  # feed at least one token for its logits
                 del slot.tokens[common:], slot.columns[common:]
-                suffixes.append(prompt[common:])
-            widths = [len(x) for x in suffixes]
+            share = _share_plan([self.slots[r].tokens for r in range(b)], rows, prompts)
+            widths = [len(p) - share.kept[i] for i, p in enumerate(prompts)]
             long_ = _long_rows(widths, b)
             groups = [[i for i in range(len(rows)) if i not in long_]] + ([long_] if long_ else [])
-            blocks = sum(bucket(max(widths[i] for i in g)) for g in groups)
+            blocks = sum(block_width(max(widths[i] for i in g)) for g in groups)
+            if share.seed is not None:
+                blocks += block_width(share.seed[2] - share.seed[1])
             need = self.index + blocks + bucket(max_new_tokens)
             if self.cache is not None and need > self.cache["segment_ids"].shape[1]:
                 self._compact()  # before growing: the dead columns are usually most of the cache
@@ -321,9 +448,7 @@ class SessionCache:
             if need <= self.max_columns:
                 break
             self._reset()
-        size = 256
-        while size < need:  # powers of two: one compile per size the cache reaches
-            size *= 2
+        size = cache_columns(need)
         if self.cache is None:
             self.cache = init_cache(self.model.cfg, b, size, per_layer=self.model.plan.cpu_layout)
         elif self.cache["segment_ids"].shape[1] != size:
@@ -335,54 +460,122 @@ class SessionCache:
         # prefix, an evicted conversation's, and filler written by the previous call's decode.
         self.cache = {**keep(self.cache, jnp.asarray(self._live_columns())), "index": jnp.int32(self.index)}
         end = self.index
+        prefilled = self.stats["prefill_tokens"]
+        decode = dict(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stops=stops, seed=seed
+        )
+        if share.seed is not None:  # the shared prefix, once, on one row (its logits unused)
+            i, lo, hi = share.seed
+            end = self._extend_rows([(rows[i], prompts[i][lo:hi])], end, full=False)[1]
+        if share.forks:
+            self._fork(share.forks, rows, prompts)
+        suffixes = [p[len(self.slots[r].tokens) :] for r, p in zip(rows, prompts, strict=True)]
+        n = batch_bucket(len(rows))
+        if n >= b:
+            return self._blocks_and_decode(rows, prompts, suffixes, groups, end, prefilled, decode)
+        # Fewer conversations than cache rows (the last episodes of a run, a short call): the blocks and
+        # every decode step run on a gathered sub-batch of their rows (plus filler up to a power of two),
+        # not on every row of the cache -- each decode step reads every row's K/V, ~46 KB per row and
+        # column for SmolLM2 -- and the rows are scattered back after.
+        gather, scatter = _programs()[5:7]
+        pick = rows + [r for r in range(b) if r not in rows][: n - len(rows)]
+        row_to_req.clear()  # text-level stops are asked by the sub-batch's row
+        row_to_req.update(dict(enumerate(req_ids)))
+        self.stats["narrow_calls"] += 1
+        full, slots = self.cache, self.slots
+        self.cache, self.slots = gather(full, jnp.asarray(pick, jnp.int32)), [slots[r] for r in pick]
+        try:
+            out = self._blocks_and_decode(
+                list(range(len(rows))), prompts, suffixes, groups, end, prefilled, decode
+            )
+            self.cache = scatter(full, self.cache, jnp.asarray(pick, jnp.int32))
+        except BaseException:
+            self.slots = slots
+            self._reset()  # the cache's rows are not where the slots say
+            raise
+        self.slots = slots
+        return out
+
+    def _blocks_and_decode(
+        self,
+        rows: list[int],
+        prompts: list[list[int]],
+        suffixes: list[list[int]],
+        groups: list[list[int]],
+        end: int,
+        prefilled: int,
+        decode: dict,
+    ) -> list[Generation]:
+        """Each group's block, then the decode steps, on the cache's rows (`rows`: each request's)."""
         logits: jax.Array | None = None
         for g, group in enumerate(groups):
-            # The first block runs on every cache row (rows outside it are filler); a second one on
-            # its rows plus distinct filler rows up to a power of two (one compile per such size).
-            cache_rows = [rows[i] for i in group]
-            if g:
-                filler = [r for r in range(b) if r not in cache_rows]
-                cache_rows += filler[: batch_bucket(len(group)) - len(group)]
-            n = b if g == 0 else len(cache_rows)
-            width = bucket(max(widths[i] for i in group))
-            ids = np.zeros((n, width), np.int32)
-            pos = np.zeros((n, width), np.int32)
-            seg = np.zeros((n, width), np.int32)
-            last = np.zeros(n, np.int32)  # filler rows: any column (their logits are unused)
-            start = end
-            for i in group:
-                r, suffix = rows[i], suffixes[i]
-                slot, k, at = self.slots[r], len(suffix), r if g == 0 else cache_rows.index(rows[i])
-                ids[at, :k] = suffix
-                pos[at, :k] = np.arange(len(slot.tokens), len(slot.tokens) + k)
-                seg[at, :k] = 1
-                last[at] = k - 1
-                slot.tokens += suffix
-                slot.columns += range(start, start + k)
-                slot.last_used = self.calls
-                self.stats["prefill_tokens"] += k
-                self.stats["reused_tokens"] += len(slot.tokens) - k
-            end = start + max(widths[i] for i in group)
-            sub = None if g == 0 else jnp.asarray(cache_rows, jnp.int32)
-            out, self.cache = extend(
-                self.graphdef, self.state, self.layers, self.cache, ids, pos, seg, last, jnp.int32(end), sub
-            )
+            out, end = self._extend_rows([(rows[i], suffixes[i]) for i in group], end, full=g == 0)
             if g == 0:
                 logits = out
             else:
-                logits = logits.at[sub[: len(group)]].set(out[: len(group)])
+                sub = jnp.asarray([rows[i] for i in group], jnp.int32)
+                logits = logits.at[sub].set(out[: len(group)])
                 self.stats["split_calls"] += 1
+        # What was not prefilled came from a kept cache: the row's own or a copied prefix.
+        self.stats["reused_tokens"] += sum(map(len, prompts)) - (self.stats["prefill_tokens"] - prefilled)
         positions = [len(s.tokens) for s in self.slots]
         gens, self.cache, steps = decode_rows(
-            self.graphdef, self.state, self.cache, logits, positions, rows, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_p=top_p, stops=stops, seed=seed, layers=self.layers,
-        )  # fmt: skip
+            self.graphdef, self.state, self.cache, logits, positions, rows, layers=self.layers, **decode
+        )
         self.index = end + steps
         for r in rows:  # every sampled token was fed: the row now holds prompt + reply
             tokens = gens[r].tokens
             self.slots[r].tokens += tokens
             self.slots[r].columns += range(end, end + len(tokens))
         return [gens[r] for r in rows]
+
+    def _extend_rows(self, entries: list[tuple[int, list[int]]], start: int, *, full: bool) -> tuple:
+        """Write each (cache row, new tokens) of `entries` as one block at column `start`: on every
+        cache row (`full`; rows not named are filler) or on the named rows plus distinct filler rows up
+        to a power of two (one compile per such size). Returns (logits [rows run, vocab], the end)."""
+        extend = _programs()[0]
+        b = len(self.slots)
+        cache_rows = [r for r, _ in entries]
+        if not full:
+            filler = [r for r in range(b) if r not in cache_rows]
+            cache_rows += filler[: batch_bucket(len(entries)) - len(entries)]
+        n = b if full else len(cache_rows)
+        width = block_width(max(len(t) for _, t in entries))
+        ids = np.zeros((n, width), np.int32)
+        pos = np.zeros((n, width), np.int32)
+        seg = np.zeros((n, width), np.int32)
+        last = np.zeros(n, np.int32)  # filler rows: any column (their logits are unused)
+        for at, (r, new) in enumerate(entries):
+            slot, k, at = self.slots[r], len(new), r if full else at
+            ids[at, :k] = new
+            pos[at, :k] = np.arange(len(slot.tokens), len(slot.tokens) + k)
+            seg[at, :k] = 1
+            last[at] = k - 1
+            slot.tokens += new
+            slot.columns += range(start, start + k)
+            slot.last_used = self.calls
+            self.stats["prefill_tokens"] += k
+        end = start + max(len(t) for _, t in entries)
+        sub = None if full else jnp.asarray(cache_rows, jnp.int32)
+        out, self.cache = extend(
+            self.graphdef, self.state, self.layers, self.cache, ids, pos, seg, last, jnp.int32(end), sub
+        )
+        return out, end
+
+    def _fork(self, forks: dict[int, tuple[int, int]], rows: list[int], prompts: list[list[int]]) -> None:
+        """Each forked row (index into `rows`: (donor cache row, shared tokens)) becomes a copy of its
+        donor's row holding the donor's first tokens; the donor's other columns are masked after."""
+        src = np.arange(len(self.slots), dtype=np.int32)
+        for i, (d, n) in forks.items():
+            r, donor = rows[i], self.slots[d]
+            assert donor.tokens[:n] == prompts[i][:n]
+            src[r] = d
+            slot = self.slots[r]
+            slot.tokens, slot.columns = list(donor.tokens[:n]), list(donor.columns[:n])
+            self.stats["forked_rows"] += 1
+        fork, keep = _programs()[4], _programs()[1]
+        self.cache = fork(self.cache, jnp.asarray(src))
+        self.cache = {**keep(self.cache, jnp.asarray(self._live_columns())), "index": self.cache["index"]}
 
     def _compact(self) -> None:
         assert self.cache is not None
