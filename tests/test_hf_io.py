@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import pathlib
 import shutil
@@ -197,6 +198,11 @@ def test_host_memory_stays_near_one_tensor(tmp_path: pathlib.Path) -> None:
         cfg, model = hf_io.load_hf_model(src, mesh=mesh)
         jax.block_until_ready(nnx.state(model))
         _, load_peak = tracemalloc.get_traced_memory()
+        # The save is measured from what is still traced after the load: buffers the load left in
+        # reference cycles stay counted until a collection runs, whose timing depends on what ran before
+        # in this worker (a full-suite run once saw the whole model here, never in isolation).
+        gc.collect()
+        before, _ = tracemalloc.get_traced_memory()
         tracemalloc.reset_peak()
         shard = 6 * 10**6
         hf_io.save_hf(model, cfg, tmp_path / "out", dtype="float32", max_shard_bytes=shard)
@@ -204,5 +210,5 @@ def test_host_memory_stays_near_one_tensor(tmp_path: pathlib.Path) -> None:
     finally:
         tracemalloc.stop()
     assert load_peak < 2.5 * largest, (load_peak, largest, total)
-    assert save_peak < shard + 2 * largest, (save_peak, shard, total)
+    assert save_peak - before < shard + 2 * largest, (save_peak, before, shard, total)
     assert len(list((tmp_path / "out").glob("model-*.safetensors"))) >= 4
