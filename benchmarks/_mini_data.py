@@ -17,7 +17,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agentrefine_jax.outputs import json_dumps, open_atomic, write_json
+from agentrefine_jax.data.demo_world import write_split
+from agentrefine_jax.outputs import open_atomic, write_json
 
 # Data tokens per budget token: packing leaves ~2-13% of a row's slots empty, so data of at least
 # 1.2x the budget in tokens gives more packed rows than the run takes; every run records its epochs
@@ -55,14 +56,6 @@ def count_tokens(files: Sequence[pathlib.Path], base: str, max_length: int, *, d
     return {"examples": int(stats["examples"]), "tokens": int(stats["tokens"])}
 
 
-def write_demo(path: pathlib.Path, seeds: range, error_rate: float) -> None:
-    from agentrefine_jax.data.demo_world import generate_trajectory
-
-    with open_atomic(path, newline="\n") as f:
-        for s in seeds:
-            f.write(json_dumps(generate_trajectory(s, error_rate), ensure_ascii=False) + "\n")
-
-
 def demo_data(
     out: pathlib.Path, base: str, budget: int, max_length: int, error_rate: float, log: Callable[[str], None]
 ) -> dict[str, Any]:
@@ -74,7 +67,7 @@ def demo_data(
     path.parent.mkdir(parents=True, exist_ok=True)
     n = max(1, math.ceil(MARGIN * budget / FIRST_GUESS_TOKENS_PER_ROW))
     while True:
-        write_demo(path, range(n), error_rate)
+        write_split(path, range(n), error_rate)
         small = count_tokens([path], base, max_length, drop_refinement=True)
         if small["tokens"] >= MARGIN * budget:
             break

@@ -23,7 +23,7 @@ import random
 import re
 from typing import Any
 
-from agentrefine_jax.outputs import json_dumps
+from agentrefine_jax.outputs import json_dumps, open_atomic
 
 ROOMS = ["kitchen", "hallway", "living room", "bedroom", "bathroom", "study", "garden", "pantry"]
 CONTAINERS = {
@@ -360,8 +360,10 @@ def replay(row: dict[str, Any]) -> list[tuple[str, str, bool]]:
 
 
 def write_split(path: pathlib.Path, seeds: range, error_rate: float) -> int:
+    """The trajectories of `seeds`, one JSON row each; written to a temporary sibling and renamed into
+    place, so an interrupted run never leaves a half file where a complete one was."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8", newline="\n") as f:
+    with open_atomic(path, newline="\n") as f:
         for s in seeds:
             f.write(json_dumps(generate_trajectory(s, error_rate), ensure_ascii=False) + "\n")
     return len(seeds)
