@@ -615,33 +615,29 @@ def train_all(
 def verdict(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The plain sentences the README's miniature asks for, computed from the rows: per task and variant,
     the tuned rows whose success interval lies wholly above base's; and recovery, AgentRefine vs the rest."""
-    out = []
-    cells = sorted({(r["task"], r["variant"]) for r in rows})
-    for task, variant in cells:
+    success, recovery = [], []
+    for task, variant in sorted({(r["task"], r["variant"]) for r in rows}):
         cell = {r["model"]: r for r in rows if (r["task"], r["variant"]) == (task, variant)}
         base = cell.get(BASE)
-        if base is None or base["success_ci95"] is None:
-            continue
-        above = [
-            m
-            for m, r in cell.items()
-            if m != BASE and r["success_ci95"] and r["success_ci95"][0] > base["success_ci95"][1]
-        ]
-        says = (
-            f"above base: {', '.join(above)}"
-            if above
-            else "no tuned row's success interval lies above base's"
-        )
-        out.append(f"{task}/{variant}: {says}")
-    for task, variant in cells:
-        cell = {r["model"]: r for r in rows if (r["task"], r["variant"]) == (task, variant)}
+        if base is not None and base["success_ci95"] is not None:
+            above = [
+                m
+                for m, r in cell.items()
+                if m != BASE and r["success_ci95"] and r["success_ci95"][0] > base["success_ci95"][1]
+            ]
+            says = (
+                f"above base: {', '.join(above)}"
+                if above
+                else "no tuned row's success interval lies above base's"
+            )
+            success.append(f"{task}/{variant}: {says}")
         parts = []
         for m, r in cell.items():
             n, rate = r["after_error_turns"], r["recovery_rate"]
             ci = wilson_interval(round(rate * n), n) if n and rate is not None else None
             parts.append(f"{m} {_pct(rate)}" + (f" [{_pct(ci[0])}–{_pct(ci[1])}]" if ci else ""))
-        out.append(f"recovery {task}/{variant} (turns after an error, Wilson 95%): " + "; ".join(parts))
-    return out
+        recovery.append(f"recovery {task}/{variant} (turns after an error, Wilson 95%): " + "; ".join(parts))
+    return success + recovery
 
 
 def run(args: argparse.Namespace) -> int:
