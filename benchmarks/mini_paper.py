@@ -316,8 +316,10 @@ def eval_model(
         if task == DEMO_TASK and args.perturbations:  # the same unseen worlds, reworded action sets
             argv += ["--perturb", "--num-perturbations", str(args.perturbations)]
         argv += ["--out", str(path), "--workdir", str(out / "work" / label / task), "--name", label]
+        # Every row computes in the training dtype: an HF base would otherwise load in bfloat16 compute, a
+        # trainer checkpoint in its run's float32, and the rows would not be evaluated alike.
         argv += ["--seed", str(args.seed), "--max-new-tokens", str(args.max_new_tokens)]
-        argv += ["--batch-size", str(args.eval_batch)] + (["-q"] if args.quiet else [])
+        argv += ["--dtype", args.dtype, "--batch-size", str(args.eval_batch)] + (["-q"] if args.quiet else [])
         if args.max_steps:
             argv += ["--max-steps", str(args.max_steps)]
         log(f"{label}/{task}: evaluating {episodes} episodes")
@@ -563,6 +565,8 @@ def onpolicy_data(
             str(args.eval_batch),
             "--max-new-tokens",
             str(args.max_new_tokens),
+            "--dtype",
+            args.dtype,
         ]
         argv += ["--workdir", str(out / "work" / ONPOLICY)] + (["-q"] if args.quiet else [])
         if args.max_steps:

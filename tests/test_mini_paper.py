@@ -124,6 +124,10 @@ def test_mini_paper_end_to_end_and_resume(base_dir, tmp_path):
             ("babyai", "original"),
         }
         assert summary["eval_episodes_per_hour"][label] > 0
+        # Every row computes alike (base is an HF directory, the rest trainer checkpoints).
+        for task in ("demo_world", "babyai"):
+            result = json.loads((out / "eval" / label / f"{task}.json").read_text())
+            assert result["compute_dtype"] == "float32", (label, task, result["model"])
     assert all("recovery_rate" in x and "repeated_error_rate" in x for x in summary["rows"])
     assert any(v.startswith("recovery demo_world/original") for v in summary["verdict"])
     assert "CPUs" in r.stdout and "done in" in r.stdout

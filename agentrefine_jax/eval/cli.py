@@ -40,6 +40,7 @@ from agentrefine_jax.eval.policies import (
 from agentrefine_jax.eval.registry import SOURCES, default_tasks
 from agentrefine_jax.eval.runner import TASK_NAMES, run_eval
 from agentrefine_jax.eval.tables import format_table
+from agentrefine_jax.models.config import DTYPES
 from agentrefine_jax.paths import as_path
 
 BEST_OF_TEMPERATURE = 0.7
@@ -131,6 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        help="--checkpoint: the compute dtype (default: the model's own: a trainer checkpoint's model.dtype, "
+        "bfloat16 for a Hugging Face directory); models compared must be evaluated alike (docs/eval.md)",
+    )
+
+
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     """How episodes run: seed, step limit, batching, sampling, request timeout, tools and prompts."""
     p.add_argument("--seed", type=int, default=0)
@@ -157,6 +167,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         help="--checkpoint: prefill every turn's whole prompt again instead of keeping each episode's KV "
         "cache between turns (same greedy actions, slower; for comparison)",
     )
+    _add_dtype_arg(p)
     p.add_argument(
         "--tool-calls",
         action="store_true",
@@ -248,6 +259,7 @@ def make_policy(args: argparse.Namespace) -> Policy:
         template=args.template,
         kv_reuse=args.kv_reuse,
         load_from=getattr(args, "load_from", None),
+        dtype=args.dtype,
     )
 
 
@@ -387,6 +399,7 @@ def run_builtin(
         _sampling(args)  # fail before loading a model
     log = logging.getLogger("agentrefine_jax.eval").info
     policy = make_policy(args)
+    dtype = _compute_dtype(policy)
     if own_workdir:
         config.workdir = workdir = tempfile.mkdtemp(prefix="agentrefine-eval-")
     try:
@@ -396,15 +409,27 @@ def run_builtin(
         if own_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     print(format_table(doc), flush=True)
-    _write(args.out, _with_model(doc, model), len(doc["episodes"]))
+    _write(args.out, _with_model(doc, model, dtype), len(doc["episodes"]))
     return 0
 
 
-def _with_model(doc: dict[str, Any], model: dict[str, Any] | None) -> dict[str, Any]:
-    """The results with the model they came from (`model`: checkpoint step and fingerprint, or endpoint)."""
+def _compute_dtype(policy: Policy) -> str | None:
+    """The compute dtype a local model was loaded with (None for an endpoint or a policy): an HF directory
+    and a trainer checkpoint of the same weights load with different defaults and play differently."""
+    return policy.compute_dtype if isinstance(policy, CheckpointPolicy) else None
+
+
+def _with_model(
+    doc: dict[str, Any], model: dict[str, Any] | None, dtype: str | None = None
+) -> dict[str, Any]:
+    """The results with the model they came from (`model`: checkpoint step and fingerprint, or endpoint;
+    the journal is bound to the same record) and, for a local model, the dtype it computed in."""
     if model is None:
         return doc
-    return {**{k: v for k, v in doc.items() if k != "episodes"}, "model": model, "episodes": doc["episodes"]}
+    head = {k: v for k, v in doc.items() if k != "episodes"}
+    if dtype is not None:
+        head["compute_dtype"] = dtype
+    return {**head, "model": model, "episodes": doc["episodes"]}
 
 
 def run_agentboard(
@@ -428,7 +453,7 @@ def run_agentboard(
             config,
             steps,
             lambda path: ab.checkpoint_model(
-                path, args.template, args.context_length, kv_reuse=args.kv_reuse
+                path, args.template, args.context_length, kv_reuse=args.kv_reuse, dtype=args.dtype
             ),
             log=log,
             journal=journal,
@@ -436,9 +461,10 @@ def run_agentboard(
         print(format_table(doc), flush=True)
         _write(args.out, doc, sum(len(r["result"]["episodes"]) for r in doc["checkpoints"]))
         return 0
-    model = None
+    model, dtype = None, None
     if not args.policy:
         actor = make_policy(args)
+        dtype = _compute_dtype(actor)
         try:
             model = ab.template_model(actor, args.template, args.context_length)
         except ValueError:
@@ -450,7 +476,7 @@ def run_agentboard(
         if model is not None:
             model.close()
     print(format_table(doc), flush=True)
-    _write(args.out, _with_model(doc, model_identity), len(doc["episodes"]))
+    _write(args.out, _with_model(doc, model_identity, dtype), len(doc["episodes"]))
     return 0
 
 
@@ -498,6 +524,7 @@ def build_onpolicy_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-kv-reuse", dest="kv_reuse", action="store_false", help="prefill every turn's whole prompt"
     )
+    _add_dtype_arg(p)
     p.add_argument(
         "--progress-every",
         type=float,
@@ -534,7 +561,7 @@ def run_onpolicy(args: argparse.Namespace) -> int:
         with progress.Progress(args.progress_every, log):
             sampling = SamplingParams(args.temperature, args.top_p, args.max_new_tokens, DEFAULT_STOP)
             policy = CheckpointPolicy(
-                args.checkpoint, sampling, template=args.template, kv_reuse=args.kv_reuse
+                args.checkpoint, sampling, template=args.template, kv_reuse=args.kv_reuse, dtype=args.dtype
             )
             result = collect(policy, episodes, batch_size=args.batch_size, journal=journal)
     finally:

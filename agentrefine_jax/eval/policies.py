@@ -337,6 +337,7 @@ class CheckpointPolicy:
         *,
         kv_reuse: bool = True,
         load_from: str | None = None,
+        dtype: str | None = None,
     ):
         if generator is None:
             from agentrefine_jax.inference.chat import ChatGenerator  # lazy: pulls in JAX and the model
@@ -344,12 +345,18 @@ class CheckpointPolicy:
 
             # `load_from`: the step `checkpoint` resolved to when the run started (eval/model_identity.py)
             generator = ChatGenerator.from_checkpoint(
-                load_from or checkpoint, template=template, name=as_path(checkpoint).name
+                load_from or checkpoint, template=template, name=as_path(checkpoint).name, dtype=dtype
             )
         self.generator = generator
         self.name = f"checkpoint:{checkpoint}"
         self.sampling = sampling
         self.kv_reuse = kv_reuse
+
+    @property
+    def compute_dtype(self) -> str | None:
+        """The dtype the model computes in (None for a generator without a model, e.g. a test double)."""
+        model = getattr(self.generator, "model", None)
+        return getattr(getattr(model, "cfg", None), "dtype", None)
 
     def act(self, requests: Sequence[ActRequest]) -> list[Reply | PolicyError]:
         from agentrefine_jax.inference.chat import ContextOverflowError

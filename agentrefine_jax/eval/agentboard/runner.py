@@ -131,10 +131,15 @@ def template_model(actor: Any, template: str | None, context_length: int | None)
 
 
 def checkpoint_model(
-    path: str, template: str | None, context_length: int | None, *, kv_reuse: bool = True
+    path: str,
+    template: str | None,
+    context_length: int | None,
+    *,
+    kv_reuse: bool = True,
+    dtype: str | None = None,
 ) -> TemplateModel:
     return template_model(
-        CheckpointPolicy(path, SamplingParams(), template=template, kv_reuse=kv_reuse),
+        CheckpointPolicy(path, SamplingParams(), template=template, kv_reuse=kv_reuse, dtype=dtype),
         template,
         context_length,
     )
