@@ -16,7 +16,11 @@ rollout vs training throughput (issue 42, item 5; docs/rl.md, "Measured on the r
 3. runs GRPO (`python -m agentrefine_jax.rl --config grpo_demo`, initialised from the start, the
    knobs below) on demo_world's training worlds only (the rl stage plays the task's training split):
    `rl/` (its run directory: checkpoints, metrics.jsonl with a row per phase, the rollout journals);
-4. evaluates the GRPO result (the run's final checkpoint) the same way: `eval/grpo.json`;
+4. evaluates the GRPO result the same way: `eval/grpo.json`. Before and after are loaded alike, so they
+   compute in the same dtype: eval loads a checkpoint in its run's recorded compute dtype (float32 here)
+   but an HF directory in the model config's default, bfloat16 (the smoke run's identical parameters
+   played differently the two ways). So a checkpoint start is evaluated as the pinned checkpoint and the
+   result as the run's last checkpoint; an HF start as itself and the result as the run's HF export;
 5. writes `reward_curve.png` (matplotlib, Agg) from the run's phase rows, and `summary.json` /
    `summary.md`: success before and after with Wilson 95% intervals, the phases' rewards, rollout
    tokens/s (sampled tokens over rollout seconds) against training tokens/s (the updates' row tokens over
@@ -25,12 +29,14 @@ rollout vs training throughput (issue 42, item 5; docs/rl.md, "Measured on the r
 Resumable: rerunning the same command continues. An export, evaluation or GRPO run that finished
 (its file or `rl.done.json` exists) is skipped; an interrupted GRPO run resumes from its run
 directory (its checkpoints and rollout journals, docs/rl.md "Resume"); an interrupted evaluation
-starts again. `--out` must be new, empty, or an earlier grpo_real output with the same settings
-(`grpo_real.json`). SIGTERM: the running stage keeps its work, exit 75; rerun to resume.
+resumes from its journal (eval's own: finished episodes are kept). `--out` must be new, empty, or
+an earlier grpo_real output with the same settings (`grpo_real.json`). SIGTERM: the running stage
+keeps its work, exit 75; rerun to resume.
 
-Default size (measured on the 2-core box, see docs/rl.md): 8 phases x 8 worlds x 8 episodes (512
-episodes), 4 optimizer steps of 16 episodes per phase (32 steps), at most 12 actions of 64 tokens per
-episode, rows of 1536 tokens; 64 unseen worlds before and after.
+Default size (docs/rl.md, "Measured on the real model", has the arithmetic from a smoke run): 8 phases
+x 4 worlds x 8 episodes (256 episodes), 2 optimizer steps of 16 episodes per phase (16 steps, gradients
+accumulated over micro-batches of 4), at most 12 actions of 64 tokens per episode, rows of 1536 tokens;
+64 unseen worlds before and after (at most 20 actions of 128 tokens, demo_world's limit).
 """
 
 from __future__ import annotations
@@ -73,29 +79,29 @@ class GrpoRealError(Exception):
 # ------------------------------------------------------------------------------------------- start model
 
 
-def is_hf_dir(path: pathlib.Path) -> bool:
-    return (path / "config.json").is_file()
-
-
 def pin_start(args: argparse.Namespace, out: pathlib.Path) -> dict[str, Any]:
-    """What `--start` is, fixed at the first invocation (`start.json`): an HF directory, or a
-    checkpoint's root and step (a run directory's latest step changes while its run goes on)."""
+    """What `--start` is, fixed at the first invocation (`start.json`): a checkpoint's root and step
+    (a run directory's latest step changes while its run goes on), or an HF directory. A checkpoint
+    is tried first: a run directory holds a config.json too (the trainer's, not an HF one)."""
     record = out / "start.json"
     if record.exists():
         return json.loads(record.read_text())
-    src = pathlib.Path(args.start).resolve()
-    if is_hf_dir(src):
-        pinned = {"kind": "hf", "path": str(src)}
-    else:
-        from agentrefine_jax.checkpoint import resolve_checkpoint
+    from agentrefine_jax.checkpoint import read_meta, resolve_checkpoint
+    from agentrefine_jax.hf.io import read_hf_config
 
-        try:
-            root, step = resolve_checkpoint(src)
-        except (FileNotFoundError, ValueError) as e:
-            raise GrpoRealError(
-                f"--start {src}: neither a Hugging Face directory nor a checkpoint ({e})"
-            ) from None
+    src = pathlib.Path(args.start).resolve()
+    try:
+        root, step = resolve_checkpoint(src)
         pinned = {"kind": "checkpoint", "path": str(src), "root": str(root), "step": int(step)}
+        pinned["dtype"] = read_meta(root, step).model.dtype  # the compute dtype eval will load it in
+    except (FileNotFoundError, ValueError) as ckpt_error:
+        try:
+            read_hf_config(src)
+        except (OSError, ValueError) as e:
+            raise GrpoRealError(
+                f"--start {src}: neither a checkpoint ({ckpt_error}) nor a Hugging Face model directory ({e})"
+            ) from None
+        pinned = {"kind": "hf", "path": str(src)}
     write_json(record, pinned)
     return pinned
 
@@ -106,7 +112,7 @@ def start_hf(pinned: dict[str, Any], out: pathlib.Path, log: Any) -> pathlib.Pat
     if pinned["kind"] == "hf":
         return pathlib.Path(pinned["path"])
     hf = out / "start_hf"
-    if is_hf_dir(hf):
+    if (hf / "config.json").is_file():  # renamed into place whole
         log(f"start: exported earlier ({hf}), skipped")
         return hf
     step_dir = pathlib.Path(pinned["root"]) / str(pinned["step"])
@@ -153,8 +159,11 @@ def evaluate(
     return path
 
 
-def rl_command(args: argparse.Namespace, hf: pathlib.Path, run_dir: pathlib.Path) -> list[str]:
-    """`python -m agentrefine_jax.rl` from the start's HF directory with this benchmark's knobs."""
+def rl_command(
+    args: argparse.Namespace, hf: pathlib.Path, run_dir: pathlib.Path, export_hf: bool
+) -> list[str]:
+    """`python -m agentrefine_jax.rl` from the start's HF directory with this benchmark's knobs;
+    `export_hf`: also write the result as an HF directory (run_dir/hf), to be evaluated as the start was."""
     sets = [
         f"train.init_from_hf={hf}",
         "train.init_from_gguf=none",
@@ -163,7 +172,8 @@ def rl_command(args: argparse.Namespace, hf: pathlib.Path, run_dir: pathlib.Path
         f"train.max_steps={args.phases * args.updates_per_phase}",
         f"train.checkpoint_every={args.updates_per_phase}",  # after each phase
         "train.keep_checkpoints=1",
-        "train.export_hf_at_end=none",
+        f"train.export_hf_at_end={'hf' if export_hf else 'none'}",
+        f"train.micro_batch_size={args.micro_batch}",
         f"train.seed={args.seed}",
         f"data.max_length={args.max_length}",
         f"optim.learning_rate={args.lr!r}",
@@ -182,9 +192,10 @@ def rl_command(args: argparse.Namespace, hf: pathlib.Path, run_dir: pathlib.Path
 
 
 def run_grpo(
-    args: argparse.Namespace, hf: pathlib.Path, out: pathlib.Path, log: Any, sigterm: Any
+    args: argparse.Namespace, hf: pathlib.Path, export_hf: bool, out: pathlib.Path, log: Any, sigterm: Any
 ) -> dict[str, Any]:
-    """The GRPO run (skipped when rl.done.json exists; resumed from its run directory otherwise)."""
+    """The GRPO run (skipped when rl.done.json exists; resumed from its run directory otherwise).
+    `final`: what the after evaluation loads — the last checkpoint, or (`export_hf`) its HF export."""
     run_dir, done = out / "rl", out / "rl.done.json"
     if done.exists():
         log(f"GRPO: finished earlier ({done}), skipped")
@@ -195,7 +206,10 @@ def run_grpo(
     t0 = time.perf_counter()
     with open(out / "rl.log", "a", encoding="utf-8") as f:
         sigterm.child = subprocess.Popen(
-            rl_command(args, hf, run_dir), stdout=f, stderr=subprocess.STDOUT, env=_mini_data.child_env()
+            rl_command(args, hf, run_dir, export_hf),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=_mini_data.child_env(),
         )
         try:
             rc = sigterm.child.wait()
@@ -206,7 +220,8 @@ def run_grpo(
     if rc != 0:
         tail = (out / "rl.log").read_text(errors="replace").strip().splitlines()[-3:]
         raise RuntimeError(f"GRPO exited {rc} after {seconds}s: " + " | ".join(tail))
-    record = {"run_dir": str(run_dir), "steps": steps, "final": str(run_dir / "checkpoints" / str(steps))}
+    final = run_dir / "hf" if export_hf else run_dir / "checkpoints" / str(steps)
+    record = {"run_dir": str(run_dir), "steps": steps, "final": str(final)}
     record["seconds_last_invocation"] = seconds
     write_json(done, record)
     log(f"GRPO: done in {seconds}s")
@@ -309,6 +324,18 @@ def plot_rewards(phases: Sequence[dict[str, Any]], path: pathlib.Path, title: st
     plt.close(fig)
 
 
+def compute_dtypes(pinned: dict[str, Any], out: pathlib.Path) -> dict[str, str]:
+    """The dtype each evaluation computed in: an HF directory's is eval's default (the model config's);
+    a checkpoint's is the one its run recorded."""
+    from agentrefine_jax.models.config import ModelConfig
+
+    if pinned["kind"] == "hf":
+        hf_default = f"{ModelConfig().dtype} (HF directory)"
+        return {"before": hf_default, "after": hf_default}
+    after = json.loads((out / "rl" / "config.json").read_text())["model"]["dtype"]
+    return {"before": pinned["dtype"], "after": after}
+
+
 def format_summary(doc: dict[str, Any]) -> str:
     def pct(x: float | None) -> str:
         return "–" if x is None else f"{100 * x:.1f}"
@@ -362,9 +389,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="where everything goes (new, empty, or a run to resume)")
     g = p.add_argument_group("GRPO (python -m agentrefine_jax.rl --config grpo_demo, these overrides)")
     g.add_argument("--phases", type=_positive, default=8, help="rollout phases")
-    g.add_argument("--worlds-per-phase", type=_positive, default=8, help="training worlds per phase")
+    g.add_argument("--worlds-per-phase", type=_positive, default=4, help="training worlds per phase")
     g.add_argument("--group-size", type=_positive, default=8, help="sampled episodes per world (>= 2)")
-    g.add_argument("--updates-per-phase", type=_positive, default=4, help="optimizer steps per phase")
+    g.add_argument("--updates-per-phase", type=_positive, default=2, help="optimizer steps per phase")
+    g.add_argument(
+        "--micro-batch",
+        type=_positive,
+        default=4,
+        help="episodes per forward/backward (gradients accumulate)",
+    )
     g.add_argument("--max-turns", type=_positive, default=12, help="actions per training episode")
     g.add_argument("--max-new-tokens", type=_positive, default=64, help="tokens per reply in the rollouts")
     g.add_argument("--max-length", type=_positive, default=1536, help="an episode's token row (longer: cut)")
@@ -391,6 +424,11 @@ def check_args(args: argparse.Namespace) -> None:
             f"--updates-per-phase {args.updates_per_phase} does not divide a phase's "
             f"{args.worlds_per_phase * args.group_size} episodes (worlds x group size)"
         )
+    rows = args.worlds_per_phase * args.group_size // args.updates_per_phase
+    if rows % args.micro_batch:
+        raise GrpoRealError(
+            f"--micro-batch {args.micro_batch} does not divide an optimizer step's {rows} episodes"
+        )
     if args.lr <= 0 or args.temperature <= 0:
         raise GrpoRealError("--lr and --temperature must be > 0")
     if args.seed < 0:
@@ -401,8 +439,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 def _manifest(args: argparse.Namespace) -> dict[str, Any]:
     """What the results depend on: a resumed run must have the same."""
-    keep = ("phases", "worlds_per_phase", "group_size", "updates_per_phase", "max_turns", "max_new_tokens",
-            "max_length", "lr", "temperature", "reward", "eval_episodes", "eval_max_steps",
+    keep = ("phases", "worlds_per_phase", "group_size", "updates_per_phase", "micro_batch", "max_turns",
+            "max_new_tokens", "max_length", "lr", "temperature", "reward", "eval_episodes", "eval_max_steps",
             "eval_max_new_tokens", "seed")  # fmt: skip
     return {"start": str(pathlib.Path(args.start).resolve())} | {k: getattr(args, k) for k in keep}
 
@@ -443,9 +481,14 @@ def run(args: argparse.Namespace) -> int:
         with mini_paper._Sigterm() as sigterm:
             pinned = pin_start(args, out)
             hf = start_hf(pinned, out, log)
-            before_path = evaluate(args, START, hf, out, log, sigterm)
+            # Before and after are loaded the same way, so they compute in the same dtype: eval loads
+            # an HF directory in the model config's default compute dtype (bfloat16) and a checkpoint in
+            # the dtype its run recorded (float32 for the mini paper's runs and the GRPO run).
+            from_checkpoint = pinned["kind"] == "checkpoint"
+            before_model = pathlib.Path(pinned["root"]) / str(pinned["step"]) if from_checkpoint else hf
+            before_path = evaluate(args, START, before_model, out, log, sigterm)
             sigterm.check("the start's evaluation")
-            grpo = run_grpo(args, hf, out, log, sigterm)
+            grpo = run_grpo(args, hf, not from_checkpoint, out, log, sigterm)
             after_path = evaluate(args, AFTER, pathlib.Path(grpo["final"]), out, log, sigterm)
     except mini_paper.Stopped as e:
         log(str(e))
@@ -467,6 +510,7 @@ def run(args: argparse.Namespace) -> int:
         "before": before,
         "after": after,
         "verdict": verdict(before, after),
+        "compute_dtypes": compute_dtypes(pinned, out),
         "phases": phases,
         "throughput": throughput(phases),
         "grpo": grpo,
@@ -474,6 +518,10 @@ def run(args: argparse.Namespace) -> int:
     }
     write_json(out / "summary.json", doc)
     table = format_summary(doc)
+    dt = doc["compute_dtypes"]
+    table += f"\n\nEvaluations computed in {dt['before']} (before) and {dt['after']} (after)" + (
+        "." if dt["before"] == dt["after"] else ": NOT the same dtype, the comparison mixes two numerics."
+    )
     write_text(
         out / "summary.md",
         f"# GRPO on the real model\n\nstart `{start_name}`; {args.phases} phases x {args.worlds_per_phase} "

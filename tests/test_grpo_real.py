@@ -1,8 +1,8 @@
 """benchmarks/grpo_real.py end to end on a tiny random ChatML Llama (test_mini_paper's fixture) started
-from a trainer checkpoint: the checkpoint is pinned and exported to an HF directory, evaluated on unseen
-demo worlds, GRPO runs two phases on training worlds, the result is evaluated; the summary's numbers are
-the eval results' and the run's metrics rows, the reward curve is a PNG; a rerun skips every stage, and
-changed settings on the same --out are refused with one line."""
+from a training run directory: its latest checkpoint is pinned and exported to an HF directory, evaluated
+on unseen demo worlds, GRPO runs two phases on training worlds, the result is evaluated; the summary's
+numbers are the eval results' and the run's metrics rows, the reward curve is a PNG; a rerun skips every
+stage, and changed settings on the same --out are refused with one line."""
 
 from __future__ import annotations
 
@@ -16,13 +16,17 @@ import sys
 from test_mini_paper import base_dir  # noqa: F401 - the tiny ChatML Llama HF directory fixture
 
 from agentrefine_jax.analyze.tables import wilson_interval
+from agentrefine_jax.checkpoint import read_meta
+from agentrefine_jax.config import load_config, to_dict
+from agentrefine_jax.outputs import json_dumps
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "grpo_real.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMALL = ["--phases", "2", "--worlds-per-phase", "1", "--group-size", "2", "--updates-per-phase", "1",
-         "--max-turns", "1", "--max-new-tokens", "4", "--max-length", "1024", "--eval-episodes", "2",
-         "--eval-max-steps", "1", "--eval-max-new-tokens", "4", "--eval-batch", "2", "-q"]  # fmt: skip
+         "--micro-batch", "1", "--max-turns", "1", "--max-new-tokens", "4", "--max-length", "1024",
+         "--eval-episodes", "2", "--eval-max-steps", "1", "--eval-max-new-tokens", "4", "--eval-batch", "2",
+         "-q"]  # fmt: skip
 
 
 def _env() -> dict[str, str]:
@@ -36,17 +40,22 @@ def _run(start: pathlib.Path, out: pathlib.Path, *extra: str) -> subprocess.Comp
 
 
 def test_grpo_real_end_to_end_and_resume(base_dir, tmp_path):  # noqa: F811 - the imported fixture
-    ckpt = tmp_path / "ckpt"  # a trainer checkpoint (step 0) of the tiny model: the --start kind to pin
-    r = subprocess.run([sys.executable, "-m", "agentrefine_jax.export", "from-hf", "--hf", str(base_dir),
-                        "--out", str(ckpt), "--mesh", "none"], capture_output=True, text=True, timeout=300,
-                       env=_env())  # fmt: skip
+    # --start as a training run directory is laid out: the trainer's config.json (not an HF one) beside
+    # checkpoints/ holding step 0 of the tiny model (`export from-hf`): the checkpoint is what is pinned.
+    ckpt = tmp_path / "run"
+    cmd = [sys.executable, "-m", "agentrefine_jax.export", "from-hf", "--hf", str(base_dir),
+           "--out", str(ckpt / "checkpoints"), "--mesh", "none", "--template", "hf"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
     assert r.returncode == 0, r.stderr[-2000:]
+    (ckpt / "config.json").write_text(json_dumps(to_dict(load_config("tiny", [f"train.run_dir={ckpt}"]))))
     out = tmp_path / "grpo"
     r = _run(ckpt, out)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
-    assert json.loads((out / "start.json").read_text()) == {
-        "kind": "checkpoint", "path": str(ckpt), "root": str(ckpt), "step": 0,
+    pinned = json.loads((out / "start.json").read_text())
+    dtype = read_meta(ckpt / "checkpoints", 0).model.dtype
+    assert pinned == {
+        "kind": "checkpoint", "path": str(ckpt), "root": str(ckpt / "checkpoints"), "step": 0, "dtype": dtype,
     }  # fmt: skip
     assert (out / "start_hf" / "config.json").is_file() and not (out / "start_hf.partial").exists()
     png = (out / "reward_curve.png").read_bytes()
@@ -62,11 +71,16 @@ def test_grpo_real_end_to_end_and_resume(base_dir, tmp_path):  # noqa: F811 - th
         assert (s["episodes"], s["successes"]) == (2, k)
         assert s["success_ci95"] == list(wilson_interval(k, 2))
         assert s["eval_seconds"] == doc["seconds"]
-    # The "after" model is the GRPO run's final checkpoint, the start the exported step.
-    assert (
-        json.loads((out / "eval" / "grpo.json").read_text())["agent"] == f"checkpoint:{out}/rl/checkpoints/2"
-    )
-    assert json.loads((out / "eval" / "start.json").read_text())["agent"] == f"checkpoint:{out}/start_hf"
+    # Before and after are loaded alike, as checkpoints: the pinned step and the GRPO run's last one; the
+    # GRPO run itself starts from the pinned step's HF export.
+    agents = {x: json.loads((out / "eval" / f"{x}.json").read_text())["agent"] for x in ("start", "grpo")}
+    assert agents == {
+        "start": f"checkpoint:{ckpt}/checkpoints/0",
+        "grpo": f"checkpoint:{out}/rl/checkpoints/2",
+    }
+    rl_config = json.loads((out / "rl" / "config.json").read_text())
+    assert rl_config["train"]["init_from_hf"] == str(out / "start_hf")
+    assert summary["compute_dtypes"] == {"before": dtype, "after": rl_config["model"]["dtype"]}
 
     rows = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     phase_rows = [x for x in rows if "phase" in x]
