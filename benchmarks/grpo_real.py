@@ -12,7 +12,8 @@ rollout vs training throughput (issue 42, item 5; docs/rl.md, "Measured on the r
    the dtype the run imported); an HF directory is used as it is. The rl stage initialises from an HF
    directory (`train.init_from_hf`), as every run of the trainer does;
 2. evaluates the start on `--eval-episodes` unseen demo worlds (`python -m agentrefine_jax.eval`'s
-   held-out demo_world seeds, greedy), as benchmarks/mini_paper.py does: `eval/start.json`;
+   held-out demo_world seeds, greedy; as benchmarks/mini_paper.py does, but each stage in its own
+   process, so an evaluation's memory is freed before GRPO loads): `eval/start.json`, `eval/start.log`;
 3. runs GRPO (`python -m agentrefine_jax.rl --config grpo_demo`, initialised from the start, the
    knobs below) on demo_world's training worlds only (the rl stage plays the task's training split):
    `rl/` (its run directory: checkpoints, metrics.jsonl with a row per phase, the rollout journals);
@@ -132,12 +133,27 @@ def start_hf(pinned: dict[str, Any], out: pathlib.Path, log: Any) -> pathlib.Pat
 # ------------------------------------------------------------------------------------------- stages
 
 
+def _child(cmd: list[str], log_file: pathlib.Path, sigterm: Any) -> int:
+    """Run a stage as its own process, output appended to `log_file`; SIGTERM is forwarded to it. Each
+    stage its own process: an evaluation's model and KV caches are freed before the GRPO run loads
+    its own (in one process the two together were OOM-killed beside the mini paper's trainer)."""
+    with open(log_file, "a", encoding="utf-8") as f:
+        sigterm.child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_mini_data.child_env())
+        try:
+            return sigterm.child.wait()
+        finally:
+            sigterm.child = None
+
+
+def _tail(log_file: pathlib.Path) -> str:
+    return " | ".join(log_file.read_text(errors="replace").strip().splitlines()[-3:])
+
+
 def evaluate(
     args: argparse.Namespace, label: str, checkpoint: pathlib.Path, out: pathlib.Path, log: Any, sigterm: Any
 ) -> pathlib.Path:
-    """`--eval-episodes` unseen demo worlds, greedy (eval's defaults), skipped when the result exists."""
-    from agentrefine_jax.eval.cli import main as eval_main
-
+    """`--eval-episodes` unseen demo worlds, greedy (eval's defaults), skipped when the result exists;
+    `python -m agentrefine_jax.eval` in its own process, its output in eval/<label>.log."""
     path = out / "eval" / f"{label}.json"
     if path.exists():
         log(f"{label}: evaluated earlier ({path}), skipped")
@@ -149,12 +165,13 @@ def evaluate(
     argv += ["--batch-size", str(args.eval_batch)] + (["-q"] if args.quiet else [])
     if args.eval_max_steps:
         argv += ["--max-steps", str(args.eval_max_steps)]
-    log(f"{label}: evaluating {checkpoint} on {args.eval_episodes} unseen {TASK} worlds")
+    log_file = out / "eval" / f"{label}.log"
+    log(f"{label}: evaluating {checkpoint} on {args.eval_episodes} unseen {TASK} worlds (log {log_file})")
     t0 = time.perf_counter()
-    rc = eval_main(argv)
+    rc = _child([sys.executable, "-m", "agentrefine_jax.eval", *argv], log_file, sigterm)
     sigterm.check(f"{label}'s evaluation", rc)
     if rc != 0:
-        raise RuntimeError(f"{label}: eval exited {rc}")
+        raise RuntimeError(f"{label}: eval exited {rc}: {_tail(log_file)}")
     log(f"{label}: evaluated in {time.perf_counter() - t0:.1f}s")
     return path
 
@@ -204,22 +221,11 @@ def run_grpo(
     log(f"GRPO: {args.phases} phases x {args.worlds_per_phase} worlds x {args.group_size} episodes, "
         f"{steps} optimizer steps ({run_dir}; log {out / 'rl.log'})")  # fmt: skip
     t0 = time.perf_counter()
-    with open(out / "rl.log", "a", encoding="utf-8") as f:
-        sigterm.child = subprocess.Popen(
-            rl_command(args, hf, run_dir, export_hf),
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=_mini_data.child_env(),
-        )
-        try:
-            rc = sigterm.child.wait()
-        finally:
-            sigterm.child = None
+    rc = _child(rl_command(args, hf, run_dir, export_hf), out / "rl.log", sigterm)
     seconds = round(time.perf_counter() - t0, 1)
     sigterm.check("the GRPO run", rc)
     if rc != 0:
-        tail = (out / "rl.log").read_text(errors="replace").strip().splitlines()[-3:]
-        raise RuntimeError(f"GRPO exited {rc} after {seconds}s: " + " | ".join(tail))
+        raise RuntimeError(f"GRPO exited {rc} after {seconds}s: {_tail(out / 'rl.log')}")
     final = run_dir / "hf" if export_hf else run_dir / "checkpoints" / str(steps)
     record = {"run_dir": str(run_dir), "steps": steps, "final": str(final)}
     record["seconds_last_invocation"] = seconds
@@ -408,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--eval-episodes", type=_positive, default=64, help="unseen demo worlds, before and after")
     e.add_argument("--eval-max-steps", type=_positive, help="actions per episode (default: demo_world's)")
     e.add_argument("--eval-max-new-tokens", type=_positive, default=128, help="tokens per reply")
-    e.add_argument("--eval-batch", type=_positive, default=8, help="episodes in flight per model call")
+    e.add_argument("--eval-batch", type=_positive, default=16, help="episodes in flight per model call")
     p.add_argument("--seed", type=int, default=0, help="GRPO's worlds and sampling; eval's world seeds")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-episode lines from eval")
     return p
