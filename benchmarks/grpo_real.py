@@ -13,11 +13,11 @@ rollout vs training throughput (issue 42, item 5; docs/rl.md, "Measured on the r
    directory (`train.init_from_hf`), as every run of the trainer does;
 2. evaluates the start on `--eval-episodes` unseen demo worlds (`python -m agentrefine_jax.eval`'s
    held-out demo_world seeds, greedy; as benchmarks/mini_paper.py does, but each stage in its own
-   process, so an evaluation's memory is freed before GRPO loads): `eval/start.json`, `eval/start.log`;
+   process, so an evaluation's memory is freed before GRPO loads): `eval/before.json`, `eval/before.log`;
 3. runs GRPO (`python -m agentrefine_jax.rl --config grpo_demo`, initialised from the start, the
    knobs below) on demo_world's training worlds only (the rl stage plays the task's training split):
    `rl/` (its run directory: checkpoints, metrics.jsonl with a row per phase, the rollout journals);
-4. evaluates the GRPO result the same way: `eval/grpo.json`. Before and after are loaded alike, so they
+4. evaluates the GRPO result the same way: `eval/after.json`. Before and after are loaded alike, so they
    compute in the same dtype: eval loads a checkpoint in its run's recorded compute dtype (float32 here)
    but an HF directory in the model config's default, bfloat16 (the smoke run's identical parameters
    played differently the two ways). So a checkpoint start is evaluated as the pinned checkpoint and the
@@ -69,7 +69,7 @@ import mini_paper  # noqa: E402 - its SIGTERM forwarding, machine record and eva
 TOOL = "grpo_real"
 MANIFEST = "grpo_real.json"
 TASK = "demo_world"
-START, AFTER = "start", "grpo"
+BEFORE, AFTER = "before", "after"  # the evaluations: eval/<label>.json
 RL_CONFIG = "grpo_demo"  # the shipped GRPO config: SmolLM2's execution settings; the model comes from --start
 
 
@@ -481,7 +481,7 @@ def run(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(f"[{TOOL}] {msg}", flush=True)
 
-    info = mini_paper.machine()
+    info = _machine.machine()  # the CPU, its ISA, the XLA flags (every benchmark's JSON and header)
     log(_machine.header(info))
     try:
         with mini_paper._Sigterm() as sigterm:
@@ -492,7 +492,7 @@ def run(args: argparse.Namespace) -> int:
             # the dtype its run recorded (float32 for the mini paper's runs and the GRPO run).
             from_checkpoint = pinned["kind"] == "checkpoint"
             before_model = pathlib.Path(pinned["root"]) / str(pinned["step"]) if from_checkpoint else hf
-            before_path = evaluate(args, START, before_model, out, log, sigterm)
+            before_path = evaluate(args, BEFORE, before_model, out, log, sigterm)
             sigterm.check("the start's evaluation")
             grpo = run_grpo(args, hf, not from_checkpoint, out, log, sigterm)
             after_path = evaluate(args, AFTER, pathlib.Path(grpo["final"]), out, log, sigterm)
@@ -510,6 +510,7 @@ def run(args: argparse.Namespace) -> int:
     doc = {
         "command": " ".join(sys.argv),
         "machine": info,
+        "runtime": {k: v for k, v in mini_paper.machine().items() if k not in info},  # jax, python, device
         "seconds_this_invocation": seconds,
         "start": pinned,
         "settings": _manifest(args),

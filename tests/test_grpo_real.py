@@ -62,8 +62,8 @@ def test_grpo_real_end_to_end_and_resume(base_dir, tmp_path):  # noqa: F811 - th
     assert png[:8] == PNG_MAGIC and len(png) > 5000
 
     summary = json.loads((out / "summary.json").read_text())
-    for key, label in (("before", "start"), ("after", "grpo")):
-        doc = json.loads((out / "eval" / f"{label}.json").read_text())
+    for key in ("before", "after"):
+        doc = json.loads((out / "eval" / f"{key}.json").read_text())
         episodes = doc["episodes"]
         assert len(episodes) == 2 and all(e["task"] == "demo_world" for e in episodes)
         k = sum(bool(e["success"]) for e in episodes)
@@ -73,10 +73,10 @@ def test_grpo_real_end_to_end_and_resume(base_dir, tmp_path):  # noqa: F811 - th
         assert s["eval_seconds"] == doc["seconds"]
     # Before and after are loaded alike, as checkpoints: the pinned step and the GRPO run's last one; the
     # GRPO run itself starts from the pinned step's HF export.
-    agents = {x: json.loads((out / "eval" / f"{x}.json").read_text())["agent"] for x in ("start", "grpo")}
+    agents = {x: json.loads((out / "eval" / f"{x}.json").read_text())["agent"] for x in ("before", "after")}
     assert agents == {
-        "start": f"checkpoint:{ckpt}/checkpoints/0",
-        "grpo": f"checkpoint:{out}/rl/checkpoints/2",
+        "before": f"checkpoint:{ckpt}/checkpoints/0",
+        "after": f"checkpoint:{out}/rl/checkpoints/2",
     }
     rl_config = json.loads((out / "rl" / "config.json").read_text())
     assert rl_config["train"]["init_from_hf"] == str(out / "start_hf")
@@ -103,11 +103,11 @@ def test_grpo_real_end_to_end_and_resume(base_dir, tmp_path):  # noqa: F811 - th
     assert "| start (before) | 2 |" in md and "| GRPO (after) | 2 |" in md and summary["verdict"] in md
 
     # A rerun skips every stage (nothing re-evaluated, no GRPO subprocess) and writes the same numbers.
-    stamps = {p: p.stat().st_mtime_ns for p in (out / "eval" / "start.json", out / "eval" / "grpo.json")}
+    stamps = {p: p.stat().st_mtime_ns for p in (out / "eval" / "before.json", out / "eval" / "after.json")}
     r = _run(ckpt, out)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    for stage in ("start: exported earlier", "start: evaluated earlier", "GRPO: finished earlier",
-                  "grpo: evaluated earlier"):  # fmt: skip
+    for stage in ("start: exported earlier", "before: evaluated earlier", "GRPO: finished earlier",
+                  "after: evaluated earlier"):  # fmt: skip
         assert stage in r.stdout, r.stdout
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
     again = json.loads((out / "summary.json").read_text())
