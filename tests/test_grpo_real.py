@@ -116,3 +116,23 @@ def test_grpo_real_end_to_end_and_resume(base_dir, tmp_path):  # noqa: F811 - th
     # Other settings on the same --out: one line, exit 2, nothing touched.
     r = _run(ckpt, out, "--lr", "1e-3")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "lr" in r.stderr, r.stderr
+
+
+def test_grpo_real_from_an_hf_directory(base_dir, tmp_path):  # noqa: F811 - the imported fixture
+    """An HF --start is used as it is, and the GRPO result is evaluated as its HF export: both loaded
+    from HF directories, so both compute in eval's dtype for those (not the checkpoint's)."""
+    from agentrefine_jax.models.config import ModelConfig
+
+    out = tmp_path / "grpo_hf"
+    r = _run(base_dir, out, "--phases", "1")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert json.loads((out / "start.json").read_text()) == {"kind": "hf", "path": str(base_dir)}
+    assert not (out / "start_hf").exists()
+    agents = {x: json.loads((out / "eval" / f"{x}.json").read_text())["agent"] for x in ("before", "after")}
+    assert agents == {"before": f"checkpoint:{base_dir}", "after": f"checkpoint:{out}/rl/hf"}
+    assert (out / "rl" / "hf" / "config.json").is_file()
+    hf_dtype = f"{ModelConfig().dtype} (HF directory)"
+    assert json.loads((out / "summary.json").read_text())["compute_dtypes"] == {
+        "before": hf_dtype,
+        "after": hf_dtype,
+    }
