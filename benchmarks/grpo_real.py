@@ -309,6 +309,7 @@ def verdict(before: dict[str, Any], after: dict[str, Any]) -> str:
 def plot_rewards(phases: Sequence[dict[str, Any]], path: pathlib.Path, title: str) -> None:
     """Reward mean ± std and success per phase (training worlds, sampled), written atomically."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")  # no display: a file only
     import matplotlib.pyplot as plt
@@ -320,6 +321,7 @@ def plot_rewards(phases: Sequence[dict[str, Any]], path: pathlib.Path, title: st
     ax.errorbar(x, mean, yerr=std, marker="o", capsize=3, label="reward mean ± std")
     ax.plot(x, [r["success_rate"] for r in phases], marker="s", linestyle="--", label="success rate")
     ax.set_xlabel("phase")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_ylabel("reward (training worlds, sampled)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
@@ -504,7 +506,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     phases = phase_rows(out / "rl", args.updates_per_phase)
     start_name = pinned["path"] + (f" step {pinned['step']}" if pinned["kind"] == "checkpoint" else "")
-    plot_rewards(phases, out / "reward_curve.png", f"GRPO on demo_world training worlds from {start_name}")
+    short = "/".join(pathlib.Path(pinned["path"]).parts[-2:])  # the full path is in summary.md
+    short += f" step {pinned['step']}" if pinned["kind"] == "checkpoint" else ""
+    plot_rewards(phases, out / "reward_curve.png", f"GRPO on demo_world training worlds from {short}")
     before, after = success(before_path), success(after_path)
     seconds = round(time.perf_counter() - t0, 1)
     doc = {
