@@ -80,21 +80,16 @@ class GrpoRealError(Exception):
 # ------------------------------------------------------------------------------------------- start model
 
 
-def pin_start(args: argparse.Namespace, out: pathlib.Path) -> dict[str, Any]:
-    """What `--start` is, fixed at the first invocation (`start.json`): a checkpoint's root and step
-    (a run directory's latest step changes while its run goes on), or an HF directory. A checkpoint
-    is tried first: a run directory holds a config.json too (the trainer's, not an HF one)."""
-    record = out / "start.json"
-    if record.exists():
-        return json.loads(record.read_text())
+def classify_start(start: str) -> dict[str, Any]:
+    """What `--start` names now: a checkpoint's root, step and compute dtype (a checkpoint is tried
+    first: a run directory holds a config.json too, the trainer's, not an HF one), or an HF directory."""
     from agentrefine_jax.checkpoint import read_meta, resolve_checkpoint
     from agentrefine_jax.hf.io import read_hf_config
 
-    src = pathlib.Path(args.start).resolve()
+    src = pathlib.Path(start).resolve()
     try:
         root, step = resolve_checkpoint(src)
-        pinned = {"kind": "checkpoint", "path": str(src), "root": str(root), "step": int(step)}
-        pinned["dtype"] = read_meta(root, step).model.dtype  # the compute dtype eval will load it in
+        dtype = read_meta(root, step).model.dtype  # the compute dtype eval will load it in
     except (FileNotFoundError, ValueError) as ckpt_error:
         try:
             read_hf_config(src)
@@ -102,7 +97,17 @@ def pin_start(args: argparse.Namespace, out: pathlib.Path) -> dict[str, Any]:
             raise GrpoRealError(
                 f"--start {src}: neither a checkpoint ({ckpt_error}) nor a Hugging Face model directory ({e})"
             ) from None
-        pinned = {"kind": "hf", "path": str(src)}
+        return {"kind": "hf", "path": str(src)}
+    return {"kind": "checkpoint", "path": str(src), "root": str(root), "step": int(step), "dtype": dtype}
+
+
+def pin_start(args: argparse.Namespace, out: pathlib.Path) -> dict[str, Any]:
+    """`--start` fixed at the first invocation (`start.json`): a run directory's latest step changes
+    while its run goes on; a rerun keeps the step it started from."""
+    record = out / "start.json"
+    if record.exists():
+        return json.loads(record.read_text())
+    pinned = classify_start(args.start)
     write_json(record, pinned)
     return pinned
 
@@ -443,6 +448,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise GrpoRealError(f"--seed must be >= 0, got {args.seed}")
     if not pathlib.Path(args.start).exists():
         raise GrpoRealError(f"--start {args.start} does not exist")
+    classify_start(args.start)  # neither a checkpoint nor an HF directory: one line before --out is made
 
 
 def _manifest(args: argparse.Namespace) -> dict[str, Any]:

@@ -116,6 +116,10 @@ def test_grpo_real_end_to_end_and_resume(base_dir, tmp_path):  # noqa: F811 - th
     # Other settings on the same --out: one line, exit 2, nothing touched.
     r = _run(ckpt, out, "--lr", "1e-3")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "lr" in r.stderr, r.stderr
+    # A --start that is neither a checkpoint nor an HF directory: one line, and no --out made.
+    r = _run(out / "eval", tmp_path / "never")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "neither" in r.stderr, r.stderr
+    assert not (tmp_path / "never").exists()
 
 
 def test_grpo_real_from_an_hf_directory(base_dir, tmp_path):  # noqa: F811 - the imported fixture
