@@ -17,11 +17,11 @@ rollout vs training throughput (issue 42, item 5; docs/rl.md, "Measured on the r
 3. runs GRPO (`python -m agentrefine_jax.rl --config grpo_demo`, initialised from the start, the
    knobs below) on demo_world's training worlds only (the rl stage plays the task's training split):
    `rl/` (its run directory: checkpoints, metrics.jsonl with a row per phase, the rollout journals);
-4. evaluates the GRPO result the same way: `eval/after.json`. Before and after are loaded alike, so they
-   compute in the same dtype: eval loads a checkpoint in its run's recorded compute dtype (float32 here)
-   but an HF directory in the model config's default, bfloat16 (the smoke run's identical parameters
-   played differently the two ways). So a checkpoint start is evaluated as the pinned checkpoint and the
-   result as the run's last checkpoint; an HF start as itself and the result as the run's HF export;
+4. evaluates the GRPO result the same way: `eval/after.json`. Both evaluations pass eval's `--dtype
+   float32`: left to its default eval computes an HF directory in bfloat16 and a checkpoint in its run's
+   dtype (the smoke run's identical parameters played differently the two ways). A checkpoint start is
+   evaluated as the pinned checkpoint and the result as the run's last checkpoint; an HF start as itself
+   and the result as the run's HF export;
 5. writes `reward_curve.png` (matplotlib, Agg) from the run's phase rows, and `summary.json` /
    `summary.md`: success before and after with Wilson 95% intervals, the phases' rewards, rollout
    tokens/s (sampled tokens over rollout seconds) against training tokens/s (the updates' row tokens over
@@ -69,6 +69,7 @@ import mini_paper  # noqa: E402 - its SIGTERM forwarding, machine record and eva
 TOOL = "grpo_real"
 MANIFEST = "grpo_real.json"
 TASK = "demo_world"
+EVAL_DTYPE = "float32"  # the mini paper's: every model of a comparison computes alike
 BEFORE, AFTER = "before", "after"  # the evaluations: eval/<label>.json
 RL_CONFIG = "grpo_demo"  # the shipped GRPO config: SmolLM2's execution settings; the model comes from --start
 
@@ -167,7 +168,8 @@ def evaluate(
     argv = ["--checkpoint", str(checkpoint), "--tasks", TASK, "--episodes", str(args.eval_episodes)]
     argv += ["--out", str(path), "--workdir", str(out / "work" / label), "--name", label]
     argv += ["--seed", str(args.seed), "--max-new-tokens", str(args.eval_max_new_tokens)]
-    argv += ["--batch-size", str(args.eval_batch)] + (["-q"] if args.quiet else [])
+    # Both evaluations compute in float32 whatever was loaded (an HF directory would default to bfloat16).
+    argv += ["--dtype", EVAL_DTYPE, "--batch-size", str(args.eval_batch)] + (["-q"] if args.quiet else [])
     if args.eval_max_steps:
         argv += ["--max-steps", str(args.eval_max_steps)]
     log_file = out / "eval" / f"{label}.log"
@@ -337,16 +339,12 @@ def plot_rewards(phases: Sequence[dict[str, Any]], path: pathlib.Path, title: st
     plt.close(fig)
 
 
-def compute_dtypes(pinned: dict[str, Any], out: pathlib.Path) -> dict[str, str]:
-    """The dtype each evaluation computed in: an HF directory's is eval's default (the model config's);
-    a checkpoint's is the one its run recorded."""
-    from agentrefine_jax.models.config import ModelConfig
-
-    if pinned["kind"] == "hf":
-        hf_default = f"{ModelConfig().dtype} (HF directory)"
-        return {"before": hf_default, "after": hf_default}
-    after = json.loads((out / "rl" / "config.json").read_text())["model"]["dtype"]
-    return {"before": pinned["dtype"], "after": after}
+def compute_dtypes(out: pathlib.Path) -> dict[str, str | None]:
+    """The dtype each evaluation computed in, as its results record it (eval's `compute_dtype`)."""
+    return {
+        label: json.loads((out / "eval" / f"{label}.json").read_text()).get("compute_dtype")
+        for label in ("before", "after")
+    }
 
 
 def format_summary(doc: dict[str, Any]) -> str:
@@ -527,7 +525,7 @@ def run(args: argparse.Namespace) -> int:
         "before": before,
         "after": after,
         "verdict": verdict(before, after),
-        "compute_dtypes": compute_dtypes(pinned, out),
+        "compute_dtypes": compute_dtypes(out),
         "phases": phases,
         "throughput": throughput(phases),
         "grpo": grpo,
