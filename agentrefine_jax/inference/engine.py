@@ -149,7 +149,9 @@ def layer_weights(model: Transformer) -> Layers:
     return held[1]
 
 
-# The transposed tied head of each loaded model (`head_weight`), with the id of the embedding it copies.
+# The transposed tied head of each loaded model (`head_weight`), with a weak reference to the embedding it
+# copies: a replaced embedding (an RL trainer's next phase) is freed, not kept alive by its copy, and a
+# dead reference never matches a new array (an id could be reused).
 _HEAD_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -168,8 +170,8 @@ def head_weight(model: Transformer) -> jax.Array | None:
         return None
     embed = model.embed[...]
     held = _HEAD_WEIGHTS.get(model)
-    if held is None or held[0] != id(embed):
-        held = (id(embed), jnp.transpose(embed))  # eager: materialised row-major, once
+    if held is None or held[0]() is not embed:
+        held = (weakref.ref(embed), jnp.transpose(embed))  # eager: materialised row-major, once
         _HEAD_WEIGHTS[model] = held
     return held[1]
 
