@@ -155,6 +155,34 @@ def test_layer_weights_share_the_parameters_memory_and_compute_the_same_decode_s
     assert layer_weights(model) is not layers
 
 
+def test_head_weight_is_the_tied_embedding_transposed_once_and_decodes_the_same(monkeypatch):
+    """`engine.head_weight`: a tied embedding as [hidden, vocab] (the form XLA:CPU's few-row dot runs
+    faster), made once per loaded model and again when the embedding is replaced; None where the stored
+    head serves (untied, or not the CPU layout). Decoding with it gives the stored table's tokens and
+    log-probabilities."""
+    from agentrefine_jax.inference import engine
+
+    model = create(dataclasses.replace(CFG, cpu_layout=True, tie_embeddings=True), seed=5)
+    head = engine.head_weight(model)
+    assert head is not None and head.shape == (CFG.hidden_size, CFG.vocab_size)
+    np.testing.assert_array_equal(np.asarray(head), np.asarray(model.embed[...]).T)
+    assert engine.head_weight(model) is head
+    assert engine.head_weight(create(dataclasses.replace(CFG, cpu_layout=True, tie_embeddings=False))) is None
+    assert engine.head_weight(create(dataclasses.replace(CFG, cpu_layout=False, tie_embeddings=True))) is None
+
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    transposed = engine.generate(model, prompts, max_new_tokens=12, stop_token_ids=())
+    monkeypatch.setattr(engine, "head_weight", lambda m: None)
+    stored = engine.generate(model, prompts, max_new_tokens=12, stop_token_ids=())
+    monkeypatch.undo()
+    for a, b in zip(transposed, stored, strict=True):
+        assert a.tokens == b.tokens
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-6)
+
+    model.embed[...] = model.embed[...] + 1.0  # replaced parameters get a new copy
+    assert engine.head_weight(model) is not head
+
+
 def test_decode_loop_writes_the_per_layer_cache_in_place():
     """On the CPU layout the KV cache is one array per layer from prefill through decode, and the compiled
     decode program neither copies a layer's K/V inside its step loop (XLA:CPU copied each four times per
@@ -172,7 +200,8 @@ def test_decode_loop_writes_the_per_layer_cache_in_place():
     logits, cache = prefill(graphdef, 24, state, layers, ids, pos, seg)
     assert isinstance(cache["k"], tuple) and len(cache["k"]) == CFG.num_layers
     assert cache["k"][0].shape == (4, CFG.num_kv_heads, 24, CFG.head_dim)
-    args = (graphdef, 16, True, state, layers, cache, logits, jnp.asarray([3, 5, 1, 1], jnp.int32),
+    head = engine.head_weight(model)
+    args = (graphdef, 16, True, state, layers, head, cache, logits, jnp.asarray([3, 5, 1, 1], jnp.int32),
             jnp.asarray([False, False, True, True]), jnp.int32(0), jnp.int32(16), jax.random.key(0),
             jnp.float32(0), jnp.float32(1), engine.Stops(()).array)  # fmt: skip
     hlo = decode.lower(*args).compile().as_text()
@@ -181,9 +210,10 @@ def test_decode_loop_writes_the_per_layer_cache_in_place():
     loop = hlo[start : hlo.index("\n}\n", start)]
     entry = hlo[hlo.index("\nENTRY ") :]
     flat_kv = f"f32[{4 * CFG.num_kv_heads},24,{CFG.head_dim}]"
+    flat_k = f"f32[{4 * CFG.num_kv_heads},{CFG.head_dim},24]"  # K carried transposed (`flat_heads`)
     kv = f"f32[4,{CFG.num_kv_heads},24,{CFG.head_dim}]"
     copied = re.findall(r"= (f32\[[\d,]+\])\S* copy\(", loop)
-    assert flat_kv not in copied and kv not in copied, copied
+    assert flat_kv not in copied and flat_k not in copied and kv not in copied, copied
     assert " concatenate(" not in entry  # no re-stack after the loop
     steps, out, *_ = decode(*args)  # the per-layer cache comes back per layer, in its own shape
     assert int(steps) == 16 and isinstance(out["k"], tuple)

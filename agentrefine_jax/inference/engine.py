@@ -149,6 +149,33 @@ def layer_weights(model: Transformer) -> Layers:
     return held[1]
 
 
+# The transposed tied head of each loaded model (`head_weight`), with a weak reference to the embedding it
+# copies: a replaced embedding (an RL trainer's next phase) is freed, not kept alive by its copy, and a
+# dead reference never matches a new array (an id could be reused).
+_HEAD_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def head_weight(model: Transformer) -> jax.Array | None:
+    """A tied embedding transposed once to [hidden, vocab], for the decode step's output projection;
+    None where the stored head serves as it is (an untied `lm_head` is stored [hidden, vocab] already,
+    and the TPU layout keeps its own path).
+
+    Why: XLA:CPU's dot of a few rows against a [vocab, hidden] table contracted on its last axis ran
+    1.2-1.3x slower than against the same table stored [hidden, vocab] (SmolLM2-135M, batch 8: the
+    head is ~1/5 of a decode step; docs/inference.md, "The decode step at batch 8"). It costs one
+    copy of the embedding (vocab x hidden, 113 MB for SmolLM2), made once per loaded model and
+    re-made if its parameters are replaced (an RL trainer's rollout phases), not a copy of the model.
+    """
+    if not (model.plan.cpu_layout and model.cfg.tie_embeddings):
+        return None
+    embed = model.embed[...]
+    held = _HEAD_WEIGHTS.get(model)
+    if held is None or held[0]() is not embed:
+        held = (weakref.ref(embed), jnp.transpose(embed))  # eager: materialised row-major, once
+        _HEAD_WEIGHTS[model] = held
+    return held[1]
+
+
 def _prefill(
     graphdef: nnx.GraphDef,
     cache_len: int,
@@ -178,6 +205,7 @@ def _decode_chunk(
     greedy: bool,
     state: nnx.State,
     layers: Layers,
+    head: jax.Array | None,
     cache: dict[str, jax.Array],
     logits: jax.Array,
     pos: jax.Array,
@@ -214,7 +242,7 @@ def _decode_chunk(
         lps = lps.at[:, i].set(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)[rows, tok])
         done = done | jnp.isin(tok, stop_ids)
         hidden, cache = model.forward(tok[:, None], pos[:, None], seg, cache, layers=layers)
-        return i + 1, cache, model.logits(hidden)[:, 0], pos + 1, done, out, lps
+        return i + 1, cache, model.logits(hidden, head)[:, 0], pos + 1, done, out, lps
 
     # CPU: a per-layer cache (`init_cache(per_layer=True)`), so a step writes its column in place
     # rather than copying every layer's cache through the layer scan (~1/3 of a tiny model's step at
@@ -239,7 +267,7 @@ def _compiled() -> tuple[Callable, Callable]:
     # Donating the cache lets XLA update it in place rather than allocate (and, on CPU, page in) a
     # new one per call; every caller replaces its cache with the returned one.
     prefill = jax.jit(_prefill, static_argnums=(0, 1))
-    decode = jax.jit(_decode_chunk, static_argnums=(0, 1, 2), donate_argnums=(5,))
+    decode = jax.jit(_decode_chunk, static_argnums=(0, 1, 2), donate_argnums=(6,))
     return prefill, decode
 
 
@@ -273,6 +301,7 @@ def decode_rows(
     seed: int,
     chunk_size: int = DEFAULT_CHUNK,
     layers: Layers = None,
+    head: jax.Array | None = None,
 ) -> tuple[dict[int, Generation], dict[str, jax.Array], int]:
     """Sample up to `max_new_tokens` tokens for the cache rows in `live` from their next-token
     `logits`; every row's next token goes at `positions[row]`. Rows not in `live` run as filler
@@ -309,7 +338,7 @@ def decode_rows(
                     host_done[r], reason[r] = True, CANCELLED
             break
         n, cache, logits, cur_pos, _, new, new_lp = decode(
-            graphdef, chunk, temperature == 0.0, state, layers, cache, logits, cur_pos,
+            graphdef, chunk, temperature == 0.0, state, layers, head, cache, logits, cur_pos,
             jnp.asarray(host_done), jnp.int32(steps), jnp.int32(max_new_tokens - steps), base_key, temp, tp,
             stops.array,
         )  # fmt: skip
@@ -377,6 +406,7 @@ def generate(
     gens, _, steps = decode_rows(
         graphdef, state, cache, logits, positions, range(n_rows), max_new_tokens=max_new_tokens,
         temperature=temperature, top_p=top_p, stops=stops, seed=seed, chunk_size=chunk_size, layers=layers,
+        head=head_weight(model),
     )  # fmt: skip
     if timings is not None:
         timings.update(

@@ -61,6 +61,7 @@ from agentrefine_jax.inference.engine import (
     batch_bucket,
     bucket,
     decode_rows,
+    head_weight,
     layer_weights,
     validate_request,
 )
@@ -324,6 +325,7 @@ class SessionCache:
         self.model = model
         self.graphdef, self.state = nnx.split(model)
         self.layers = layer_weights(model)
+        self.head = head_weight(model)
         self.slots = [_Slot() for _ in range(slots)]
         self.max_columns = max_columns or 4 * model.cfg.max_position_embeddings
         self.cache: dict | None = None
@@ -519,8 +521,9 @@ class SessionCache:
         # What was not prefilled came from a kept cache: the row's own or a copied prefix.
         self.stats["reused_tokens"] += sum(map(len, prompts)) - (self.stats["prefill_tokens"] - prefilled)
         positions = [len(s.tokens) for s in self.slots]
+        weights = {"layers": self.layers, "head": self.head}
         gens, self.cache, steps = decode_rows(
-            self.graphdef, self.state, self.cache, logits, positions, rows, layers=self.layers, **decode
+            self.graphdef, self.state, self.cache, logits, positions, rows, **weights, **decode
         )
         self.index = end + steps
         for r in rows:  # every sampled token was fed: the row now holds prompt + reply

@@ -119,7 +119,8 @@ def attend_flat(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, heads_first: bool = False
 ) -> jax.Array:
     """q: [B, S, KVH, G, D]; k, v: [B, T, KVH, D] ([B, KVH, T, D] `heads_first`: the KV cache's
-    layout, reshaped without a copy); mask: [B, S, T] -> [B, S, KVH, G, D].
+    layout, reshaped without a copy; a decode loop's flat cache, `llama.flat_heads`: k [B*KVH, D, T],
+    v [B*KVH, T, D]); mask: [B, S, T] -> [B, S, KVH, G, D].
 
     The grouped queries of one KV head are stacked along the query axis, so each dot has the
     single batch dimension B*KVH.
@@ -127,11 +128,14 @@ def attend_flat(
     b, s, kvh, g, d = q.shape
     if not heads_first:
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    t = k.shape[-2]  # k may come flat already, [B*KVH, T, D] (a decode loop's cache: `llama.flat_heads`)
+    t = v.shape[-2]
     qf = q.transpose(0, 2, 3, 1, 4).reshape(b * kvh, g * s, d)
-    kf = k.reshape(b * kvh, t, d)
     vf = v.reshape(b * kvh, t, d)
-    scores = jnp.einsum("nqd,ntd->nqt", qf, kf, preferred_element_type=jnp.float32) * (d**-0.5)
+    if k.ndim == 3:  # a decode loop's K, [B*KVH, D, T]: the scores contract its leading axis
+        scores = jnp.einsum("nqd,ndt->nqt", qf, k, preferred_element_type=jnp.float32) * (d**-0.5)
+    else:
+        kf = k.reshape(b * kvh, t, d)
+        scores = jnp.einsum("nqd,ntd->nqt", qf, kf, preferred_element_type=jnp.float32) * (d**-0.5)
     scores = scores.reshape(b, kvh, g, s, t)
     scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b * kvh, g * s, t)

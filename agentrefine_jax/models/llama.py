@@ -112,10 +112,11 @@ def layer_forward(
     if kv is not None:  # the cache is [B, KVH, T, D] (`init_cache`): the new columns go in along T
         k_new, v_new = (t.transpose(0, 2, 1, 3).astype(kv[0].dtype) for t in (k, v))
         axis = 2
-        if kv[0].ndim == 3:  # a decode loop's per-layer [B*KVH, T, D] arrays (`flat_heads`)
+        k_axis = axis
+        if kv[0].ndim == 3:  # a decode loop's per-layer K [B*KVH, D, T] and V [B*KVH, T, D] (`flat_heads`)
             k_new, v_new = (t.reshape(-1, *t.shape[2:]) for t in (k_new, v_new))
-            axis = 1
-        k_cache = jax.lax.dynamic_update_slice_in_dim(kv[0], k_new, index, axis=axis)
+            k_new, k_axis, axis = k_new.transpose(0, 2, 1), 2, 1
+        k_cache = jax.lax.dynamic_update_slice_in_dim(kv[0], k_new, index, axis=k_axis)
         v_cache = jax.lax.dynamic_update_slice_in_dim(kv[1], v_new, index, axis=axis)
         new_kv = (k_cache, v_cache)
         k, v = k_cache.astype(dt), v_cache.astype(dt)
@@ -215,8 +216,13 @@ class Transformer(nnx.Module):
         """[hidden, vocab] output projection (the embedding, transposed, when tied)."""
         return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        if self.cfg.tie_embeddings:
+    def logits(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array:
+        """Logits [B, S, vocab] float32. `head`: the output projection again as [hidden, vocab] (a
+        decode step's transposed copy of a tied embedding: `inference.engine.head_weight` says why)."""
+        if head is not None:
+            w = head.astype(hidden.dtype)
+            out = jnp.einsum("bsd,dv->bsv", hidden, w, preferred_element_type=jnp.float32)
+        elif self.cfg.tie_embeddings:
             # The embedding as stored, [vocab, hidden], contracted on its last axis: `embed.T` made
             # XLA:CPU copy (transpose) the whole 113 MB table on every decode step of SmolLM2.
             w = self.embed[...].astype(hidden.dtype)
@@ -376,16 +382,22 @@ def _unstack_layers(weights: dict[str, Any], n: int) -> list[dict[str, Any]]:
 
 
 def flat_heads(cache: Cache) -> Cache:
-    """A per-layer cache (`init_cache(per_layer=True)`) with each layer's K and V as [B*KVH, T, D]
-    (a reshape: no copy), the form a loop of decode steps carries.
+    """A per-layer cache (`init_cache(per_layer=True)`) with each layer's V as [B*KVH, T, D] (a
+    reshape: no copy) and K as [B*KVH, D, T] (a transpose), the forms a loop of decode steps carries.
 
     Why flat: that is the form the attention dots read (`attention.attend_flat`). With
     [B, KVH, T, D] arrays the step's column write fed both the loop's carry and, through a reshape,
     the dot, and XLA:CPU duplicated the write into both consumers -- two updates of one buffer, so it
     copied every layer's K and V four times per step (SmolLM2, batch 8, 128 columns: 189 MB per
     step). `unflat_heads` undoes it.
+
+    Why K transposed: the step's scores dot then contracts K's leading axis ([n, 3, D] x [n, D, T]),
+    the form XLA:CPU's dot runs fastest; contracting K's last axis ([n, T, D]) it ran the attention
+    of SmolLM2's 30 layers at batch 8 1.35x slower, at 128 and at 1,088 columns (docs/inference.md,
+    "The decode step at batch 8"). The transpose is two copies of K per decode *call*, not per step.
     """
-    return {**cache, "k": tuple(_flat(a) for a in cache["k"]), "v": tuple(_flat(a) for a in cache["v"])}
+    k = tuple(_flat(a).transpose(0, 2, 1) for a in cache["k"])
+    return {**cache, "k": k, "v": tuple(_flat(a) for a in cache["v"])}
 
 
 def _flat(a: jax.Array) -> jax.Array:
@@ -396,7 +408,7 @@ def unflat_heads(cache: Cache, batch: int) -> Cache:
     """`flat_heads` undone: each layer's K and V as [batch, kv_heads, T, D] again."""
     return {
         **cache,
-        "k": tuple(a.reshape(batch, -1, *a.shape[1:]) for a in cache["k"]),
+        "k": tuple(a.transpose(0, 2, 1).reshape(batch, -1, a.shape[2], a.shape[1]) for a in cache["k"]),
         "v": tuple(a.reshape(batch, -1, *a.shape[1:]) for a in cache["v"]),
     }
 
