@@ -64,10 +64,10 @@ from agentrefine_jax.outputs import atomic_path, write_json, write_text  # noqa:
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _machine  # noqa: E402
 import _mini_data  # noqa: E402
+import _outdir  # noqa: E402
 import mini_paper  # noqa: E402 - its SIGTERM forwarding, machine record and eval-result rows
 
 TOOL = "grpo_real"
-MANIFEST = "grpo_real.json"
 TASK = "demo_world"
 EVAL_DTYPE = "float32"  # the mini paper's: every model of a comparison computes alike
 BEFORE, AFTER = "before", "after"  # the evaluations: eval/<label>.json
@@ -385,13 +385,6 @@ def format_summary(doc: dict[str, Any]) -> str:
 # ------------------------------------------------------------------------------------------- CLI
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="see docs/rl.md")
     p.add_argument(
@@ -457,25 +450,15 @@ def _manifest(args: argparse.Namespace) -> dict[str, Any]:
     return {"start": str(pathlib.Path(args.start).resolve())} | {k: getattr(args, k) for k in keep}
 
 
+_positive = _outdir.positive  # an argparse type: an integer >= 1
+
+
 def prepare_out(out: pathlib.Path, manifest: dict[str, Any]) -> None:
     """New or empty: start; an earlier grpo_real output with the same settings: resume; else refuse."""
-    if os.path.lexists(out) and not out.is_dir():
-        raise GrpoRealError(f"--out {out} exists and is not a directory")
-    path = out / MANIFEST
-    if out.is_dir() and any(out.iterdir()):
-        try:
-            old = json.loads(path.read_text())["settings"]
-        except (OSError, ValueError, KeyError, TypeError):
-            raise GrpoRealError(
-                f"--out {out} is not empty and holds no {MANIFEST}; choose a new directory"
-            ) from None
-        changed = [f"{k} {old.get(k)!r} -> {v!r}" for k, v in manifest.items() if old.get(k) != v]
-        if changed:
-            raise GrpoRealError(f"--out {out} holds a run with other settings ({'; '.join(changed)}); "
-                                "use the same flags to resume, or a new --out")  # fmt: skip
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(path, {"written_by": f"agentrefine_jax benchmarks/{TOOL}.py", "settings": manifest})
+    try:
+        _outdir.prepare_out(out, manifest, tool=TOOL, what="grpo_real")
+    except _outdir.OutDirError as e:
+        raise GrpoRealError(str(e)) from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -67,9 +67,9 @@ from agentrefine_jax.outputs import write_json, write_text  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _machine  # noqa: E402
 import _mini_data  # noqa: E402
+import _outdir  # noqa: E402
 
 TOOL = "mini_paper"
-MANIFEST = "mini_paper.json"
 HELD_OUT = ("babyai", "pddl")
 DEMO_TASK = "demo_world"
 BASE = "base"
@@ -225,28 +225,15 @@ def _manifest(args: argparse.Namespace, settings: Sequence[str], steps: int) -> 
     }
 
 
+_positive = _outdir.positive  # an argparse type: an integer >= 1
+
+
 def prepare_out(out: pathlib.Path, manifest: dict[str, Any]) -> None:
-    """New or empty: start; an earlier mini paper with the same settings: resume; anything else: refuse."""
-    if os.path.lexists(out) and not out.is_dir():
-        raise MiniPaperError(f"--out {out} exists and is not a directory")
-    path = out / MANIFEST
-    if out.is_dir() and any(out.iterdir()):
-        try:
-            old = json.loads(path.read_text())["settings"]
-        except (OSError, ValueError, KeyError, TypeError):
-            raise MiniPaperError(
-                f"--out {out} is not empty and holds no {MANIFEST} (not a mini-paper output); "
-                "choose a new directory"
-            ) from None
-        changed = [f"{k} {old.get(k)!r} -> {v!r}" for k, v in manifest.items() if old.get(k) != v]
-        if changed:
-            raise MiniPaperError(
-                f"--out {out} holds a mini paper with other settings ({'; '.join(changed)}); "
-                "use the same flags to resume, or a new --out"
-            )
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(path, {"written_by": f"agentrefine_jax benchmarks/{TOOL}.py", "settings": manifest})
+    """New or empty: start; an earlier mini_paper output with the same settings: resume; else refuse."""
+    try:
+        _outdir.prepare_out(out, manifest, tool=TOOL, what="mini-paper")
+    except _outdir.OutDirError as e:
+        raise MiniPaperError(str(e)) from None
 
 
 # ------------------------------------------------------------------------------------------- stages
@@ -454,13 +441,6 @@ def write_report(results: dict[str, pathlib.Path], out: pathlib.Path) -> int:
 
 
 # ------------------------------------------------------------------------------------------- CLI
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
