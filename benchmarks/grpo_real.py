@@ -139,22 +139,6 @@ def start_hf(pinned: dict[str, Any], out: pathlib.Path, log: Any) -> pathlib.Pat
 # ------------------------------------------------------------------------------------------- stages
 
 
-def _child(cmd: list[str], log_file: pathlib.Path, sigterm: Any) -> int:
-    """Run a stage as its own process, output appended to `log_file`; SIGTERM is forwarded to it. Each
-    stage its own process: an evaluation's model and KV caches are freed before the GRPO run loads
-    its own (in one process the two together were OOM-killed beside the mini paper's trainer)."""
-    with open(log_file, "a", encoding="utf-8") as f:
-        sigterm.child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_mini_data.child_env())
-        try:
-            return sigterm.child.wait()
-        finally:
-            sigterm.child = None
-
-
-def _tail(log_file: pathlib.Path) -> str:
-    return " | ".join(log_file.read_text(errors="replace").strip().splitlines()[-3:])
-
-
 def evaluate(
     args: argparse.Namespace, label: str, checkpoint: pathlib.Path, out: pathlib.Path, log: Any, sigterm: Any
 ) -> pathlib.Path:
@@ -175,10 +159,12 @@ def evaluate(
     log_file = out / "eval" / f"{label}.log"
     log(f"{label}: evaluating {checkpoint} on {args.eval_episodes} unseen {TASK} worlds (log {log_file})")
     t0 = time.perf_counter()
-    rc = _child([sys.executable, "-m", "agentrefine_jax.eval", *argv], log_file, sigterm)
+    # Each stage its own process: an evaluation's model and KV caches are freed before the GRPO run loads
+    # its own (in one process the two together were OOM-killed beside the mini paper's trainer).
+    rc = sigterm.run([sys.executable, "-m", "agentrefine_jax.eval", *argv], log_file)
     sigterm.check(f"{label}'s evaluation", rc)
     if rc != 0:
-        raise RuntimeError(f"{label}: eval exited {rc}: {_tail(log_file)}")
+        raise RuntimeError(f"{label}: eval exited {rc}: {mini_paper.log_tail(log_file)}")
     log(f"{label}: evaluated in {time.perf_counter() - t0:.1f}s")
     return path
 
@@ -228,11 +214,11 @@ def run_grpo(
     log(f"GRPO: {args.phases} phases x {args.worlds_per_phase} worlds x {args.group_size} episodes, "
         f"{steps} optimizer steps ({run_dir}; log {out / 'rl.log'})")  # fmt: skip
     t0 = time.perf_counter()
-    rc = _child(rl_command(args, hf, run_dir, export_hf), out / "rl.log", sigterm)
+    rc = sigterm.run(rl_command(args, hf, run_dir, export_hf), out / "rl.log")
     seconds = round(time.perf_counter() - t0, 1)
     sigterm.check("the GRPO run", rc)
     if rc != 0:
-        raise RuntimeError(f"GRPO exited {rc} after {seconds}s: {_tail(out / 'rl.log')}")
+        raise RuntimeError(f"GRPO exited {rc} after {seconds}s: {mini_paper.log_tail(out / 'rl.log')}")
     final = run_dir / "hf" if export_hf else run_dir / "checkpoints" / str(steps)
     record = {"run_dir": str(run_dir), "steps": steps, "final": str(final)}
     record["seconds_last_invocation"] = seconds

@@ -121,6 +121,15 @@ class _Sigterm:
         if self.child is not None and self.child.poll() is None:
             self.child.send_signal(signal.SIGTERM)
 
+    def run(self, cmd: list[str], log_file: pathlib.Path) -> int:
+        """Run `cmd` as the current child, its output appended to `log_file`; its exit status."""
+        with open(log_file, "a", encoding="utf-8") as f:
+            self.child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_mini_data.child_env())
+            try:
+                return self.child.wait()
+            finally:
+                self.child = None
+
     def check(self, what: str, rc: int = 0) -> None:
         if self.received or rc == TERMINATED:
             raise Stopped(f"stopped (SIGTERM) during {what}; rerun the same command to resume")
@@ -239,6 +248,11 @@ def prepare_out(out: pathlib.Path, manifest: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------- stages
 
 
+def log_tail(log_file: pathlib.Path) -> str:
+    """A failed child's last three log lines, for its one-line error."""
+    return " | ".join(log_file.read_text(errors="replace").strip().splitlines()[-3:])
+
+
 def epochs_trained(log_file: pathlib.Path, steps: int) -> float | None:
     """Steps over the trainer's steps per epoch (its start line): under 1 means no row was repeated."""
     found = re.findall(r"\((\d+) steps/epoch", log_file.read_text(errors="replace"))
@@ -264,17 +278,12 @@ def train_setting(
     cmd = train_command(args, setting, run_dir, steps, files)
     log(f"{setting}: training {steps} steps ({run_dir})")
     t0 = time.perf_counter()
-    with open(run_dir.parent / f"{setting}.log", "a", encoding="utf-8") as f:
-        sigterm.child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_mini_data.child_env())
-        try:
-            rc = sigterm.child.wait()
-        finally:
-            sigterm.child = None
+    rc = sigterm.run(cmd, run_dir.parent / f"{setting}.log")
     seconds = round(time.perf_counter() - t0, 1)
     sigterm.check(f"{setting}'s training", rc)
     if rc != 0:
-        tail = (run_dir.parent / f"{setting}.log").read_text(errors="replace").strip().splitlines()[-3:]
-        raise RuntimeError(f"{setting}: training exited {rc} after {seconds}s: " + " | ".join(tail))
+        tail = log_tail(run_dir.parent / f"{setting}.log")
+        raise RuntimeError(f"{setting}: training exited {rc} after {seconds}s: {tail}")
     epochs = epochs_trained(run_dir.parent / f"{setting}.log", steps)
     record = {"setting": setting, "run_dir": str(run_dir), "steps": steps, "train_seconds": seconds}
     record |= {"train_files": list(map(str, files)), "epochs": epochs}
@@ -303,9 +312,9 @@ def eval_model(
         if task == DEMO_TASK and args.perturbations:  # the same unseen worlds, reworded action sets
             argv += ["--perturb", "--num-perturbations", str(args.perturbations)]
         argv += ["--out", str(path), "--workdir", str(out / "work" / label / task), "--name", label]
+        argv += ["--seed", str(args.seed), "--max-new-tokens", str(args.max_new_tokens)]
         # Every row computes in the training dtype: an HF base would otherwise load in bfloat16 compute, a
         # trainer checkpoint in its run's float32, and the rows would not be evaluated alike.
-        argv += ["--seed", str(args.seed), "--max-new-tokens", str(args.max_new_tokens)]
         argv += ["--dtype", args.dtype, "--batch-size", str(args.eval_batch)] + (["-q"] if args.quiet else [])
         if args.max_steps:
             argv += ["--max-steps", str(args.max_steps)]
