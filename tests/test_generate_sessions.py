@@ -128,3 +128,73 @@ def test_bad_keys_are_refused(model) -> None:
     sessions = SessionCache(model, slots=2)
     with pytest.raises(ValueError, match="distinct key"):
         sessions.generate(["a", "a"], [[1, 2], [3, 4]], max_new_tokens=2)
+
+
+def _live_bytes() -> int:
+    import jax
+
+    return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted())
+
+
+def test_growing_and_compacting_hold_one_cache_not_two(model, monkeypatch) -> None:
+    """A resize or compaction replaces the cache one layer's K or V at a time and lets go of each old
+    array as its replacement exists: at no point between arrays are the old and the new cache both
+    alive (one program over the whole cache held both: 2x the cache's bytes at every growth)."""
+    from agentrefine_jax.inference import sessions as sessions_mod
+
+    assert isinstance(sessions_mod.init_cache(model.cfg, 1, 8, per_layer=True)["k"], tuple)
+    fit, take = sessions_mod._programs()[2:4]
+    seen: dict[str, list[int]] = {"resize": [], "compact": []}
+    entry: dict[str, int] = {}
+    grew = {"resize": 0, "compact": 0}
+
+    def watched(name: str, program):
+        def call(*args):
+            seen[name].append(_live_bytes() - entry[name])
+            return program(*args)
+
+        return call
+
+    def entered(name: str, original):
+        def call(cache, *args):
+            entry[name] = _live_bytes()
+            kv = sum(a.nbytes for a in (*cache["k"], *cache["v"]))
+            out = original(cache, *args)
+            # the old K/V are gone and the new ones exist: what a whole-cache program also ends with
+            grown = sum(a.nbytes for a in (*out["k"], *out["v"])) - kv
+            layer = max(a.nbytes for a in out["k"])
+            # Before each array's program: at most the growth so far above the entry (never a second cache).
+            assert max(seen[name]) <= max(grown, 0) + layer // 4, (name, seen[name], kv, grown)
+            seen[name].clear()
+            grew[name] += grown > 0
+            return out
+
+        return call
+
+    programs = list(sessions_mod._programs())
+    programs[2], programs[3] = watched("resize", fit), watched("compact", take)
+    monkeypatch.setattr(sessions_mod, "_programs", lambda: tuple(programs))
+    monkeypatch.setattr(sessions_mod, "_resize", entered("resize", sessions_mod._resize))
+    monkeypatch.setattr(sessions_mod, "_compact", entered("compact", sessions_mod._compact))
+    calls = {"resize": 0, "compact": 0}
+    for name in calls:
+        original = sessions_mod.__dict__[f"_{name}"]
+
+        def counted(cache, *args, _o=original, _n=name):
+            calls[_n] += 1
+            return _o(cache, *args)
+
+        monkeypatch.setattr(sessions_mod, f"_{name}", counted)
+
+    rng = np.random.default_rng(1)
+    vocab = model.cfg.vocab_size
+    sessions = SessionCache(model, slots=2, max_columns=512)
+    prompts = {k: rng.integers(1, vocab, 100).tolist() for k in "xy"}
+    _turns(model, sessions, ["x", "y"], prompts, rng, turns=2)
+    prompts["x"] = prompts["x"][:100] + prompts["x"][120:]  # dead columns, for a compaction
+    for _ in range(8):
+        _turns(model, sessions, ["x", "y"], prompts, rng, turns=1)
+        if sessions.stats["compactions"] and grew["resize"]:
+            break
+    assert grew["resize"] >= 1 and calls["compact"] >= 1, (calls, grew, sessions.stats)
+    assert sessions.stats["resets"] == 0

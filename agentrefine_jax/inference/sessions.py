@@ -232,37 +232,66 @@ def _keep(cache: dict, keep: jax.Array) -> dict:
     return {**cache, "segment_ids": jnp.where(keep, cache["segment_ids"], 0)}
 
 
-def _compact(cache: dict, src: jax.Array, valid: jax.Array, index: jax.Array) -> dict:
-    """Column j of row r becomes old column src[r, j] where `valid`, else empty (segment 0)."""
+def _fit(a: jax.Array, columns: int, axis: int) -> jax.Array:
+    """`a`'s first `columns` entries along `axis`, padded with zeros (segment 0: empty) where shorter."""
+    if a.shape[axis] >= columns:
+        return jax.lax.slice_in_dim(a, 0, columns, axis=axis)
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, columns - a.shape[axis])
+    return jnp.pad(a, widths)
 
-    def take(a: jax.Array, batch_axis: int, axis: int) -> jax.Array:
-        shape = [1] * a.ndim
-        shape[batch_axis], shape[axis] = src.shape
-        return jnp.take_along_axis(a, src.reshape(shape), axis=axis)
 
-    return {
-        **map_kv(cache, lambda a: take(a, 0, 2)),  # each layer's [batch, kv_heads, columns, head_dim]
-        "segment_ids": jnp.where(valid, take(cache["segment_ids"], 0, 1), 0),
-        "positions": jnp.where(valid, take(cache["positions"], 0, 1), 0),
-        "index": index,
-    }
+def _take(a: jax.Array, src: jax.Array, axis: int) -> jax.Array:
+    """Column j of row r (rows on axis 0, columns on `axis`) becomes old column src[r, j]."""
+    shape = [1] * a.ndim
+    shape[0], shape[axis] = src.shape
+    return jnp.take_along_axis(a, src.reshape(shape), axis=axis)
+
+
+def _each_kv(cache: dict, f: Callable[[jax.Array], jax.Array]) -> dict:
+    """`cache` with `f` applied to each layer's K and V ([batch, kv_heads, columns, head_dim]), one
+    array at a time; `cache` is consumed (its K and V entries are emptied).
+
+    Why one at a time: one program over the whole cache holds the old and the new cache at once, twice
+    the cache's bytes at the peak of every resize and compaction (SmolLM2-135M in float32, 32 episodes
+    at ~6k columns: a 9 GB cache, 18 GB at the peak). Per array, each old layer is released as soon as
+    its replacement exists (nothing else refers to it), so the peak is the cache plus one layer. A
+    stacked cache ([layers, ...] arrays: the TPU layout) has one array per K and V: `f` is vmapped
+    over its layers, as one program."""
+    out = dict(cache)
+    for name in ("k", "v"):
+        layers, cache[name], out[name] = out[name], None, None
+        if not isinstance(layers, tuple):
+            out[name] = jax.vmap(f)(layers)
+            continue
+        new = list(layers)
+        del layers
+        for i in range(len(new)):
+            new[i] = f(new[i])  # the old array's last reference goes with this assignment
+        out[name] = tuple(new)
+    return out
 
 
 def _resize(cache: dict, columns: int) -> dict:
-    """The first `columns` columns, padded with empty ones (segment 0) where the cache is shorter."""
-
-    def fit(a: jax.Array, axis: int) -> jax.Array:
-        if a.shape[axis] >= columns:
-            return jax.lax.slice_in_dim(a, 0, columns, axis=axis)
-        widths = [(0, 0)] * a.ndim
-        widths[axis] = (0, columns - a.shape[axis])
-        return jnp.pad(a, widths)
-
+    """The first `columns` columns, padded with empty ones (segment 0) where the cache is shorter;
+    `cache` is consumed (`_each_kv`)."""
+    fit = _programs()[2]
     return {
-        **map_kv(cache, lambda a: fit(a, 2)),
-        "segment_ids": fit(cache["segment_ids"], 1),
-        "positions": fit(cache["positions"], 1),
-        "index": cache["index"],
+        **_each_kv(cache, lambda a: fit(a, columns, 2)),
+        "segment_ids": fit(cache["segment_ids"], columns, 1),
+        "positions": fit(cache["positions"], columns, 1),
+    }
+
+
+def _compact(cache: dict, src: jax.Array, valid: jax.Array, index: jax.Array) -> dict:
+    """Column j of row r becomes old column src[r, j] where `valid`, else empty (segment 0); `cache` is
+    consumed (`_each_kv`)."""
+    take = _programs()[3]
+    return {
+        **_each_kv(cache, lambda a: take(a, src, 2)),
+        "segment_ids": jnp.where(valid, take(cache["segment_ids"], src, 1), 0),
+        "positions": jnp.where(valid, take(cache["positions"], src, 1), 0),
+        "index": index,
     }
 
 
@@ -303,8 +332,8 @@ def _programs() -> tuple:
     return (
         jax.jit(_extend, static_argnums=0, donate_argnums=3),
         jax.jit(_keep),
-        jax.jit(_resize, static_argnums=1),
-        jax.jit(_compact),
+        jax.jit(_fit, static_argnums=(1, 2)),  # per array (`_each_kv`)
+        jax.jit(_take, static_argnums=2),
         jax.jit(_fork_rows, donate_argnums=0),
         jax.jit(_fork_rows),  # a gather of rows (the cache is kept: they are scattered back)
         jax.jit(_scatter_rows, donate_argnums=0),
@@ -425,7 +454,7 @@ class SessionCache:
         stops: Stops,
         seed: int,
     ) -> list[Generation]:
-        keep, resize = _programs()[1:3]
+        keep = _programs()[1]
         self.calls += 1
         rows = self._assign(keys)
         row_to_req.update({r: q for r, q in zip(rows, req_ids, strict=True)})
@@ -457,7 +486,7 @@ class SessionCache:
             # Every live column lies before `index`, so the cache is cut to the bucket this call needs
             # (after a compaction it shrinks): prefill and each decode step attend over (and copy) every
             # column, and a cache twice as long as needed made each decode step up to ~2x slower.
-            self.cache = resize(self.cache, size)
+            self.cache = self._consumed(_resize, size)
         # Mask what no row holds any more before anything attends: columns after a common
         # prefix, an evicted conversation's, and filler written by the previous call's decode.
         self.cache = {**keep(self.cache, jnp.asarray(self._live_columns())), "index": jnp.int32(self.index)}
@@ -580,6 +609,17 @@ class SessionCache:
         self.cache = fork(self.cache, jnp.asarray(src))
         self.cache = {**keep(self.cache, jnp.asarray(self._live_columns())), "index": self.cache["index"]}
 
+    def _consumed(self, f: Callable[..., dict], *args: object) -> dict:
+        """`f(cache, *args)` for a function that consumes the cache (`_each_kv`): `self` lets go of it
+        first, so each old array is released as its replacement is made; if `f` fails part way, every
+        row starts over rather than keep a half-replaced cache."""
+        cache, self.cache = self.cache, None
+        try:
+            return f(cache, *args)
+        except BaseException:
+            self._reset()
+            raise
+
     def _compact(self) -> None:
         assert self.cache is not None
         src = np.zeros(self.cache["segment_ids"].shape, np.int32)
@@ -589,8 +629,7 @@ class SessionCache:
             src[r, :n], valid[r, :n] = slot.columns, True
             slot.columns = list(range(n))
         self.index = max(len(slot.columns) for slot in self.slots)
-        compact = _programs()[3]
-        self.cache = compact(self.cache, jnp.asarray(src), jnp.asarray(valid), jnp.int32(self.index))
+        self.cache = self._consumed(_compact, jnp.asarray(src), jnp.asarray(valid), jnp.int32(self.index))
         self.stats["compactions"] += 1
 
     def _live_columns(self) -> np.ndarray:
