@@ -58,23 +58,31 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 
-# The slowest files (each over a minute on an idle 2-core machine), scheduled first: xdist's
-# `--dist loadfile` hands out files in collection order, so a slow file collected last would
-# leave the other worker idle for its whole length at the end of the run.
+# The slowest files (each ~40 s or more of test time on a 2-core machine; the figures sum each file's
+# durations over 15 s in the 2026-12-05 run, so they are lower bounds), longest first: xdist's `--dist loadfile` hands out files in
+# collection order, so a slow file collected last would leave the other worker idle for its whole
+# length at the end of the run. Alphabetical order put test_rl_loop, test_train_cpu_memory and
+# test_real_model (~40-60 s each) near the end.
 SLOW_FIRST = (
-    "test_mini_paper.py",
-    "test_data_topology.py",
-    "test_multihost.py",
-    "test_train_loop.py",
-    "test_faults_kill.py",
-    "test_gcs_run_dir.py",
-    "test_train_preference.py",
-    "test_train_after_save.py",
-    "test_eval_oracle.py",
-    "test_lora_real_model.py",
+    "test_faults_kill.py",  # ~160 s
+    "test_mini_paper.py",  # ~120 s
+    "test_train_loop.py",  # ~115 s
+    "test_train_preference.py",  # ~115 s
+    "test_data_topology.py",  # ~95 s
+    "test_grpo_real.py",  # ~80 s
+    "test_lora_real_model.py",  # ~80 s
+    "test_gcs_run_dir.py",  # ~80 s
+    "test_lora.py",  # ~75 s
+    "test_eval_onpolicy.py",  # ~65 s
+    "test_train_after_save.py",  # ~65 s
+    "test_eval_oracle.py",  # ~60 s
+    "test_rl_loop.py",  # ~60 s
+    "test_train_cpu_memory.py",  # ~55 s
+    "test_multihost.py",  # ~45 s
+    "test_eval_kv_reuse.py",  # ~40 s
+    "test_real_model.py",  # ~40 s
+    "test_moe_expert_parallel.py",  # ~40 s
     "test_eval_journal.py",
-    "test_eval_onpolicy.py",
-    "test_lora.py",
     "test_family_qwen3_llama32.py",
 )
 
