@@ -12,16 +12,6 @@ import tempfile
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-# Each pytest-xdist worker on its own share of the CPUs (inherited by every process its tests start):
-# XLA's and PyTorch's thread pools size themselves to the CPUs a process may run on, so two workers on
-# two cores otherwise ran four or more busy threads on two cores. Only when there are at least as many
-# CPUs as workers; a plain `pytest` (no worker) keeps every CPU.
-_WORKER, _WORKERS = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
-if _WORKER and _WORKERS and hasattr(os, "sched_setaffinity"):
-    _cpus = sorted(os.sched_getaffinity(0))
-    _n, _i = int(_WORKERS), int(_WORKER.removeprefix("gw"))
-    if 1 < _n <= len(_cpus):
-        os.sched_setaffinity(0, _cpus[_i::_n])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One sandbox per suite run, shared by pytest-xdist's workers (they inherit the controller's
 # environment): the content-keyed caches under it (the real model's GGUF conversion) are then built
