@@ -102,3 +102,61 @@ def test_hf_directory_round_trip(tmp_path, mistral_sp):
 def test_unknown_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="unknown tokenizer"):
         load_tokenizer(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize("name", ["llama3", "mistral"])
+def test_a_cached_build_loads_as_the_fresh_build_and_a_corrupt_cache_is_rebuilt(name, tmp_path, monkeypatch):
+    """The first load builds from the vendor file and writes the cache; the next loads the cached
+    tokenizer.json straight into the wrapper. Both must save the same files and encode alike; a cache
+    file cut short is rebuilt, not trusted."""
+    import agentrefine_jax.data.tokenizers as toks
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    loads = []
+    for label in ("built", "cached", "rebuilt"):
+        toks._load_cached.cache_clear()
+        if label == "rebuilt":
+            (cached,) = (tmp_path / "cache").rglob("*.json")
+            cached.write_text(cached.read_text()[:1000])  # a partial write
+        tok = load_tokenizer(name)
+        tok.save_pretrained(tmp_path / label)
+        loads.append((label, tok))
+    toks._load_cached.cache_clear()  # later tests load from the session's cache again
+    files = {label: {p.name: p.read_bytes() for p in (tmp_path / label).iterdir()} for label, _ in loads}
+    assert files["cached"] == files["built"] == files["rebuilt"]
+    text = TRICKY[7] + TRICKY[8] + TRICKY[9]
+    encoded = {
+        label: (tok(text).input_ids, get_template(name, tok).encode_text([text])[0]) for label, tok in loads
+    }
+    assert encoded["cached"] == encoded["built"] == encoded["rebuilt"]
+    assert encoded["built"][0][0] == loads[0][1].bos_token_id  # the cached file keeps the BOS post-processor
+
+
+def test_a_process_on_a_built_in_tokenizer_never_loads_torch(tmp_path):
+    """Tokenizer, chat template and the metrics writer (TensorBoard included) of a training run on a
+    built-in tokenizer leave torch unloaded: where torch is installed, loading it cost every trainer,
+    eval and export process ~2 s. TensorBoard still writes its events, and torch stays importable."""
+    import subprocess
+    import sys
+
+    script = f"""
+import pathlib, sys
+from agentrefine_jax.data.templates import get_template
+from agentrefine_jax.data.tokenizers import load_tokenizer
+from agentrefine_jax.train.metrics import MetricsWriter
+from agentrefine_jax.train.run_dir import RunPaths
+
+get_template("llama3", load_tokenizer("llama3")).encode_text(["hello"])
+w = MetricsWriter(RunPaths(pathlib.Path({str(tmp_path / "run")!r})), 0)
+assert w._tb is not None, "TensorBoard disabled"
+w.write({{"step": 1, "loss": 1.5}})
+w.close()
+print("torch loaded" if "torch" in sys.modules else "torch not loaded")
+import torch  # hidden only for tensorboardX's import
+print(torch.__name__)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["torch", "not", "loaded", "torch"], out.stdout
+    (events,) = (tmp_path / "run" / "tensorboard").glob("events.out.tfevents*")
+    assert b"loss" in events.read_bytes()

@@ -14,7 +14,7 @@ from agentrefine_jax.config import load_config
 from agentrefine_jax.train import save_strategy
 from agentrefine_jax.train.loop import train
 
-STEPS = 5
+STEPS = 3  # saves at 1, 2, 3: step 2 writes into fresh spares, step 3 into a save's handed arrays
 SETTINGS = [
     "data.max_length=256",
     "train.global_batch_size=2",

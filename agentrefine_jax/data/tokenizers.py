@@ -18,11 +18,12 @@ import hashlib
 import os
 import pathlib
 from collections.abc import Callable
+from typing import Any
 
 import tokenizers
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode, generate_merges
 
 BUILTIN_TOKENIZERS = ("llama3", "mistral")
@@ -33,7 +34,7 @@ LLAMA3_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 LLAMA3_NUM_RESERVED_SPECIAL = 256
-_CACHE_VERSION = 1  # bump when a builder changes
+_CACHE_VERSION = 2  # bump when a builder changes (2: the cached file holds the BOS post-processor)
 
 
 def llama3_model_path() -> pathlib.Path:
@@ -54,18 +55,23 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(root) / "agentrefine_jax" / "tokenizers"
 
 
-def _cached_backend(name: str, source: pathlib.Path, build: Callable[[], Tokenizer]) -> Tokenizer:
+def _cached_builtin(
+    name: str, source: pathlib.Path, build: Callable[[], Tokenizer], **hf_kwargs: Any
+) -> PreTrainedTokenizerFast:
     """Build once, then reuse a tokenizer.json keyed by the vendor file's hash and library version.
 
-    The Llama-3 merge table takes seconds to derive; loading the JSON takes well under one.
-    A cache that cannot be read or written is ignored (rebuilt), never trusted blindly.
+    The Llama-3 merge table takes seconds to derive; loading the JSON takes well under one. The
+    cached file goes to Hugging Face's wrapper as `tokenizer_file`, which loads it: handed a
+    `Tokenizer` object instead, the wrapper deep-copies it (~0.9 s for Llama-3's vocabulary, in
+    every process that loads it). A cache that cannot be read or written is ignored (rebuilt),
+    never trusted blindly.
     """
     digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
     path = _cache_dir() / f"{name}-{digest}-tokenizers{tokenizers.__version__}-v{_CACHE_VERSION}.json"
     if path.is_file():
         try:
-            return Tokenizer.from_file(str(path))
-        except Exception:  # corrupt / partial file: rebuild below
+            return PreTrainedTokenizerFast(tokenizer_file=str(path), **hf_kwargs)
+        except Exception:  # corrupt / partial / vanished file: rebuild below
             pass
     tok = build()
     try:
@@ -75,7 +81,7 @@ def _cached_backend(name: str, source: pathlib.Path, build: Callable[[], Tokeniz
         os.replace(tmp, path)
     except OSError:
         pass
-    return tok
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **hf_kwargs)
 
 
 def llama3_special_tokens() -> list[str]:
@@ -147,10 +153,10 @@ def _with_bos(backend: Tokenizer, bos: str) -> Tokenizer:
 
 
 def _build_llama3() -> PreTrainedTokenizerFast:
-    return PreTrainedTokenizerFast(
-        tokenizer_object=_with_bos(
-            _cached_backend("llama3", llama3_model_path(), _llama3_backend), "<|begin_of_text|>"
-        ),
+    return _cached_builtin(
+        "llama3",
+        llama3_model_path(),
+        lambda: _with_bos(_llama3_backend(), "<|begin_of_text|>"),
         bos_token="<|begin_of_text|>",
         # Instruct models end a turn with <|eot_id|>; generation also stops on the other two
         # (see ChatTemplate.stop_token_ids).
@@ -193,10 +199,10 @@ def _mistral_v3_backend() -> Tokenizer:
 
 
 def _build_mistral_v3() -> PreTrainedTokenizerFast:
-    return PreTrainedTokenizerFast(
-        tokenizer_object=_with_bos(
-            _cached_backend("mistral-v3", mistral_v3_model_path(), _mistral_v3_backend), "<s>"
-        ),
+    return _cached_builtin(
+        "mistral-v3",
+        mistral_v3_model_path(),
+        lambda: _with_bos(_mistral_v3_backend(), "<s>"),
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",
@@ -217,6 +223,10 @@ def _load_cached(name_or_path: str) -> PreTrainedTokenizerFast:
             f"unknown tokenizer {name_or_path!r}: use one of {BUILTIN_TOKENIZERS} or a local Hugging Face "
             "tokenizer directory (tokenizer.json / tokenizer_config.json)"
         )
+    # Imported here, not at the top: `transformers`' auto classes import torch when it is
+    # installed (~1.8 s), which a process on a built-in tokenizer never needs.
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
     if not isinstance(tok, PreTrainedTokenizerFast):
         raise TypeError(f"{path}: need a fast (tokenizers-backed) tokenizer, got {type(tok).__name__}")
