@@ -29,10 +29,10 @@ def _summary_writer_class() -> type:
     """tensorboardX's `SummaryWriter`, imported without torch unless torch is already loaded.
 
     tensorboardX's writer module imports torch at module level, only so that it can accept torch
-    tensors; where torch is installed that import costs every training run ~2.4 s (measured on
-    the 2-core CI box), and this writer is only handed Python floats. Hiding torch for that one
-    import makes it take its numpy-only branch (`sys.modules[name] = None` makes `import name`
-    raise ImportError); torch stays importable afterwards.
+    tensors; where torch is installed that import costs every training run ~2 s (1.6-2.4 s on
+    this project's 2-core AMD box), and this writer is only handed Python floats. Hiding torch
+    for that one import makes it take its numpy-only branch (`sys.modules[name] = None` makes
+    `import name` raise ImportError); torch stays importable afterwards.
     """
     import sys
 
