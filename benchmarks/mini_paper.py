@@ -53,7 +53,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -68,6 +68,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _machine  # noqa: E402
 import _mini_data  # noqa: E402
 import _outdir  # noqa: E402
+import _record  # noqa: E402
 
 TOOL = "mini_paper"
 HELD_OUT = ("babyai", "pddl")
@@ -88,6 +89,12 @@ OPTIONAL_SETTINGS: dict[str, tuple[str, ...]] = {
 # from the base for the same budget). Its data is made after `agentrefine` trains (`_mini_data`).
 ONPOLICY = "onpolicy"
 ONPOLICY_FROM = "agentrefine"
+# What a record (--record) keeps of --out: what finished stages made, small enough to commit. Restored
+# into a new --out: all but the summary and report, which every invocation writes afresh. The data a
+# run generates (deterministic from the flags) and the checkpoints are made again where needed.
+# (eval/*/*.json: each task's result and the `.machine.json` beside it.)
+RESTORED_FILES = ("runs/*.done.json", "runs/*.log", "eval/*/*.json", "data/onpolicy.jsonl")
+RECORD_FILES = (*RESTORED_FILES, "summary.json", "summary.md", "report/report.md")
 
 
 class MiniPaperError(Exception):
@@ -268,12 +275,9 @@ def train_setting(
     log: Any,
     sigterm: _Sigterm,
 ) -> dict[str, Any]:
-    """Train one setting on `files` (skipped when its `done.json` exists); the record of its run."""
+    """Train one setting on `files` (resuming its run where one was started); the record of its run."""
     run_dir = out / "runs" / setting
     done = run_dir.parent / f"{setting}.done.json"
-    if done.exists():
-        log(f"{setting}: trained earlier ({done}), skipped")
-        return json.loads(done.read_text())
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     cmd = train_command(args, setting, run_dir, steps, files)
     log(f"{setting}: training {steps} steps ({run_dir})")
@@ -286,7 +290,7 @@ def train_setting(
         raise RuntimeError(f"{setting}: training exited {rc} after {seconds}s: {tail}")
     epochs = epochs_trained(run_dir.parent / f"{setting}.log", steps)
     record = {"setting": setting, "run_dir": str(run_dir), "steps": steps, "train_seconds": seconds}
-    record |= {"train_files": list(map(str, files)), "epochs": epochs}
+    record |= {"train_files": list(map(str, files)), "epochs": epochs, "machine": machine_line()}
     write_json(done, record)
     log(f"{setting}: trained in {seconds}s ({epochs} epochs of its data)")
     return record
@@ -299,10 +303,8 @@ def eval_model(
     them into results/<label>.json, the file `analyze report` reads for this row."""
     from agentrefine_jax.eval.cli import main as eval_main
 
-    files = []
-    for task in (DEMO_TASK, *args.tasks):
-        path = out / "eval" / label / f"{task}.json"
-        files.append(path)
+    files = eval_files(args, label, out)
+    for task, path in zip((DEMO_TASK, *args.tasks), files, strict=True):
         if path.exists():
             log(f"{label}/{task}: evaluated earlier, skipped")
             continue
@@ -324,10 +326,18 @@ def eval_model(
         sigterm.check(f"{label}/{task}'s evaluation", rc)
         if rc != 0:
             raise RuntimeError(f"{label}/{task}: eval exited {rc}")
-        log(f"{label}/{task}: evaluated in {time.perf_counter() - t0:.1f}s")
+        seconds = round(time.perf_counter() - t0, 1)
+        # Which machine played it: a run continued elsewhere (--record) may span several.
+        write_json(path.with_suffix(".machine.json"), {"machine": machine_line(), "seconds": seconds})
+        log(f"{label}/{task}: evaluated in {seconds}s")
+    return merged_result(args, label, out)
+
+
+def merged_result(args: argparse.Namespace, label: str, out: pathlib.Path) -> pathlib.Path:
+    """results/<label>.json: the model's per-task results merged, the file `analyze report` reads."""
     merged = out / "results" / f"{label}.json"
     merged.parent.mkdir(parents=True, exist_ok=True)
-    write_json(merged, merge_results([json.loads(p.read_text()) for p in files]))
+    write_json(merged, merge_results([json.loads(p.read_text()) for p in eval_files(args, label, out)]))
     return merged
 
 
@@ -373,6 +383,24 @@ def machine() -> dict[str, Any]:
         "jax": jax.__version__,
         "device": f"{dev.platform}:{getattr(dev, 'device_kind', '?')} x{jax.device_count()}",
     }
+
+
+def machine_line() -> str:
+    """The machine in a few words, recorded with each stage's output."""
+    info = _machine.machine()
+    return f"{os.cpu_count()} CPUs ({info['cpu_model']})"
+
+
+def stage_machines(out: pathlib.Path) -> dict[str, str]:
+    """Which machine made each training run and evaluation found under `out` (stage -> machine)."""
+    found = {}
+    for done in sorted((out / "runs").glob("*.done.json")):
+        name = done.name.removesuffix(".done.json")
+        found[f"train {name}"] = json.loads(done.read_text()).get("machine", "?")
+    for side in sorted((out / "eval").glob("*/*.machine.json")):
+        name = f"{side.parent.name}/{side.name.removesuffix('.machine.json')}"
+        found[f"eval {name}"] = json.loads(side.read_text())["machine"]
+    return found
 
 
 def _pct(x: float | None) -> str:
@@ -495,12 +523,23 @@ def build_parser() -> argparse.ArgumentParser:
     # peak RSS 5.4, 7.9 and 9.2 GB (docs/mini_paper.md).
     p.add_argument("--eval-batch", type=_positive, default=32, help="episodes in flight per model call")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--only",
+        help=f"comma-separated models this invocation trains and evaluates ({BASE} or settings; default "
+        "all): the run is the same, this is how much of it to do now (not recorded in mini_paper.json)",
+    )
+    p.add_argument(
+        "--record",
+        help="a small durable copy of the run (results, training records and logs, on-policy rows, summary) "
+        "kept after every stage and restored into a new --out: to go on with a run on another machine",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no per-episode lines from eval")
     return p
 
 
-def check_args(args: argparse.Namespace) -> list[str]:
-    """The settings to run, after every check that needs no model: one line each (MiniPaperError)."""
+def check_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The settings of the run and the models this invocation works on (`--only`, in the run's order),
+    after every check that needs no model: one line each (MiniPaperError)."""
     args.tasks = tuple(t for t in args.tasks.split(",") if t and t != DEMO_TASK)  # demo_world always runs
     available = available_settings()
     settings = list(available) if not args.settings else [s for s in args.settings.split(",") if s]
@@ -525,27 +564,35 @@ def check_args(args: argparse.Namespace) -> list[str]:
     if not pathlib.Path(args.base, "config.json").is_file():
         raise MiniPaperError(f"--base {args.base}: no config.json (expected a Hugging Face model directory)")
     model_settings(args.base)  # a directory the trainer cannot start from fails here, not in a subprocess
-    return settings
+    models = [BASE, *settings]
+    chosen = models if not args.only else [m for m in args.only.split(",") if m]
+    unknown = [m for m in chosen if m not in models]
+    if unknown:
+        raise MiniPaperError(
+            f"--only: {', '.join(unknown)} not among this run's models ({', '.join(models)})"
+        )
+    return settings, [m for m in models if m in chosen]
 
 
 def onpolicy_data(
     args: argparse.Namespace,
     out: pathlib.Path,
-    source: dict[str, Any],
+    source: Callable[[], dict[str, Any]],
     demo: dict[str, Any],
     log: Any,
     sigterm: _Sigterm,
 ) -> dict[str, Any]:
-    """The onpolicy row's data: `source` (the trained agentrefine run) plays `--onpolicy-episodes`
-    training worlds (seeds 0.., the worlds the demo data starts with: only who made the mistakes
-    differs), then its rows are mixed with demo rows to the size every row's data has."""
+    """The onpolicy row's data: the trained agentrefine run (`source()`, called only when the rows are
+    not collected yet) plays `--onpolicy-episodes` training worlds (seeds 0.., the worlds the demo data
+    starts with: only who made the mistakes differs), then its rows are mixed with demo rows to the
+    size every row's data has."""
     rows_file = out / "data" / "onpolicy.jsonl"
     if rows_file.exists():
         log(f"{ONPOLICY}: collected earlier ({rows_file}), skipped")
     else:
         argv = [
             "--checkpoint",
-            source["run_dir"],
+            source()["run_dir"],
             "--tasks",
             DEMO_TASK,
             "--episodes",
@@ -576,37 +623,71 @@ def onpolicy_data(
         raise RuntimeError(f"{ONPOLICY}: {e}") from None
 
 
-def train_all(
-    args: argparse.Namespace,
-    settings: Sequence[str],
-    out: pathlib.Path,
-    steps: int,
-    log: Any,
-    sigterm: _Sigterm,
-) -> tuple[dict[str, dict[str, Any]], dict[str, Any], list[str]]:
-    """Every setting's training run (the onpolicy row after its data), the data records, the failures."""
-    try:
-        demo = _mini_data.demo_data(out, args.base, args.tokens, args.max_length, args.error_rate, log)
-    except _mini_data.DataError as e:
-        raise MiniPaperError(f"the demo data: {e}") from None
-    data: dict[str, Any] = {"demo": demo}
-    trained: dict[str, dict[str, Any]] = {}
-    failures: list[str] = []
-    for s in settings:
-        try:
-            if s == ONPOLICY:
-                if ONPOLICY_FROM not in trained:
-                    raise RuntimeError(f"{ONPOLICY}: not trained, {ONPOLICY_FROM} failed")
-                data[ONPOLICY] = onpolicy_data(args, out, trained[ONPOLICY_FROM], demo, log, sigterm)
-                files = data[ONPOLICY]["files"]
-            else:
-                files = [demo["file"]]
-            trained[s] = train_setting(args, s, out, steps, files, log, sigterm)
-        # One setting failing (e.g. a missing objective) does not lose the rest.
-        except RuntimeError as e:
-            log(f"error: {e}")
-            failures.append(s)
-    return trained, data, failures
+def eval_files(args: argparse.Namespace, label: str, out: pathlib.Path) -> list[pathlib.Path]:
+    """One eval result per task for model `label`: `eval_model` writes them."""
+    return [out / "eval" / label / f"{task}.json" for task in (DEMO_TASK, *args.tasks)]
+
+
+class Stages:
+    """The run's stages for one invocation, in order: per model, its training (a setting; the onpolicy
+    row after its data) and then its evaluation, so that work stopped between models loses nothing
+    that a record (--record) does not keep. A model's checkpoint is made only where still needed: its
+    evaluation is unfinished, or it is agentrefine and the onpolicy row's rows are not collected."""
+
+    def __init__(
+        self, args: argparse.Namespace, out: pathlib.Path, steps: int, log: Any, sigterm: _Sigterm
+    ) -> None:
+        self.args, self.out, self.steps, self.log, self.sigterm = args, out, steps, log, sigterm
+        self.data: dict[str, Any] = {}
+        self.trained: dict[str, dict[str, Any]] = {}
+
+    def demo(self) -> dict[str, Any]:
+        """The demo data, made on first use (an invocation that only evaluates never needs it)."""
+        if "demo" not in self.data:
+            try:
+                a = self.args
+                self.data["demo"] = _mini_data.demo_data(
+                    self.out, a.base, a.tokens, a.max_length, a.error_rate, self.log
+                )
+            except _mini_data.DataError as e:
+                raise MiniPaperError(f"the demo data: {e}") from None
+        return self.data["demo"]
+
+    def train(self, setting: str, *, need_checkpoint: bool) -> dict[str, Any]:
+        """`setting`'s run record, training it (and making its data) where needed."""
+        run_dir = self.out / "runs" / setting
+        if setting in self.trained and (run_dir.is_dir() or not need_checkpoint):
+            return self.trained[setting]
+        done = run_dir.parent / f"{setting}.done.json"
+        if done.exists() and (run_dir.is_dir() or not need_checkpoint):
+            self.log(f"{setting}: trained earlier ({done}), skipped")
+            self.trained[setting] = json.loads(done.read_text()) | {"run_dir": str(run_dir)}
+            return self.trained[setting]
+        if done.exists():
+            # Its record came from another machine (--record) without the checkpoint, which is still
+            # needed: the trainer is deterministic, so training again gives the same model (on the same
+            # CPU kind; its log and record then say so twice).
+            self.log(f"{setting}: trained earlier on another machine; its checkpoint is not here, so again")
+        if setting == ONPOLICY:
+            # The collection plays agentrefine's checkpoint: trained here, again if need be (deterministic).
+            source = lambda: self.train(ONPOLICY_FROM, need_checkpoint=True)  # noqa: E731
+            demo = self.demo()
+            self.data[ONPOLICY] = onpolicy_data(self.args, self.out, source, demo, self.log, self.sigterm)
+            files = self.data[ONPOLICY]["files"]
+        else:
+            files = [self.demo()["file"]]
+        args, out = self.args, self.out
+        self.trained[setting] = train_setting(args, setting, out, self.steps, files, self.log, self.sigterm)
+        return self.trained[setting]
+
+    def model(self, label: str) -> pathlib.Path:
+        """Train (a setting) and evaluate model `label`: its merged result."""
+        if label == BASE:
+            checkpoint = str(pathlib.Path(self.args.base).resolve())
+        else:
+            unfinished = not all(f.exists() for f in eval_files(self.args, label, self.out))
+            checkpoint = self.train(label, need_checkpoint=unfinished)["run_dir"]
+        return eval_model(self.args, label, checkpoint, self.out, self.log, self.sigterm)
 
 
 def verdict(rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -639,37 +720,72 @@ def verdict(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    settings = check_args(args)
+    settings, only = check_args(args)
     out = pathlib.Path(args.out).absolute()
     steps = train_steps(args.tokens, args.batch, args.max_length)
-    prepare_out(out, _manifest(args, settings, steps))
+    manifest = _manifest(args, settings, steps)
+    record = pathlib.Path(args.record).absolute() if args.record else None
+    if record is not None:
+        try:
+            _record.prepare(record, manifest, tool=TOOL, what="mini-paper")
+        except _outdir.OutDirError as e:
+            raise MiniPaperError(str(e)) from None
+    prepare_out(out, manifest)
 
     def log(msg: str) -> None:
         print(f"[{TOOL}] {msg}", flush=True)
 
+    def keep() -> None:  # after every stage: a machine lost later loses nothing the stage made
+        if record is not None:
+            _record.save(out, record, RECORD_FILES)
+
+    if record is not None:
+        _record.restore(record, out, RESTORED_FILES, log)
     info = machine()
     log(_machine.header(info))
     log(
         f"machine: {info['cpu_count']} CPUs ({info['cpu_model']}), {info['device']}; budget {args.tokens} "
         f"tokens = {steps} steps x {args.batch} x {args.max_length}"
     )
-    results: dict[str, pathlib.Path] = {}
+    models = [BASE, *settings]
+    if len(only) < len(models):
+        log(f"this invocation: {', '.join(only)} (--only); the rest as far as earlier work has them")
+    failures: list[str] = []
+    stages: Stages | None = None
     try:
         with _Sigterm() as sigterm:
-            trained, data, failures = train_all(args, settings, out, steps, log, sigterm)
-            models = [(BASE, str(pathlib.Path(args.base).resolve()))] + [
-                (s, r["run_dir"]) for s, r in trained.items()
-            ]
-            for label, checkpoint in models:
+            stages = Stages(args, out, steps, log, sigterm)
+            for label in only:
                 try:
-                    results[label] = eval_model(args, label, checkpoint, out, log, sigterm)
-                except RuntimeError as e:
+                    stages.model(label)
+                except RuntimeError as e:  # one model failing (e.g. a training error) does not lose the rest
                     log(f"error: {e}")
                     failures.append(label)
+                finally:
+                    keep()
                 sigterm.check(f"{label}'s evaluation")
     except Stopped as e:
         log(str(e))
         return TERMINATED
+    # Every model whose evaluation is complete is reported, whichever invocation (or machine) made it.
+    results: dict[str, pathlib.Path] = {}
+    pending = []
+    for label in models:
+        if label not in failures and all(f.exists() for f in eval_files(args, label, out)):
+            results[label] = merged_result(args, label, out)
+        elif label not in failures:
+            pending.append(label)
+    if pending:
+        log(f"not yet evaluated: {', '.join(pending)} (run them with --only; see docs/mini_paper.md)")
+    trained = {}
+    for s in settings:
+        done = out / "runs" / f"{s}.done.json"
+        if done.exists():
+            trained[s] = json.loads(done.read_text())
+    data = dict(stages.data) if stages is not None else {}
+    for name, path in (("demo", "train.done.json"), (ONPOLICY, "onpolicy_mix.done.json")):
+        if name not in data and (out / "data" / path).exists():
+            data[name] = json.loads((out / "data" / path).read_text())
     rows = summary_rows(results)
     table = format_summary(rows)
     speed = episodes_per_hour(results)
@@ -679,6 +795,7 @@ def run(args: argparse.Namespace) -> int:
     doc = {
         "command": " ".join(sys.argv),
         "machine": info,
+        "stage_machines": stage_machines(out),
         "seconds_this_invocation": seconds,
         "train_seconds": {s: r.get("train_seconds") for s, r in trained.items()},
         "epochs": {s: r.get("epochs") for s, r in trained.items()},
@@ -687,17 +804,20 @@ def run(args: argparse.Namespace) -> int:
         "steps": steps,
         "tokens": args.tokens,
         "settings": settings,
+        "only": only,
         "failures": failures,
+        "pending": pending,
         "rows": rows,
         "verdict": sentences,
     }
     write_json(out / "summary.json", doc)
     speeds = ", ".join(f"{m} {v}" for m, v in speed.items())
+    demo = data.get("demo") or {"worlds": "?", "tokens": "?"}
     write_text(
         out / "summary.md",
         f"# Mini paper\n\nbase `{args.base}`; {args.tokens} tokens per setting "
-        f"({steps} steps x {args.batch} x {args.max_length}); demo data {data['demo']['worlds']} worlds, "
-        f"{data['demo']['tokens']} tokens; machine: {info['cpu_count']} CPUs "
+        f"({steps} steps x {args.batch} x {args.max_length}); demo data {demo['worlds']} worlds, "
+        f"{demo['tokens']} tokens; machine: {info['cpu_count']} CPUs "
         f"({info['cpu_model']}), {info['device']}; this invocation {seconds} s; evaluation episodes/hour: "
         f"{speeds}.\n\n{table}\n\n" + "\n".join(f"- {x}" for x in sentences) + "\n",
     )
@@ -708,6 +828,7 @@ def run(args: argparse.Namespace) -> int:
     log(f"done in {seconds}s on {info['cpu_count']} CPUs ({info['cpu_model']}); tables: {where}")
     if failures:
         log(f"failed: {', '.join(failures)} (rerun the same command to retry them)")
+    keep()
     return 1 if failures or rc_report != 0 else 0
 
 

@@ -2,7 +2,8 @@
 tokenizer.json and chat template, the shape of SmolLM2-135M-Instruct's): every Table 2 setting trains
 a couple of steps, base and tuned models play one BabyAI episode and demo worlds, and the report's
 Tables 1 and 2 and the episodes table hold every row with the new columns; a second run resumes
-(skips everything) and a foreign --out is refused."""
+(skips everything), a new --out with the run's record goes on where it stopped, and a foreign --out
+is refused."""
 
 from __future__ import annotations
 
@@ -61,7 +62,9 @@ def base_dir(tmp_path_factory) -> pathlib.Path:
 
 
 def _run(base: pathlib.Path, out: pathlib.Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(SCRIPT), "--base", str(base), "--out", str(out), "--tokens", "2048",
+    record = out.parent / "record"  # a durable copy of the run, as a second machine would get it
+    cmd = [sys.executable, str(SCRIPT), "--base", str(base), "--out", str(out), "--record", str(record),
+           "--tokens", "2048",
            "--batch", "1", "--max-length", "1024", "--tasks", "babyai", "--episodes", "1",
            "--demo-episodes", "2", "--max-steps", "2", "--max-new-tokens", "6", "--onpolicy-episodes", "2",
            "-q", *extra]  # fmt: skip
@@ -131,12 +134,31 @@ def test_mini_paper_end_to_end_and_resume(base_dir, tmp_path):
     assert all("recovery_rate" in x and "repeated_error_rate" in x for x in summary["rows"])
     assert any(v.startswith("recovery demo_world/original") for v in summary["verdict"])
     assert "CPUs" in r.stdout and "done in" in r.stdout
-    # Resume: everything exists, nothing is trained or evaluated again.
-    r2 = _run(base_dir, out)
-    assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
-    assert "training" not in r2.stdout and "evaluating" not in r2.stdout
-    # every setting's training, every (model, task) evaluation, and the on-policy collection
-    assert r2.stdout.count("skipped") == len(settings) + 2 * (len(settings) + 1) + 1
+    # Resume on a new machine: the record (--record) was kept after every stage; a new --out with it and
+    # one evaluation missing goes on from there: agentrefine is trained again for its checkpoint, the
+    # same model, so its BabyAI episode is played exactly as before; nothing else runs again.
+    record = tmp_path / "record"
+    assert sorted(p.name for p in (record / "eval" / "agentrefine").iterdir()) == [
+        "babyai.json", "babyai.machine.json", "demo_world.json", "demo_world.machine.json"
+    ]  # fmt: skip
+    assert (record / "data" / "onpolicy.jsonl").read_bytes() == (out / "data" / "onpolicy.jsonl").read_bytes()
+    assert not list(record.glob("runs/*/**")) and not (record / "data" / "train.jsonl").exists()
+    before = json.loads((record / "eval" / "agentrefine" / "babyai.json").read_text())
+    (record / "eval" / "agentrefine" / "babyai.json").unlink()
+    out2 = tmp_path / "mini_elsewhere"
+    r5 = _run(base_dir, out2)
+    assert r5.returncode == 0, r5.stdout[-3000:] + r5.stderr[-3000:]
+    assert "restored" in r5.stdout and "agentrefine: trained earlier on another machine" in r5.stdout
+    assert r5.stdout.count(": training 2 steps") == 1 and r5.stdout.count("evaluating") == 1, r5.stdout
+    assert "agentrefine/babyai: evaluating" in r5.stdout and "collecting" not in r5.stdout
+    # every other setting's training and every other (model, task) evaluation
+    assert r5.stdout.count("skipped") == len(settings) - 1 + 2 * (len(settings) + 1) - 1, r5.stdout
+    again = json.loads((record / "eval" / "agentrefine" / "babyai.json").read_text())
+    timeless = lambda doc: [{k: v for k, v in e.items() if k != "seconds"} for e in doc["episodes"]]  # noqa: E731
+    assert timeless(again) == timeless(before)
+    summary2 = json.loads((out2 / "summary.json").read_text())
+    assert summary2["rows"] == summary["rows"] and summary2["pending"] == []
+    assert summary2["stage_machines"]["eval agentrefine/babyai"].endswith(")")
     # Other settings on the same --out, or a foreign non-empty --out: one line, exit 2.
     r3 = _run(base_dir, out, "--lr", "1e-3")
     assert r3.returncode == 2 and "other settings" in r3.stderr and "Traceback" not in r3.stderr
@@ -203,7 +225,8 @@ def test_sigterm_stops_the_whole_script_with_75(base_dir, tmp_path):
 
     out = tmp_path / "mini"
     cmd = [sys.executable, str(SCRIPT), "--base", str(base_dir), "--out", str(out), "--tokens", "8192",
-           "--batch", "1", "--max-length", "512", "--tasks", "babyai", "--episodes", "1", "-q"]  # fmt: skip
+           "--batch", "1", "--max-length", "512", "--tasks", "babyai", "--episodes", "1", "-q",
+           "--only", "agentrefine,no_refinement_loss"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     log = out / "runs" / "agentrefine.log"
