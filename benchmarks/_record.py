@@ -38,9 +38,16 @@ def _same(a: pathlib.Path, b: pathlib.Path) -> bool:
     return b.exists() and a.stat().st_size == b.stat().st_size and a.read_bytes() == b.read_bytes()
 
 
-def save(out: pathlib.Path, record: pathlib.Path, patterns: Sequence[str]) -> int:
+def save(
+    out: pathlib.Path, record: pathlib.Path, patterns: Sequence[str], transient: Sequence[str] = ()
+) -> int:
     """Copy `out`'s files matching `patterns` into `record` where new or changed (each written to a
-    temporary sibling and renamed into place); how many were copied."""
+    temporary sibling and renamed into place); how many were copied. `transient` patterns (among
+    `patterns`: e.g. an unfinished evaluation's journal, which the evaluation removes when it finishes)
+    are kept in the record only while `out` has them: the record's copy, written here, is then removed."""
+    for rel in _files(record, transient):
+        if not (out / rel).exists():
+            (record / rel).unlink()
     copied = 0
     for rel in _files(out, patterns):
         src, dst = out / rel, record / rel

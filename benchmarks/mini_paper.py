@@ -36,7 +36,10 @@ printed table, run time, machine). The run is resumable: data made, a setting wh
 and an (model, task) evaluation whose result exists are skipped, and an interrupted training run,
 collection or evaluation resumes from its checkpoint or journal, so the same command continues an
 interrupted run. `--out` must be new, empty, or an earlier mini-paper output with the same settings
-(`mini_paper.json` records them).
+(`mini_paper.json` records them). Models are done one at a time (a setting trained, then evaluated);
+`--only` picks which this invocation does, and `--record DIR` keeps what finished stages made (results,
+training records, on-policy rows; no checkpoints) for a new `--out` on another machine to go on from
+(docs/mini_paper.md, "A run longer than its machine").
 """
 
 from __future__ import annotations
@@ -92,8 +95,10 @@ ONPOLICY_FROM = "agentrefine"
 # What a record (--record) keeps of --out: what finished stages made, small enough to commit. Restored
 # into a new --out: all but the summary and report, which every invocation writes afresh. The data a
 # run generates (deterministic from the flags) and the checkpoints are made again where needed.
-# (eval/*/*.json: each task's result and the `.machine.json` beside it.)
-RESTORED_FILES = ("runs/*.done.json", "runs/*.log", "eval/*/*.json", "data/onpolicy.jsonl")
+# (eval/*/*.json: each task's result and the `.machine.json` beside it; an evaluation stopped part way
+# (SIGTERM) keeps its journal there until it finishes, so a new machine goes on from its episodes.)
+JOURNALS = ("eval/*/*.journal.jsonl",)
+RESTORED_FILES = ("runs/*.done.json", "runs/*.log", "eval/*/*.json", *JOURNALS, "data/onpolicy.jsonl")
 RECORD_FILES = (*RESTORED_FILES, "summary.json", "summary.md", "report/report.md")
 
 
@@ -737,7 +742,7 @@ def run(args: argparse.Namespace) -> int:
 
     def keep() -> None:  # after every stage: a machine lost later loses nothing the stage made
         if record is not None:
-            _record.save(out, record, RECORD_FILES)
+            _record.save(out, record, RECORD_FILES, transient=JOURNALS)
 
     if record is not None:
         _record.restore(record, out, RESTORED_FILES, log)

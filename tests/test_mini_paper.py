@@ -267,3 +267,46 @@ def test_verdict_names_only_rows_whose_interval_lies_above_base():
     assert "babyai/original: no tuned row's success interval lies above base's" in says  # 5/16 vs 2/16
     rec = next(s for s in says if s.startswith("recovery demo_world/original"))
     assert "agentrefine 80.0 [" in rec and "base 10.0 [" in rec
+
+
+def test_record_keeps_a_journal_only_while_its_evaluation_is_unfinished(tmp_path):
+    """A record (--record) copies what finished stages made and an unfinished evaluation's journal;
+    once the evaluation finishes (eval removes its journal) the record's copy goes too; restoring into
+    a new --out copies what it lacks and keeps what it has; a foreign directory is never a record."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import _outdir
+    import _record
+    import mini_paper
+
+    out, record, again = tmp_path / "out", tmp_path / "record", tmp_path / "again"
+    _record.prepare(record, {"tokens": 1}, tool="mini_paper", what="mini-paper")
+    journal = out / "eval" / "base" / "demo_world.json.journal.jsonl"
+    journal.parent.mkdir(parents=True)
+    journal.write_text('{"journal": 1}\n{"key": "[0]", "record": {}}\n')
+    (out / "runs").mkdir()
+    (out / "runs" / "agentrefine.done.json").write_text('{"steps": 80}')
+    (out / "runs" / "agentrefine").mkdir()
+    (out / "runs" / "agentrefine" / "model.bin").write_bytes(b"weights")  # a checkpoint: never recorded
+    files, transient = mini_paper.RECORD_FILES, mini_paper.JOURNALS
+    assert _record.save(out, record, files, transient=transient) == 2
+    assert (record / "eval" / "base" / "demo_world.json.journal.jsonl").read_text() == journal.read_text()
+    assert not (record / "runs" / "agentrefine").exists()
+    assert _record.save(out, record, files, transient=transient) == 0  # nothing changed, nothing written
+    journal.unlink()  # the evaluation finished: its result in place of the journal
+    (out / "eval" / "base" / "demo_world.json").write_text('{"episodes": []}')
+    assert _record.save(out, record, files, transient=transient) == 1
+    assert not (record / "eval" / "base" / "demo_world.json.journal.jsonl").exists()
+    again.mkdir()
+    (again / "runs").mkdir()
+    (again / "runs" / "agentrefine.done.json").write_text("mine")
+    lines = []
+    assert _record.restore(record, again, mini_paper.RESTORED_FILES, lines.append) == 1
+    assert (again / "eval" / "base" / "demo_world.json").read_text() == '{"episodes": []}'
+    assert (again / "runs" / "agentrefine.done.json").read_text() == "mine" and "restored 1" in lines[0]
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(_outdir.OutDirError, match="--record .*not a mini-paper record"):
+        _record.prepare(foreign, {"tokens": 1}, tool="mini_paper", what="mini-paper")
+    with pytest.raises(_outdir.OutDirError, match="--record .* other settings"):
+        _record.prepare(record, {"tokens": 2}, tool="mini_paper", what="mini-paper")
