@@ -661,10 +661,12 @@ class Stages:
     def train(self, setting: str, *, need_checkpoint: bool) -> dict[str, Any]:
         """`setting`'s run record, training it (and making its data) where needed."""
         run_dir = self.out / "runs" / setting
-        if setting in self.trained and (run_dir.is_dir() or not need_checkpoint):
+        # A record of the training is enough unless the checkpoint itself is needed and absent.
+        usable = run_dir.is_dir() or not need_checkpoint
+        if setting in self.trained and usable:
             return self.trained[setting]
         done = run_dir.parent / f"{setting}.done.json"
-        if done.exists() and (run_dir.is_dir() or not need_checkpoint):
+        if done.exists() and usable:
             self.log(f"{setting}: trained earlier ({done}), skipped")
             self.trained[setting] = json.loads(done.read_text()) | {"run_dir": str(run_dir)}
             return self.trained[setting]
