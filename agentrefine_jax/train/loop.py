@@ -412,6 +412,7 @@ def _hooks(
         flops_per_step=flops.flops_per_token(cfg.model, seq_len) * tc.global_batch_size * seq_len,
         peak_flops=flops.device_peak_flops(tc.peak_flops_per_device, log=log.info),
         last_good=ckpts.last_good_note,
+        raise_peak=flops.measured_peak_raiser(tc.peak_flops_per_device),
     )
     checkpointing = Checkpointing(
         ckpts,
