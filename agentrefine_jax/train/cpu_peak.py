@@ -101,14 +101,8 @@ def peak() -> tuple[float, pathlib.Path, bool]:
     Every call measures again (well under a second) and the cache keeps the best figure ever measured
     under its key: a measurement taken while the machine was busy is low and would flatter MFU for
     good if it were simply reused, so a later, quieter measurement replaces it."""
-    path = cache_root() / f"{machine_key()}.json"
-    best = 0.0
-    try:
-        doc = json.loads(path.read_text())
-        if doc.get("version") == MEASURE_VERSION and float(doc["flops"]) > 0:
-            best = float(doc["flops"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # absent or unreadable: this measurement starts the entry
+    path = _entry()
+    best = _kept(path)
     flops = measure()
     if flops <= best:
         return best, path, True
@@ -124,16 +118,26 @@ def raise_to(achieved: float) -> bool:
     Why: a matmul measured while other processes held the cores is low, and a later, quieter training
     step then ran *faster* than the "peak" (MFU read 117% on the 2-core AMD EPYC after a measurement at
     load 3.9). What a step reached is a lower bound on the peak, so it replaces the figure at once."""
-    path = cache_root() / f"{machine_key()}.json"
-    try:
-        doc = json.loads(path.read_text())
-        best = float(doc["flops"]) if doc.get("version") == MEASURE_VERSION else 0.0
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        best = 0.0  # absent, unreadable or another measurement's: this figure starts the entry
-    if achieved <= best:
+    path = _entry()
+    if achieved <= _kept(path):
         return False
     _record(path, achieved, "a training step's achieved model FLOP/s, above every matmul measurement so far")
     return True
+
+
+def _entry() -> pathlib.Path:
+    return cache_root() / f"{machine_key()}.json"
+
+
+def _kept(path: pathlib.Path) -> float:
+    """The best figure kept in `path`; 0.0 where there is none (absent, unreadable, another method's)."""
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("version") == MEASURE_VERSION and float(doc["flops"]) > 0:
+            return float(doc["flops"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass  # absent or unreadable: the next figure starts the entry
+    return 0.0
 
 
 def _record(path: pathlib.Path, flops: float, method: str) -> None:
