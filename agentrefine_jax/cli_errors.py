@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 from typing import NoReturn
 
 from agentrefine_jax import outputs
@@ -33,8 +34,41 @@ class Terminated(BaseException):
     Long-running loops that keep finished work (synth) catch it to save, then report 75."""
 
 
-def _on_sigterm(signum: int, frame: object) -> None:
+def raise_terminated(signum: int, frame: object) -> None:
+    """The SIGTERM handler of a tool that stops by unwinding (run_main's, eval's)."""
     raise Terminated
+
+
+# Python runs a signal's handler at the next bytecode of the main thread, wherever that is. When it is
+# inside a garbage-collector callback (jax registers one that frees XLA buffers on every collection),
+# a `__del__` or a weakref callback, the exception the handler raises cannot propagate: Python hands
+# it to sys.unraisablehook and goes on, and the Ctrl-C is lost (CI saw a training run ignore it).
+_SIGNAL_OF = ((KeyboardInterrupt, signal.SIGINT), (Terminated, signal.SIGTERM))
+_REDELIVER_AFTER_S = 0.05  # long enough for the hook and the collection to return first
+
+
+def redeliver_swallowed_signals() -> None:
+    """Make a Ctrl-C or SIGTERM whose exception was swallowed arrive again, at the next safe point.
+
+    The signal is sent again from a helper thread (not from the hook, whose own Python code would take
+    it), so whatever handler is installed then (the default's KeyboardInterrupt, a trainer's
+    checkpoint-then-stop) sees it once more, outside the callback. Any other unraisable exception goes
+    to the hook that was there before. Idempotent."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_redelivers_signals", False):
+        return
+
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
+        for exc_type, signum in _SIGNAL_OF:
+            if unraisable.exc_type is not None and issubclass(unraisable.exc_type, exc_type):
+                timer = threading.Timer(_REDELIVER_AFTER_S, os.kill, (os.getpid(), signum))
+                timer.daemon = True
+                timer.start()
+                return
+        previous(unraisable)
+
+    hook._redelivers_signals = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 def run_main(tool: str, module: str) -> int:
@@ -44,11 +78,13 @@ def run_main(tool: str, module: str) -> int:
     transformers is handled too. On Ctrl-C: one line, worker processes stopped, exit 130 at once
     (an interrupted Orbax save leaves non-daemon threads that would otherwise hold the exit).
     SIGTERM: the same with exit 75 (a tool with its own SIGTERM handling — the trainer's
-    checkpoint-then-75, the server's shutdown — installs it over this one).
+    checkpoint-then-75, the server's shutdown — installs it over this one). Either signal is delivered
+    again if it first landed where its exception could not propagate (redeliver_swallowed_signals).
     """
     from agentrefine_jax import startup
 
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, raise_terminated)
+    redeliver_swallowed_signals()
     try:
         startup.quiet_start()
         return int(importlib.import_module(module).main() or 0)

@@ -23,7 +23,7 @@ import tempfile
 from typing import Any
 
 from agentrefine_jax import logs, outputs
-from agentrefine_jax.cli_errors import TERMINATED, OneLineParser, fail
+from agentrefine_jax.cli_errors import TERMINATED, OneLineParser, Terminated, fail, raise_terminated
 from agentrefine_jax.eval import progress
 from agentrefine_jax.eval.config import PAPER_PERTURBATIONS, EvalConfig
 from agentrefine_jax.eval.journal import Journal, journal_path
@@ -321,14 +321,6 @@ _NOT_RESULTS = ("quiet", "verbose", "workdir", "progress_every")
 _THE_MODEL = ("checkpoint", "base_url", "model")
 
 
-class Terminated(BaseException):
-    """SIGTERM: not an `Exception`, so no per-episode handler turns it into a failed episode."""
-
-
-def _terminate(signum: int, frame: object) -> None:
-    raise Terminated
-
-
 def pin_model(args: argparse.Namespace) -> dict[str, Any] | None:
     """Resolve --checkpoint to one step now (`args.load_from`: what is loaded, whatever the run saves
     meanwhile) and return the identity the journal is bound to and the results record."""
@@ -585,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     onpolicy = bool(argv) and argv[0] == "onpolicy"
     args = build_onpolicy_parser().parse_args(argv[1:]) if onpolicy else build_parser().parse_args(argv)
     logs.setup("eval", args)
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         return run_onpolicy(args) if onpolicy else run(args)
     except (ValueError, FileNotFoundError, ImportError) as e:
