@@ -10,6 +10,7 @@ import signal
 import tempfile
 
 import pytest
+from suite_clock import pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401 - hooks
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
