@@ -1,9 +1,9 @@
 """Where the suite's wall time went: three lines at the end of every run, CI's included.
 
-CI once reported 4,193 s of pytest wall time for a suite whose slowest tests took what they take on
-an idle 2-core machine (the whole suite: ~1,400 s there). `--durations` lists only the slowest
-tests, so time spread thinly over many tests could not be told from time spent between tests (a
-worker waiting on the controller, a slow start, collection). These lines say which: the summed
+CI once reported 4,193 s of pytest wall time for a suite that had taken ~1,400 s on an idle 2-core
+machine. `--durations` lists only the slowest tests, so time spread thinly over many tests could not
+be told from time spent between tests (a worker waiting on the controller, a slow start,
+collection). These lines say which: the summed
 test phases per worker against the wall time, each worker's longest time between two reports that
 no test phase accounts for, and the files that cost the most.
 
