@@ -20,8 +20,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-# What a pair objective's step logs beside loss, loss_tokens, tokens and grad_norm (means over the
-# global batch's pairs; sft_loss over its SFT tokens, 0 when the objective has no SFT term).
+# What a pair objective's step logs beside loss, loss_tokens, tokens, projected_tokens and grad_norm
+# (means over the global batch's pairs; sft_loss over its SFT tokens, 0 when the objective has no SFT
+# term).
 PAIR_METRICS = ("pair_loss", "sft_loss", "rewards_chosen", "rewards_rejected", "margin", "accuracy", "pairs")
 # What a policy-gradient objective's step logs (over the global batch's trainable tokens; see
 # train/objectives.py's PolicyGradient): the share of tokens whose ratio was clipped, the mean k3
@@ -40,7 +41,7 @@ class Objective:
     pairs: bool  # trains on the split's preference pairs (data/preference.py)
     reference: bool  # its loss compares with the frozen starting policy (see `reference_knob`)
     loss: str  # its loss: the name of a `Loss` in train/objectives.py
-    metrics: tuple[str, ...] = ()  # logged beside loss, loss_tokens, tokens and grad_norm
+    metrics: tuple[str, ...] = ()  # logged beside loss, loss_tokens, tokens, projected_tokens and grad_norm
     weights: tuple[str, ...] = ()  # the train.* knobs weighting its terms (all 0: nothing to train)
     label: str = ""  # appended to a run's name in analyze's tables ("" for plain refinement tuning)
     # Trains on the rollouts the RL loop collects (rl/batch.py's arrays), not on the split's data:

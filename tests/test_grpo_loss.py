@@ -198,7 +198,8 @@ def test_step_loss_and_metrics_equal_the_oracle(models, kl_coef):
     batch = _batch(models, seed=1)
     _, want = _oracle(models, batch, kl_coef)
     _, got = _run(fns, models, batch)
-    assert set(got) == set(want) | {"grad_norm"}
+    assert set(got) == set(want) | {"grad_norm", "projected_tokens"}
+    assert got["projected_tokens"] == want["loss_tokens"]  # only the sampled tokens are projected
     for k, v in want.items():
         np.testing.assert_allclose(got[k], v, rtol=2e-5, atol=2e-6, err_msg=k)
     # Evaluation: (loss x sampled tokens, sampled tokens), the mean per token over batches.
@@ -367,4 +368,4 @@ def test_the_trainers_step_lowers_for_rollout_batches(kl_coef):
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), fns.abstract_opt, fns.opt_shardings
     )
     metrics = fns.train.lower(params, opt, batch).out_info[2]
-    assert set(metrics) == {"loss", "loss_tokens", "tokens", "grad_norm", *GRPO.metrics}
+    assert set(metrics) == {"loss", "loss_tokens", "tokens", "projected_tokens", "grad_norm", *GRPO.metrics}

@@ -38,7 +38,7 @@ DEMO_TRAIN = PACKAGE / "data" / "demo" / "train.jsonl"
 # Where an objective's name may still be written as a string outside the table ("file:line" ->
 # why). Empty: everything asks the table (a name from a config is looked up, never compared).
 ALLOWED: dict[str, str] = {}
-STEP_METRICS = {"loss", "loss_tokens", "tokens", "grad_norm"}
+STEP_METRICS = {"loss", "loss_tokens", "tokens", "projected_tokens", "grad_norm"}
 
 
 def stray_objective_names(root: pathlib.Path, names: set[str]) -> list[str]:

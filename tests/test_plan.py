@@ -294,3 +294,13 @@ def test_lora_state_is_the_trainers_own(base_dtype: str, n_micro: int) -> None:
     assert p["param_mode"] == ("int8-lora" if base_dtype == "int8" else "lora")
     full = P.plan(load_config("tiny", SMALL), sizes, "v5p", global_batch=16, seq_len=512)["bytes_per_device"]
     assert b["optimizer"] < full["optimizer"] / 10 and b["params"] < full["params"]
+
+
+def test_step_flops_count_the_output_layer_for_projected_positions_only() -> None:
+    """The loss projects only the targets it reads (train/loss.py): a step's FLOPs, and so its MFU,
+    count the output layer for those, everything else for every position."""
+    cfg = load_config("tiny").model
+    full = flops.flops_per_token(cfg, 512) * 2048
+    assert flops.flops_per_step(cfg, 512, 2048, 2048) == pytest.approx(full)
+    skipped = 2048 - 548
+    assert full - flops.flops_per_step(cfg, 512, 2048, 548) == pytest.approx(6 * 64 * 128256 * skipped)

@@ -115,6 +115,8 @@ def test_demo_learns(reference_run):
     for key in ("step", "loss", "lr", "grad_norm", "tokens", "loss_tokens", "tokens_per_sec", "mfu"):
         assert key in rows[0]
     assert all(r["loss_tokens"] > 0 and r["tokens"] >= r["loss_tokens"] for r in rows)
+    # SFT projects exactly its loss tokens onto the vocabulary, and the FLOP count (MFU) says so.
+    assert all(r["projected_tokens"] == r["loss_tokens"] for r in rows)
     # On CPU too: against this host's measured matmul peak (train/cpu_peak.py; a faster step raises it).
     assert all(isinstance(r["mfu"], float) and 0 < r["mfu"] <= 1 for r in rows), [r["mfu"] for r in rows]
     # No row is credited with a neighbour's time: a save wants step k, so steps k-1 and k are read back

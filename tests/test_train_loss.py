@@ -17,6 +17,7 @@ from flax import nnx
 from agentrefine_jax import sharding as shd
 from agentrefine_jax.config import MeshConfig, OptimConfig, load_config
 from agentrefine_jax.models import create, preset
+from agentrefine_jax.train import objectives
 from agentrefine_jax.train.loss import chunked_cross_entropy, resolve_loss_impl
 from agentrefine_jax.train.optimizer import make_optimizer
 from agentrefine_jax.train.step import build_steps, loss_sums
@@ -138,3 +139,86 @@ def test_loss_impl_is_validated_and_auto_resolves_per_platform():
     with pytest.raises(ValueError, match="must be one of"):
         load_config("tiny", ["train.loss_impl=fast"])
     assert load_config("tiny", ["train.loss_impl=remat"]).train.loss_impl == "remat"
+
+
+def _poisoned_problem(b: int = 4, t: int = 40, chunk: int = 8):
+    """Each row holds exactly one chunk's worth of loss-bearing positions, scattered (the last
+    position among them, the first not: without compaction they touch every chunk); every other
+    position's hidden state is NaN. A chunk that projected a loss-free position would turn the sum
+    NaN (NaN x weight 0 is NaN), so a finite, exact result says no such chunk ran."""
+    rng = np.random.RandomState(5)
+    wt = np.zeros((b, t), np.float32)
+    for row in range(b):
+        wt[row, 1 + rng.choice(t - 2, chunk - 1, replace=False)] = 1.0
+        wt[row, t - 1] = 1.0
+    h = rng.randn(b, t, 16).astype(np.float32)
+    clean = h.copy()
+    h[wt == 0] = np.nan
+    w = (rng.randn(16, 50) * 0.1).astype(np.float32)
+    tgt = rng.randint(0, 50, (b, t))
+    return h, clean, w, tgt, wt
+
+
+@pytest.mark.parametrize("impl", ["fused", "remat"])
+def test_loss_free_positions_never_reach_the_vocabulary_projection(impl):
+    h, clean, w, tgt, wt = _poisoned_problem()
+    # float64 reference over the loss-bearing positions only, from the clean states.
+    logits = clean.astype(np.float64) @ w.astype(np.float64)
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    want = float(((lse - np.take_along_axis(logits, tgt[..., None], -1)[..., 0]) * wt).sum())
+
+    def f(h, w):
+        return chunked_cross_entropy(h, w, jnp.asarray(tgt), jnp.asarray(wt), 8, impl)[0]
+
+    got, (dh, dw) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(jnp.asarray(h), jnp.asarray(w))
+    np.testing.assert_allclose(float(got), want, rtol=2e-6)
+    assert np.all(np.asarray(dh)[wt == 0] == 0.0) and np.isfinite(np.asarray(dw)).all()
+    _, (dh_clean, dw_clean) = jax.value_and_grad(f, argnums=(0, 1))(jnp.asarray(clean), jnp.asarray(w))
+    _assert_trees_close((np.asarray(dh)[wt > 0], dw), (np.asarray(dh_clean)[wt > 0], dw_clean))
+
+
+def test_each_batch_shard_compacts_its_own_rows_on_an_8_device_mesh():
+    """One row per shard: each row's loss positions move to its front and the result is the
+    one-device one; the batch axis stays split (no position crosses a shard)."""
+    h, clean, w, tgt, wt = _poisoned_problem(b=8)
+
+    def f(h, w):
+        return chunked_cross_entropy(h, w, jnp.asarray(tgt), jnp.asarray(wt), 8, "fused")[0]
+
+    want, (_, dw_one) = jax.value_and_grad(f, argnums=(0, 1))(jnp.asarray(clean), jnp.asarray(w))
+    mesh = shd.make_mesh(data=2, fsdp=4, tensor=1, devices=jax.devices())
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+    with shd.use_sharding(mesh, MeshConfig().rules):
+        grad = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
+        got, (dh, dw) = grad(jax.device_put(h, rows), jnp.asarray(w))
+    np.testing.assert_allclose(float(got), float(want), rtol=2e-6)
+    assert np.all(np.asarray(dh)[wt == 0] == 0.0)
+    _assert_trees_close(dw, dw_one)
+    assert dh.sharding.spec[0] == ("data", "fsdp")
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_token_logps_project_only_the_needed_positions(entropy):
+    """A pair loss's or a rollout's log-probabilities: exact where needed, 0 elsewhere, and the
+    NaN states at the other positions never reach a projected chunk (value or gradient)."""
+    h, clean, w, tgt, needed = _poisoned_problem()
+    logits = clean.astype(np.float64) @ w.astype(np.float64)
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    want = np.where(needed > 0, np.take_along_axis(logits, tgt[..., None], -1)[..., 0] - lse, 0.0)
+    fn = objectives.token_logps_entropy if entropy else objectives.token_logps
+
+    def f(h, w):
+        out = fn(h, w, jnp.asarray(tgt), 8, jnp.asarray(needed > 0))
+        logp = out[0] if entropy else out
+        return jnp.sum(logp * jnp.asarray(needed)), out
+
+    (_, out), (dh, dw) = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(
+        jnp.asarray(h), jnp.asarray(w)
+    )
+    logp = out[0] if entropy else out
+    np.testing.assert_allclose(np.asarray(logp), want, rtol=2e-5, atol=1e-6)
+    if entropy:
+        p = np.exp(logits - lse[..., None])
+        want_h = np.where(needed > 0, lse - (p * logits).sum(-1), 0.0)
+        np.testing.assert_allclose(np.asarray(out[1]), want_h, rtol=2e-5, atol=1e-6)
+    assert np.all(np.asarray(dh)[needed == 0] == 0.0) and np.isfinite(np.asarray(dw)).all()

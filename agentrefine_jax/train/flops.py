@@ -36,6 +36,14 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6.0 * matmul_params(cfg) + attention
 
 
+def flops_per_step(cfg: ModelConfig, seq_len: int, tokens: float, projected_tokens: float) -> float:
+    """A step's model FLOPs over `tokens` positions, the output projection's over the
+    `projected_tokens` that reach it: the SFT loss projects only loss-bearing positions
+    (train/loss.py), so counting all would put MFU above what the machine did, or above 100%."""
+    head = 6.0 * cfg.hidden_size * cfg.vocab_size
+    return (flops_per_token(cfg, seq_len) - head) * tokens + head * projected_tokens
+
+
 def device_peak_flops(override: float = 0.0, log: Callable[[str], None] | None = None) -> float | None:
     """Peak FLOP/s of one local device: `override` when > 0, a known TPU chip's datasheet figure,
     on a CPU backend this host's measured float32 matmul peak (`cpu_peak.py`, shared among the

@@ -82,20 +82,21 @@ class MetricsLog(Hook):
         log_every: int,
         total_steps: int,
         start_step: int,
-        flops_per_step: float,
+        step_flops: Callable[[Mapping[str, float]], float],
         peak_flops: float | None,
         last_good: Callable[[], str],
         raise_peak: Callable[[float], Any] | None = None,
     ) -> None:
         self.writer, self.schedule, self.last_good = writer, schedule, last_good
         self.log_every, self.total_steps, self.start_step = log_every, total_steps, start_step
-        self.flops_per_step, self.peak = flops_per_step, peak_flops
+        # A step's model FLOPs from its metrics: they depend on its loss tokens (flops.flops_per_step).
+        self.step_flops, self.peak = step_flops, peak_flops
         # Given where the peak is this host's measurement (CPU): called with the host's achieved FLOP/s
         # when a step beats it, which then is the peak (`cpu_peak.raise_to`): MFU never reads above 100%.
         self.raise_peak = raise_peak
         self.losses: list[float] = []
         self.t_start = self.t_last = time.perf_counter()
-        self.tokens_since, self.steps_since = 0.0, 0
+        self.tokens_since, self.steps_since, self.flops_since = 0.0, 0, 0.0
 
     def on_metrics(self, step: int, m: Mapping[str, float], done_at: float) -> None:
         self.steps_since += 1
@@ -106,16 +107,13 @@ class MetricsLog(Hook):
             self.writer.write({"step": step, **m, "error": str(e)})
             raise e from None
         self.tokens_since += m["tokens"]
+        self.flops_since += self.step_flops(m)
         if step % self.log_every and step != self.total_steps:
             return
         now = done_at  # not the time of this call: see run_steps
         dt = max(now - self.t_last, 1e-9)
         tps = self.tokens_since / dt
-        mfu = (
-            (self.flops_per_step * self.steps_since / dt / (self.peak * jax.device_count()))
-            if self.peak
-            else None
-        )
+        mfu = (self.flops_since / dt / (self.peak * jax.device_count())) if self.peak else None
         if mfu is not None and mfu > 1 and self.raise_peak is not None:
             old, self.peak = self.peak, self.peak * mfu
             host = self.peak * jax.local_device_count()
@@ -146,7 +144,7 @@ class MetricsLog(Hook):
             f"gnorm {m['grad_norm']:.3f}  loss_tok {row['loss_tokens']}  {tps:,.0f} tok/s  "
             f"mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}  eta {format_eta(eta)}"
         )
-        self.t_last, self.tokens_since, self.steps_since = now, 0.0, 0
+        self.t_last, self.tokens_since, self.steps_since, self.flops_since = now, 0.0, 0, 0.0
 
 
 class Evaluate(Hook):

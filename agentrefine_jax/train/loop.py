@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -392,6 +392,17 @@ def start_state(
     return RunState(resume_step, total_steps, resume_step, params, restored["opt_state"])
 
 
+def _step_flops(cfg: Config) -> Callable[[Mapping[str, float]], float]:
+    """A step's model FLOPs from its logged counts: the output projection's for the positions it ran
+    on (`projected_tokens`: the objective's loss projects only the targets it reads)."""
+    seq_len, rows = cfg.data.max_length, cfg.train.global_batch_size
+
+    def count(m: Mapping[str, float]) -> float:
+        return flops.flops_per_step(cfg.model, seq_len, rows * seq_len, m["projected_tokens"])
+
+    return count
+
+
 def _hooks(
     cfg: Config,
     fns: StepFns,
@@ -402,14 +413,14 @@ def _hooks(
     state: RunState,
 ) -> tuple[MetricsLog, Checkpointing]:
     """Every run's metrics log and checkpointing."""
-    tc, seq_len = cfg.train, cfg.data.max_length
+    tc = cfg.train
     metrics_log = MetricsLog(
         writer,
         schedule,
         log_every=tc.log_every,
         total_steps=state.total_steps,
         start_step=state.start_step,
-        flops_per_step=flops.flops_per_token(cfg.model, seq_len) * tc.global_batch_size * seq_len,
+        step_flops=_step_flops(cfg),
         peak_flops=flops.device_peak_flops(tc.peak_flops_per_device, log=log.info),
         last_good=ckpts.last_good_note,
         raise_peak=flops.measured_peak_raiser(tc.peak_flops_per_device),

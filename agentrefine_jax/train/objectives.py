@@ -49,7 +49,7 @@ import jax.numpy as jnp
 
 from agentrefine_jax.data.preference import CHOSEN, REJECTED
 from agentrefine_jax.objective_table import Objective
-from agentrefine_jax.train.loss import chunked_cross_entropy, target_weights
+from agentrefine_jax.train.loss import TokenLayout, chunked_cross_entropy, target_weights
 
 Batch = dict[str, jax.Array]
 # A model's output for the loss: (the hidden state before each target [B, T-1, D], lm_head [D, V]).
@@ -92,6 +92,12 @@ class Loss(abc.ABC):
     # The float32 [rows, T] arrays its batch carries beside data/packing.BATCH_KEYS (int32).
     extra_keys: tuple[str, ...] = ()
 
+    @abc.abstractmethod
+    def needed(self, batch: Batch) -> jax.Array:
+        """[B, T-1] bool: the targets whose log-probabilities the loss reads — the only positions
+        that reach the vocabulary projection (loss.TokenLayout); their count is logged
+        (`projected_tokens`) and is what a step's FLOPs count for the output layer."""
+
     def combine(self, a: Any, b: Any) -> Any:
         """Two micro batches' aux, combined (sums add; a loss with a maximum overrides this)."""
         return jax.tree.map(jnp.add, a, b)
@@ -119,35 +125,36 @@ class Loss(abc.ABC):
         """(sum, weight) of an evaluation batch: the split's loss is sum / weight over its batches."""
 
 
-def token_logps(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
-    """log p(target) per position, [B, T] float32; the vocabulary projection chunk by chunk
-    (each chunk rematerialised in the backward pass: no [B, T, V] logits live)."""
-    return _token_stats(hidden, lm_head, targets, chunk, entropy=False)[0]
+def token_logps(
+    hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, chunk: int, needed: jax.Array | None = None
+) -> jax.Array:
+    """log p(target) per position, [B, T] float32, where `needed` ([B, T] bool; None: everywhere)
+    is set and 0 elsewhere: only needed positions reach the vocabulary projection (loss.TokenLayout), chunk by
+    chunk, each chunk rematerialised in the backward pass (no [B, T, V] logits live)."""
+    return _token_stats(hidden, lm_head, targets, chunk, needed, entropy=False)[0]
 
 
 def token_logps_entropy(
-    hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, chunk: int
+    hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, chunk: int, needed: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
-    """`token_logps` and the policy's entropy per position (both [B, T] float32), from the same
-    chunks' logits. The entropy is a metric: no gradient flows from it."""
-    return _token_stats(hidden, lm_head, targets, chunk, entropy=True)
+    """`token_logps` and the policy's entropy per needed position (both [B, T] float32, 0 elsewhere),
+    from the same chunks' logits. The entropy is a metric: no gradient flows from it."""
+    return _token_stats(hidden, lm_head, targets, chunk, needed, entropy=True)
 
 
 def _token_stats(
-    hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, chunk: int, entropy: bool
+    hidden: jax.Array,
+    lm_head: jax.Array,
+    targets: jax.Array,
+    chunk: int,
+    needed: jax.Array | None,
+    entropy: bool,
 ) -> tuple[jax.Array, jax.Array | None]:
-    b, t, d = hidden.shape
-    chunk = max(1, min(chunk, t))
-    pad = (-t) % chunk
-    if pad:
-        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-        targets = jnp.pad(targets, ((0, 0), (0, pad)))
-    n = (t + pad) // chunk
-    hs = jnp.moveaxis(hidden.reshape(b, n, chunk, d), 1, 0)
-    ts = jnp.moveaxis(targets.reshape(b, n, chunk), 1, 0)
+    needed = jnp.ones(targets.shape, bool) if needed is None else needed
+    lay = TokenLayout.of(needed.astype(jnp.float32), chunk)
+    hs, ts = lay.split(hidden), lay.split(targets)
     w = lm_head.astype(hidden.dtype)
 
-    @jax.checkpoint
     def one(h: jax.Array, tgt: jax.Array) -> tuple[jax.Array, jax.Array]:
         logits = jnp.einsum("bcd,dv->bcv", h, w, preferred_element_type=jnp.float32)
         lse = jax.nn.logsumexp(logits, axis=-1)
@@ -158,12 +165,19 @@ def _token_stats(
         lg, ls = jax.lax.stop_gradient(logits), jax.lax.stop_gradient(lse)
         return logp, ls - jnp.sum(jnp.exp(lg - ls[..., None]) * lg, axis=-1)
 
-    logp, ent = jax.lax.map(lambda xs: one(*xs), (hs, ts))  # [n, B, chunk] each
+    def idle(h: jax.Array, tgt: jax.Array) -> tuple[jax.Array, jax.Array]:
+        zero = jnp.zeros(tgt.shape, jnp.float32)
+        return zero, zero
 
-    def rows(x: jax.Array) -> jax.Array:
-        return jnp.moveaxis(x, 0, 1).reshape(b, -1)[:, :t]
+    # The checkpoint outside the cond (see loss._chunked_loss): lm_head stays one residual.
+    @jax.checkpoint
+    def maybe(k: jax.Array, h: jax.Array, tgt: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return jax.lax.cond(k < lay.live, one, idle, h, tgt)
 
-    return rows(logp), rows(ent) if entropy else None
+    steps = jnp.arange(hs.shape[0])
+    logp, ent = jax.lax.map(lambda xs: maybe(*xs), (steps, hs, ts))  # [n, G, chunk] each
+    shape = targets.shape
+    return lay.merge(logp, shape), lay.merge(ent, shape) if entropy else None
 
 
 def _target_kinds(batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -252,6 +266,9 @@ class TokenNll(Loss):
     """SFT: the refinement-masked token NLL; a micro batch adds (loss sum, loss tokens), and the
     step divides once by the global batch's tokens (every loss token weighs the same)."""
 
+    def needed(self, batch: Batch) -> jax.Array:
+        return target_weights(batch)[1] > 0
+
     def counts(self, batch: Batch) -> tuple[()]:
         return ()
 
@@ -284,6 +301,11 @@ class PairLoss(Loss):
     def counts(self, batch: Batch) -> tuple[jax.Array, jax.Array]:
         return count_sft_tokens(batch), count_pairs(batch)
 
+    def needed(self, batch: Batch) -> jax.Array:
+        kind, _ = _target_kinds(batch)
+        paired = (kind == CHOSEN) | (kind == REJECTED)
+        return paired | (kind == 1) if self.with_sft else paired
+
     def aux_zeros(self) -> dict[str, jax.Array]:
         zero = jnp.zeros((), jnp.float32)
         return {k: zero for k in (*METRICS, "pair_loss", "sft_loss")}
@@ -292,8 +314,9 @@ class PairLoss(Loss):
         self, policy: Head, ref: Head | None, batch: Batch, counts: Any, s: Settings
     ) -> tuple[Any, Any]:
         targets = batch["input_ids"][:, 1:]
-        logp = token_logps(*policy, targets, s.chunk)
-        ref_logp = None if ref is None else token_logps(*ref, targets, s.chunk)
+        needed = self.needed(batch)
+        logp = token_logps(*policy, targets, s.chunk, needed)
+        ref_logp = None if ref is None else token_logps(*ref, targets, s.chunk, needed)
         n_tokens, n_pairs = counts
         pi = pair_logps(logp, batch)
         ref_pairs = None if ref_logp is None else pair_logps(jax.lax.stop_gradient(ref_logp), batch)
@@ -343,6 +366,9 @@ class PolicyGradient(Loss):
     extra_keys = ("old_logprobs", "advantages")
     SUMS = ("clipped", "kl", "entropy", "ratio")
 
+    def needed(self, batch: Batch) -> jax.Array:
+        return target_weights(batch)[1] > 0
+
     def counts(self, batch: Batch) -> dict[str, jax.Array]:
         _, w = target_weights(batch)
         adv = batch["advantages"][:, 1:].astype(jnp.float32)
@@ -363,9 +389,9 @@ class PolicyGradient(Loss):
     def micro(
         self, policy: Head, ref: Head | None, batch: Batch, counts: Any, s: Settings
     ) -> tuple[Any, Any]:
-        targets, w = target_weights(batch)
-        on = w > 0
-        logp, entropy = token_logps_entropy(*policy, targets, s.chunk)
+        targets, _ = target_weights(batch)
+        on = self.needed(batch)
+        logp, entropy = token_logps_entropy(*policy, targets, s.chunk, on)
         old = batch["old_logprobs"][:, 1:].astype(jnp.float32)
         adv = batch["advantages"][:, 1:].astype(jnp.float32)
         # Off the trained tokens, delta is 0 (ratio 1) and every term below is masked out: neither
@@ -378,7 +404,7 @@ class PolicyGradient(Loss):
         value = -jnp.sum(jnp.where(on, surrogate, 0.0)) / n
         kl_sum = jnp.zeros((), jnp.float32)
         if ref is not None:
-            d = jnp.where(on, jax.lax.stop_gradient(token_logps(*ref, targets, s.chunk)) - logp, 0.0)
+            d = jnp.where(on, jax.lax.stop_gradient(token_logps(*ref, targets, s.chunk, on)) - logp, 0.0)
             d = jnp.clip(d, -MAX_LOG_RATIO, MAX_LOG_RATIO)
             kl_sum = jnp.sum(jnp.where(on, jnp.exp(d) - d - 1.0, 0.0))
             value = value + s.kl_coef * kl_sum / n

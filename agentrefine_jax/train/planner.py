@@ -357,10 +357,12 @@ def activation_model(
         # The [S, S] boolean document/causal mask is built whole, even with query blocks.
         mask = seq_len * seq_len
     chunk = max(1, min(loss_chunk, seq_len))
-    # Logits, softmax and logit cotangents (all f32) of one loss chunk.
+    # Logits, softmax and logit cotangents (all f32) of one loss chunk. The loss joins a device's
+    # rows into one before chunking (train/loss.py), so a chunk is `chunk` tokens whatever the
+    # micro batch: a fixed working set, not one per sample.
     logits_chunk = chunk * local.vocab_size * 4 * 3
 
-    fixed = {"weight_derived_saved": weight_derived // fsdp_factor}
+    fixed = {"weight_derived_saved": weight_derived // fsdp_factor, "logits_chunk": logits_chunk}
     if _itemsize(model_cfg.param_dtype) != c:
         # The XLA TPU compiler hoists the cast of the stacked (scanned) layer weights out of the
         # layer loop: a compute-dtype copy of this device's shard of every layer lives for the
@@ -387,7 +389,6 @@ def activation_model(
         "layer_recompute": layer_recompute,
         "attention_blocks": attention_blocks,
         "attention_mask": mask,
-        "logits_chunk": logits_chunk,
     }
     return ActivationModel(fixed, per_sample), notes
 

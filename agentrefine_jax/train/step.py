@@ -287,7 +287,13 @@ def _steps(
         ok = (done.guard > 0) & jnp.isfinite(done.loss) & jnp.isfinite(grad_norm)
         new_params, new_opt = jax.lax.cond(ok, update, lambda args: args[:2], (trained, opt_state, grads))
         tokens = jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32)
-        metrics = {"loss": done.loss, "loss_tokens": done.scored, "tokens": tokens, "grad_norm": grad_norm}
+        metrics = {
+            "loss": done.loss,
+            "loss_tokens": done.scored,
+            "tokens": tokens,
+            "projected_tokens": jnp.sum(loss.needed(batch)).astype(jnp.float32),
+            "grad_norm": grad_norm,
+        }
         return mode.with_trained(params, new_params), new_opt, {**metrics, **done.metrics}
 
     def eval_step(params: Params, batch: Batch) -> tuple[jax.Array, jax.Array]:
