@@ -93,10 +93,12 @@ class TokenLayout:
     chunks past the longest shard's count are skipped at run time (`lax.cond`), forward and
     backward. Joining only within a shard keeps the batch axis sharded as it was (no gather across
     devices): on one device the whole batch compacts together; with one row per shard each row does.
-    A chunk is `chunk_size` tokens of each shard's joined row.
+    A chunk is `chunk_size` tokens (at most a row's length) of each shard's joined row; each row is
+    padded to whole chunks before the join, so the program's structure does not depend on how many
+    rows a shard holds (the planner compares the traces of micro batches 1 and 2).
     """
 
-    order: jax.Array  # [G, L] source position (in the joined row) of each compacted slot
+    order: jax.Array  # [G, L] source position (in the joined, padded row) of each compacted slot
     inverse: jax.Array  # [G, L] compacted slot of each source position
     live: jax.Array  # [] number of chunks holding a loss-bearing position in some shard
     groups: int = dataclasses.field(metadata={"static": True})
@@ -107,32 +109,31 @@ class TokenLayout:
         """For [B, T] `weights`: positions with weight > 0 are the ones projected."""
         b, t = weights.shape
         groups = _batch_shards(b)
-        w = weights.reshape(groups, (b // groups) * t)
-        chunk = max(1, min(chunk_size, w.shape[1]))
-        idle = (w <= 0).astype(jnp.int32)
+        chunk = max(1, min(chunk_size, t))
+        idle = (_pad_rows(weights, chunk).reshape(groups, -1) <= 0).astype(jnp.int32)
         order = jnp.argsort(idle, axis=1, stable=True)
         inverse = jnp.argsort(order, axis=1)
         longest = jnp.max(jnp.sum(1 - idle, axis=1))
         return cls(order, inverse, (longest + chunk - 1) // chunk, groups, chunk)
 
     def split(self, x: jax.Array) -> jax.Array:
-        """[B, T, ...] -> [n_chunks, G, chunk, ...]: joined per shard, compacted, zero-padded."""
-        b, t = x.shape[:2]
+        """[B, T, ...] -> [n_chunks, G, chunk, ...]: rows padded, joined per shard, compacted."""
         rest = x.shape[2:]
-        x = x.reshape(self.groups, (b // self.groups) * t, *rest)
-        x = _permute(x, self.order, self.inverse)
-        pad = (-x.shape[1]) % self.chunk
-        if pad:
-            x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * len(rest))
-        n = x.shape[1] // self.chunk
-        return jnp.moveaxis(x.reshape(self.groups, n, self.chunk, *rest), 1, 0)
+        x = _permute(_pad_rows(x, self.chunk).reshape(self.groups, -1, *rest), self.order, self.inverse)
+        return jnp.moveaxis(x.reshape(self.groups, -1, self.chunk, *rest), 1, 0)
 
     def merge(self, xs: jax.Array, shape: tuple[int, ...]) -> jax.Array:
         """The inverse of `split` for a [n_chunks, G, chunk, ...] result: back to `shape`."""
+        b, t = shape[:2]
         rest = xs.shape[3:]
-        x = jnp.moveaxis(xs, 0, 1).reshape(self.groups, -1, *rest)[:, : self.order.shape[1]]
-        x = _permute(x, self.inverse, self.order)
-        return x.reshape(shape)
+        x = _permute(jnp.moveaxis(xs, 0, 1).reshape(self.groups, -1, *rest), self.inverse, self.order)
+        return x.reshape(b, -1, *rest)[:, :t].reshape(shape)
+
+
+def _pad_rows(x: jax.Array, chunk: int) -> jax.Array:
+    """[B, T, ...] zero-padded along T to whole chunks (padding has weight 0: never projected)."""
+    pad = (-x.shape[1]) % chunk
+    return jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)) if pad else x
 
 
 def _batch_shards(b: int) -> int:
