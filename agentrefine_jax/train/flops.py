@@ -38,8 +38,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 def flops_per_step(cfg: ModelConfig, seq_len: int, tokens: float, projected_tokens: float) -> float:
     """A step's model FLOPs over `tokens` positions, the output projection's over the
-    `projected_tokens` that reach it: the SFT loss projects only loss-bearing positions
-    (train/loss.py), so counting all would put MFU above what the machine did, or above 100%."""
+    `projected_tokens` that reach it: a loss projects only the targets it reads (train/loss.py),
+    so counting every position would put MFU above what the machine did, or above 100%."""
     head = 6.0 * cfg.hidden_size * cfg.vocab_size
     return (flops_per_token(cfg, seq_len) - head) * tokens + head * projected_tokens
 

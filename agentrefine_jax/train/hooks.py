@@ -89,7 +89,7 @@ class MetricsLog(Hook):
     ) -> None:
         self.writer, self.schedule, self.last_good = writer, schedule, last_good
         self.log_every, self.total_steps, self.start_step = log_every, total_steps, start_step
-        # A step's model FLOPs from its metrics: they depend on its loss tokens (flops.flops_per_step).
+        # A step's model FLOPs from its metrics: they depend on its projected positions (flops.py).
         self.step_flops, self.peak = step_flops, peak_flops
         # Given where the peak is this host's measurement (CPU): called with the host's achieved FLOP/s
         # when a step beats it, which then is the peak (`cpu_peak.raise_to`): MFU never reads above 100%.

@@ -129,8 +129,9 @@ def token_logps(
     hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, chunk: int, needed: jax.Array | None = None
 ) -> jax.Array:
     """log p(target) per position, [B, T] float32, where `needed` ([B, T] bool; None: everywhere)
-    is set and 0 elsewhere: only needed positions reach the vocabulary projection (loss.TokenLayout), chunk by
-    chunk, each chunk rematerialised in the backward pass (no [B, T, V] logits live)."""
+    is set and 0 elsewhere: only needed positions reach the vocabulary projection
+    (loss.TokenLayout), chunk by chunk, each chunk rematerialised in the backward pass (no
+    [B, T, V] logits live)."""
     return _token_stats(hidden, lm_head, targets, chunk, needed, entropy=False)[0]
 
 
