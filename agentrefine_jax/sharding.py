@@ -131,6 +131,14 @@ def logical_to_spec(
     return PartitionSpec(*out)
 
 
+def spec_size(entry: Any, mesh: Mesh | Any) -> int:
+    """How many devices one PartitionSpec entry (None, an axis name or a tuple of them) splits over."""
+    if entry is None:
+        return 1
+    axes = (entry,) if isinstance(entry, str) else tuple(entry)
+    return math.prod(mesh.shape[a] for a in axes)
+
+
 @contextlib.contextmanager
 def use_sharding(mesh: Mesh, rules: Rules) -> Iterator[ShardingContext]:
     """Activate mesh + rules so `constrain` annotates activations while tracing."""

@@ -26,12 +26,11 @@ chunk fewer.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 
-from agentrefine_jax.sharding import constrain, logical_to_spec
+from agentrefine_jax.sharding import constrain, logical_to_spec, spec_size
 from agentrefine_jax.sharding import current as sharding_context
 
 LOSS_IMPLS = ("auto", "fused", "remat")
@@ -141,10 +140,7 @@ def _batch_shards(b: int) -> int:
     ctx = sharding_context()
     if ctx is None:
         return 1
-    spec = logical_to_spec(("batch",), ctx.rules, (b,), ctx.mesh)
-    axes = spec[0] if spec else None
-    names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    return math.prod(ctx.mesh.shape[a] for a in names)
+    return spec_size(logical_to_spec(("batch",), ctx.rules, (b,), ctx.mesh)[0], ctx.mesh)
 
 
 @jax.custom_vjp

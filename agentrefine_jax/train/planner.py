@@ -24,7 +24,7 @@ from typing import Any
 
 from agentrefine_jax.models.execution import attention_kernel, resolve
 from agentrefine_jax.models.lora import resolve_base_dtype
-from agentrefine_jax.sharding import MESH_AXES, parse_mesh_sizes
+from agentrefine_jax.sharding import MESH_AXES, parse_mesh_sizes, spec_size
 from agentrefine_jax.train.topology import HBM_BYTES, PEAK_FLOPS, GiB
 
 
@@ -76,18 +76,11 @@ def abstract_mesh(sizes: dict[str, int]) -> Any:
     return AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)
 
 
-def _spec_factor(entry: Any, mesh: Any) -> int:
-    if entry is None:
-        return 1
-    axes = (entry,) if isinstance(entry, str) else tuple(entry)
-    return math.prod(mesh.shape[a] for a in axes)
-
-
 def shard_shape(shape: Sequence[int], spec: Any, mesh: Any) -> tuple[int, ...]:
     """Per-device shape of an array with PartitionSpec `spec` (logical_to_spec only emits
     axes that divide their dimension, so the division is exact)."""
     entries = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
-    return tuple(d // _spec_factor(e, mesh) for d, e in zip(shape, entries, strict=True))
+    return tuple(d // spec_size(e, mesh) for d, e in zip(shape, entries, strict=True))
 
 
 # -------------------------------------------------------------------------- parameters
@@ -182,7 +175,7 @@ def _local_dim(name: str, size: int, rules: Sequence[tuple[str, Any]], mesh: Any
     from agentrefine_jax.sharding import logical_to_spec
 
     spec = logical_to_spec((name,), rules, (size,), mesh)
-    return size // _spec_factor(tuple(spec)[0], mesh)
+    return size // spec_size(tuple(spec)[0], mesh)
 
 
 def local_model_config(model_cfg: Any, mesh: Any, rules: Sequence[tuple[str, Any]]) -> tuple[Any, list[str]]:
@@ -578,7 +571,7 @@ def _batch_shards(micro: int, rules: Any, mesh: Any) -> tuple[int, int]:
 
     batch_spec = tuple(logical_to_spec(("batch",), rules, (micro,), mesh))[0]
     whole = tuple(logical_to_spec(("batch",), rules, None, mesh))[0]
-    return _spec_factor(batch_spec, mesh), _spec_factor(whole, mesh)
+    return spec_size(batch_spec, mesh), spec_size(whole, mesh)
 
 
 def _check_plan_args(
