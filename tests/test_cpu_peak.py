@@ -89,7 +89,6 @@ def test_a_step_faster_than_the_measured_peak_raises_it_and_mfu_stays_at_most_on
         lambda step: 1e-3,
         log_every=1,
         total_steps=2,
-        start_step=0,
         step_flops=lambda m: 1e9,  # 1 GFLOP a step: far above a 1 MFLOP/s "peak" at any real step time
         peak_flops=per_device,
         last_good=lambda: "",
@@ -112,7 +111,6 @@ def test_a_step_faster_than_the_measured_peak_raises_it_and_mfu_stays_at_most_on
         lambda step: 1e-3,
         log_every=1,
         total_steps=1,
-        start_step=0,
         step_flops=lambda m: 1e9,
         peak_flops=1e6,
         last_good=lambda: "",

@@ -81,25 +81,31 @@ class MetricsLog(Hook):
         *,
         log_every: int,
         total_steps: int,
-        start_step: int,
         step_flops: Callable[[Mapping[str, float]], float],
         peak_flops: float | None,
         last_good: Callable[[], str],
         raise_peak: Callable[[float], Any] | None = None,
     ) -> None:
         self.writer, self.schedule, self.last_good = writer, schedule, last_good
-        self.log_every, self.total_steps, self.start_step = log_every, total_steps, start_step
+        self.log_every, self.total_steps = log_every, total_steps
         # A step's model FLOPs from its metrics: they depend on its projected positions (flops.py).
         self.step_flops, self.peak = step_flops, peak_flops
         # Given where the peak is this host's measurement (CPU): called with the host's achieved FLOP/s
         # when a step beats it, which then is the peak (`cpu_peak.raise_to`): MFU never reads above 100%.
         self.raise_peak = raise_peak
         self.losses: list[float] = []
-        self.t_start = self.t_last = time.perf_counter()
+        self.t_last = time.perf_counter()
         self.tokens_since, self.steps_since, self.flops_since = 0.0, 0, 0.0
+        # This process's first step and when it finished: the ETA runs on the steps after it. The first
+        # step holds the compile (minutes for a large model) and, after a resume, the restore; averaged
+        # in, it made a resumed SmolLM2 run print "eta 73:34:12" for a run ~2 hours from its end.
+        self.first_step: int | None = None
+        self.first_done = 0.0
 
     def on_metrics(self, step: int, m: Mapping[str, float], done_at: float) -> None:
         self.steps_since += 1
+        if self.first_step is None:
+            self.first_step, self.first_done = step, done_at
         try:
             check_step(m, step)
         except TrainingError as e:
@@ -138,13 +144,21 @@ class MetricsLog(Hook):
             row.setdefault(k, v)
         self.losses.append(m["loss"])
         self.writer.write(row)
-        eta = (now - self.t_start) / max(step - self.start_step, 1) * (self.total_steps - step)
+        eta = self.eta(step, now)
         log.info(
             f"step {step}/{self.total_steps}  loss {m['loss']:.4f}  lr {row['lr']:.3g}  "
             f"gnorm {m['grad_norm']:.3f}  loss_tok {row['loss_tokens']}  {tps:,.0f} tok/s  "
             f"mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}  eta {format_eta(eta)}"
         )
         self.t_last, self.tokens_since, self.steps_since, self.flops_since = now, 0.0, 0, 0.0
+
+    def eta(self, step: int, now: float) -> float:
+        """Seconds left at the mean time of this process's steps after its first (nan while only the
+        first has run: its time is mostly the compile, not a step's; `format_eta` prints "?")."""
+        assert self.first_step is not None
+        if step <= self.first_step:
+            return 0.0 if step >= self.total_steps else math.nan
+        return (now - self.first_done) / (step - self.first_step) * (self.total_steps - step)
 
 
 class Evaluate(Hook):

@@ -419,7 +419,6 @@ def _hooks(
         schedule,
         log_every=tc.log_every,
         total_steps=state.total_steps,
-        start_step=state.start_step,
         step_flops=_step_flops(cfg),
         peak_flops=flops.device_peak_flops(tc.peak_flops_per_device, log=log.info),
         last_good=ckpts.last_good_note,
