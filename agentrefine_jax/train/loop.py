@@ -130,19 +130,31 @@ def run_steps(
     returned when it was already done (XLA:CPU may run a step inside the call), or when its metrics
     were read. Timing the hooks' call instead would charge one step's time to its neighbour whenever
     two steps are read back to back (a save or an evaluation wants the newest), so a throughput or
-    MFU row could read near zero and the next one impossibly high."""
+    MFU row could read near zero and the next one impossibly high.
+
+    A read can also return late: the host thread is descheduled or waits for the GIL (a busy
+    machine, the background save's threads) while the device finishes step k-1 *and* step k. Then
+    the host saw both finish at once and cannot tell where one ended: each is charged half of the
+    pair's time (CI, stop 57: step 4 of a run read 222,038 tokens/s, 260x its median)."""
     pending: tuple[int, Any, float | None] | None = None
+    last_done: float | None = None  # when the host saw the step before `pending` finish
 
     def ready_at(metrics: Any) -> float | None:
         return time.perf_counter() if all(x.is_ready() for x in jax.tree.leaves(metrics)) else None
 
-    def read_pending() -> None:
-        nonlocal pending
+    def read_pending(newer: Any = None) -> None:
+        """Hand the pending step's metrics to the hooks; `newer`: the metrics of the step
+        dispatched after it, if any (to tell whether this read came after both had finished)."""
+        nonlocal pending, last_done
         if pending is not None:
             done, metrics, done_at = pending
             pending = None
             m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            done_at = done_at if done_at is not None else time.perf_counter()
+            if done_at is None:
+                done_at = time.perf_counter()
+                if newer is not None and last_done is not None and ready_at(newer) is not None:
+                    done_at = (last_done + done_at) / 2  # see the docstring: a late read
+            last_done = done_at
             for h in hooks:
                 h.on_metrics(done, m, done_at)
 
@@ -155,7 +167,7 @@ def run_steps(
             pending = (*pending[:2], ready_at(pending[1]))
         state.params, state.opt_state, metrics = step(state.params, state.opt_state, batch)
         state.step += 1
-        read_pending()  # step k-1: the device is already busy with step k
+        read_pending(metrics)  # step k-1: the device is already busy with step k
         pending = (state.step, metrics, ready_at(metrics))
         if any([h.wants(state.step) for h in hooks]):  # every hook is asked (no short circuit)
             read_pending()
