@@ -12,8 +12,9 @@ The best figure measured so far is kept per machine and software (`peak()`): a J
 CPU model, the cores this process may use, jax/jaxlib versions, XLA_FLAGS and `MEASURE_VERSION`, so a
 new machine, core mask, JAX or measurement starts a new entry rather than reuse a stale figure. Every
 run measures again and raises the entry when it beats it: a figure measured on a busy machine is low
-(MFU would read high), and the first quiet run corrects it; a training step that runs faster than
-the kept figure raises it to the step's own rate at once (`raise_to`), so MFU never reads above 100%.
+(MFU would read high), and the first quiet run corrects it; training steps that run faster than
+the kept figure, on average over several of them, raise it to their rate (`raise_to`, called by
+`hooks.MetricsLog`, which says why one step's rate is not evidence enough).
 The file is written to a temporary sibling and renamed (a concurrent measurer's rename simply wins).
 
 The peak is the *host's*: with several forced host devices (`--xla_force_host_platform_device_count`)
@@ -31,8 +32,9 @@ import time
 
 from agentrefine_jax import outputs
 
-# Bump when the measurement changes: old cache entries are then not reused.
-MEASURE_VERSION = 1
+# Bump when the measurement changes: old cache entries are then not reused. 2: entries of version 1
+# could hold one step's rate, which a late read made up to 260x the host's real peak (CI, stop 57).
+MEASURE_VERSION = 2
 SIZE = 1024
 REPEATS = 8
 
@@ -112,16 +114,16 @@ def peak() -> tuple[float, pathlib.Path, bool]:
 
 
 def raise_to(achieved: float) -> bool:
-    """Keep `achieved` (FLOP/s a training step of this host really reached) as the host's peak when it
-    beats the kept best; whether it did.
+    """Keep `achieved` (FLOP/s this host's training steps sustained, the mean over several) as the
+    host's peak when it beats the kept best; whether it did.
 
-    Why: a matmul measured while other processes held the cores is low, and a later, quieter training
-    step then ran *faster* than the "peak" (MFU read 117% on the 2-core AMD EPYC after a measurement at
-    load 3.9). What a step reached is a lower bound on the peak, so it replaces the figure at once."""
+    Why: a matmul measured while other processes held the cores is low, and later, quieter training
+    steps then ran *faster* than the "peak" (MFU read 117% on the 2-core AMD EPYC after a measurement at
+    load 3.9). What steps sustained is a lower bound on the peak, so it replaces the figure."""
     path = _entry()
     if achieved <= _kept(path):
         return False
-    _record(path, achieved, "a training step's achieved model FLOP/s, above every matmul measurement so far")
+    _record(path, achieved, "training steps' mean model FLOP/s, above every matmul measurement so far")
     return True
 
 

@@ -70,7 +70,7 @@ def device_peak_flops(override: float = 0.0, log: Callable[[str], None] | None =
 
 def measured_peak_raiser(override: float = 0.0) -> Callable[[float], bool] | None:
     """`cpu_peak.raise_to` where `device_peak_flops` is this host's measurement (a CPU backend, no
-    override): a step faster than a measured peak proves the peak higher. None for a datasheet or
+    override): steps faster than a measured peak, on average, prove the peak higher. None for a datasheet or
     overridden peak, which a step must not move (above it, MFU > 100% says the FLOP count is wrong)."""
     if override > 0 or jax.devices()[0].platform != "cpu":
         return None
