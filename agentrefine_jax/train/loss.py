@@ -165,8 +165,15 @@ def _permute_bwd(res: tuple[jax.Array, jax.Array], g: jax.Array):
 _permute.defvjp(_permute_fwd, _permute_bwd)
 
 
-def _chunk_logits(h: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.einsum("bcd,dv->bcv", h, w, preferred_element_type=jnp.float32)
+def chunk_logits_lse(h: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A chunk's float32 logits over the vocabulary and their log-sum-exp: what every chunked pass over
+    the head reads (the SFT cross-entropy here, the objectives' token log-probabilities)."""
+    logits = jnp.einsum("bcd,dv->bcv", h, w, preferred_element_type=jnp.float32)
+    return logits, jax.nn.logsumexp(logits, axis=-1)
+
+
+def target_logit(logits: jax.Array, tgt: jax.Array) -> jax.Array:
+    return jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0]
 
 
 def _chunked_loss(
@@ -181,10 +188,8 @@ def _chunked_loss(
     w = lm_head.astype(hidden.dtype)
 
     def chunk_loss(h: jax.Array, tgt: jax.Array, wt: jax.Array) -> jax.Array:
-        logits = _chunk_logits(h, w)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        tgt_logit = jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0]
-        return jnp.sum((lse - tgt_logit) * wt)
+        logits, lse = chunk_logits_lse(h, w)
+        return jnp.sum((lse - target_logit(logits, tgt)) * wt)
 
     def maybe(k: jax.Array, h: jax.Array, tgt: jax.Array, wt: jax.Array) -> jax.Array:
         return jax.lax.cond(k < lay.live, chunk_loss, lambda *_: jnp.zeros((), jnp.float32), h, tgt, wt)
@@ -224,8 +229,7 @@ def _fused_fwd(
         carry: tuple[jax.Array, jax.Array], h: jax.Array, tgt: jax.Array, wt: jax.Array
     ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
         total, dw = carry
-        logits = _chunk_logits(h, w)
-        lse = jax.nn.logsumexp(logits, axis=-1)
+        logits, lse = chunk_logits_lse(h, w)
         # A comparison against an iota, not take_along_axis: no gather/scatter pair.
         onehot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == tgt[..., None]
         tgt_logit = jnp.sum(jnp.where(onehot, logits, 0.0), axis=-1)

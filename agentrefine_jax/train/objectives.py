@@ -49,7 +49,13 @@ import jax.numpy as jnp
 
 from agentrefine_jax.data.preference import CHOSEN, REJECTED
 from agentrefine_jax.objective_table import Objective
-from agentrefine_jax.train.loss import TokenLayout, chunked_cross_entropy, target_weights
+from agentrefine_jax.train.loss import (
+    TokenLayout,
+    chunk_logits_lse,
+    chunked_cross_entropy,
+    target_logit,
+    target_weights,
+)
 
 Batch = dict[str, jax.Array]
 # A model's output for the loss: (the hidden state before each target [B, T-1, D], lm_head [D, V]).
@@ -157,9 +163,8 @@ def _token_stats(
     w = lm_head.astype(hidden.dtype)
 
     def one(h: jax.Array, tgt: jax.Array) -> tuple[jax.Array, jax.Array]:
-        logits = jnp.einsum("bcd,dv->bcv", h, w, preferred_element_type=jnp.float32)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        logp = jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0] - lse
+        logits, lse = chunk_logits_lse(h, w)
+        logp = target_logit(logits, tgt) - lse
         if not entropy:
             return logp, jnp.zeros_like(logp)
         # H = lse - sum_v p_v logit_v, on constants (a metric: nothing to differentiate).
