@@ -7,8 +7,13 @@ other parameters, is refused instead of resuming into a result that mixes two mo
 
 * a project checkpoint: the step directory, its step and `params_fingerprint` (a digest of its manifest's
   records of the parameter files: no weight is read);
-* an HF directory: the directory and a digest of its config and weight files' names, sizes and modification
-  times (it has no manifest, and hashing gigabytes at every start would cost more than it checks);
+* an HF directory: the directory and a digest of its config and weight files' names, sizes and contents
+  (it has no manifest): files up to `WHOLE_FILE_BYTES` whole, larger ones by their first and last MiB (a
+  safetensors header names every tensor, its dtype, shape and offsets) and `SAMPLES` blocks evenly spread
+  between — a different model differs in nearly every block, and hashing gigabytes at every start would cost
+  more than it checks. Not modification times: the same model exported again, or restored from a record on
+  another machine (benchmarks/mini_paper.py `--record`), is the same model (with mtimes, a record's journal of
+  96 base episodes could not be resumed on the next machine);
 * an endpoint: its URL and model name.
 """
 
@@ -21,6 +26,8 @@ from typing import Any
 from agentrefine_jax.outputs import json_dumps
 
 _HF_FILES = ("config.json", "model.safetensors.index.json")
+WHOLE_FILE_BYTES = 64 << 20
+SAMPLES, SAMPLE_BYTES, EDGE_BYTES = 256, 64 << 10, 1 << 20
 
 
 def identify(checkpoint: str | None, base_url: str | None, model: str | None) -> dict[str, Any] | None:
@@ -51,8 +58,26 @@ def checkpoint_identity(path: str) -> dict[str, Any]:
 
 def _hf_fingerprint(hf_dir: str) -> str:
     names = sorted(n for n in os.listdir(hf_dir) if n in _HF_FILES or n.endswith(".safetensors"))
-    stats = {n: [(st := os.stat(os.path.join(hf_dir, n))).st_size, st.st_mtime_ns] for n in names}
-    return hashlib.sha256(json_dumps(stats, sort_keys=True).encode()).hexdigest()
+    digest = hashlib.sha256(b"hf-content-v1")
+    for name in names:
+        digest.update(json_dumps([name, _content_digest(os.path.join(hf_dir, name))]).encode())
+    return digest.hexdigest()
+
+
+def _content_digest(path: str) -> list[Any]:
+    """[size, sha256 of the file's content or of its sampled blocks] (module docstring)."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= WHOLE_FILE_BYTES:
+            h.update(f.read())
+        else:
+            span = size - 2 * EDGE_BYTES - SAMPLE_BYTES
+            blocks = [(EDGE_BYTES + i * span // (SAMPLES - 1), SAMPLE_BYTES) for i in range(SAMPLES)]
+            for offset, length in [(0, EDGE_BYTES), *blocks, (size - EDGE_BYTES, EDGE_BYTES)]:
+                f.seek(offset)
+                h.update(f.read(length))
+    return [size, h.hexdigest()]
 
 
 def describe(identity: dict[str, Any] | None) -> str:
