@@ -73,6 +73,9 @@ def check_step(m: Mapping[str, float], step: int) -> None:
 # Steps after a process's first whose mean rate may raise a measured CPU peak: enough that one step
 # timed short (a late read) cannot carry the mean far (`MetricsLog._mfu`).
 PEAK_EVIDENCE_STEPS = 4
+# How far above that mean one row's rate may be and still count as a rate the host ran at (step-to-step
+# jitter); a row seen short by a whole step (a late read) reads 2x and more.
+PEAK_JITTER = 1.25
 
 
 class MetricsLog(Hook):
@@ -152,39 +155,41 @@ class MetricsLog(Hook):
         self.t_last, self.tokens_since, self.steps_since, self.flops_since = now, 0.0, 0, 0.0
 
     def _mfu(self, step: int, dt: float, now: float) -> float | None:
-        """This row's MFU; None where its time reads shorter than any rate this host sustains.
+        """This row's MFU; None where its time reads shorter than this host's steps can run.
 
         A row above 100% means one of two things: the host's measured peak is low (a matmul timed
         while other processes held the cores: MFU read 117% on the 2-core AMD EPYC), or the row's time
-        was read short (its completion seen late, with the next step's: see `run_steps`). Only the
-        mean over several steps after the first tells them apart, a late read moving time between
-        neighbours but not out of the window: where that mean beats the peak, the peak was low and is
-        raised to it (kept for the host, `cpu_peak.raise_to`). Raising it to one row's rate instead let
-        a read 260x short (CI, stop 57) set this host's peak to 1,289 GFLOP/s for every later run."""
+        was read short (its completion seen late, with the next step's: see `run_steps`). The mean
+        over the steps after the first tells them apart — a late read moves time between neighbours,
+        not out of that window — once there are `PEAK_EVIDENCE_STEPS` of them: a row within
+        `PEAK_JITTER` of the mean is a real rate, and the peak is raised to it (kept for the host,
+        `cpu_peak.raise_to`); where the mean itself beats the peak, the peak is raised to the mean; a
+        row still above 100% gets no MFU. Raising the peak to any row's rate let one read 260x short
+        (CI, stop 57) set this host's peak to 1,289 GFLOP/s for every later run."""
         if not self.peak:
             return None
-        mfu = self.flops_since / dt / (self.peak * jax.device_count())
-        if mfu <= 1:
-            return mfu
+        rate = self.flops_since / dt / jax.device_count()  # per device, as the peak
+        if rate <= self.peak:
+            return rate / self.peak
         assert self.first_step is not None
-        window = step - self.first_step
-        if self.raise_peak is not None and window >= PEAK_EVIDENCE_STEPS:
+        if self.raise_peak is not None and step - self.first_step >= PEAK_EVIDENCE_STEPS:
             mean = self.flops_after_first / max(now - self.first_done, 1e-9) / jax.device_count()
-            if mean > self.peak:
-                old, self.peak = self.peak, mean
+            new = rate if rate <= PEAK_JITTER * mean else mean
+            if new > self.peak:
+                old, self.peak = self.peak, new
                 host = self.peak * jax.local_device_count()
                 self.raise_peak(host)
                 log.info(
-                    f"steps {self.first_step + 1}-{step} ran at {host / 1e9:,.1f} GFLOP/s on this host, "
-                    f"above its measured matmul peak {old * jax.local_device_count() / 1e9:,.1f} "
-                    f"(measured while the machine was busy?): that is the peak from now on"
+                    f"step {step} ran at {host / 1e9:,.1f} GFLOP/s on this host (steps {self.first_step + 1}-"
+                    f"{step}: {mean * jax.local_device_count() / 1e9:,.1f} on average), above its measured "
+                    f"matmul peak {old * jax.local_device_count() / 1e9:,.1f} (measured while the machine "
+                    f"was busy?): that is the peak from now on"
                 )
-                mfu = self.flops_since / dt / (self.peak * jax.device_count())
-        if mfu <= 1:
-            return mfu
+        if rate <= self.peak:
+            return rate / self.peak
         log.info(
-            f"step {step}: {dt:.3g} s for {self.steps_since} step(s) is faster than this host's peak allows "
-            f"(MFU {mfu:.0%}; its completion was likely seen late): no MFU for this row"
+            f"step {step}: {dt:.3g} s for {self.steps_since} step(s) is faster than this host's steps run "
+            f"(MFU {rate / self.peak:.0%}; its completion was likely seen late): no MFU for this row"
         )
         return None
 
