@@ -94,3 +94,9 @@ def test_a_late_read_shares_the_pairs_time_between_its_steps():
 def test_a_late_read_before_a_save_reads_both_steps_back_to_back():
     """A save wants step 6: steps 5 and 6 are read one after the other, both after the stall."""
     _check(_run(stall_after=6, wants={2, 4, 6, 8}), stalled=6)
+
+
+def test_a_late_read_of_the_first_step_shares_the_time_from_its_dispatch():
+    """The first step has no predecessor: the pair's time starts when its dispatch (the compile) returned."""
+    dt = _run(stall_after=2, wants=set())
+    assert dt[2] > STALL_S / 4, dt

@@ -167,6 +167,10 @@ def run_steps(
             pending = (*pending[:2], ready_at(pending[1]))
         state.params, state.opt_state, metrics = step(state.params, state.opt_state, batch)
         state.step += 1
+        if last_done is None:
+            # This process's first step has no predecessor: a late read of it shares the time from
+            # when its dispatch (and compile) returned.
+            last_done = time.perf_counter()
         read_pending(metrics)  # step k-1: the device is already busy with step k
         pending = (state.step, metrics, ready_at(metrics))
         if any([h.wants(state.step) for h in hooks]):  # every hook is asked (no short circuit)
