@@ -302,10 +302,17 @@ def train_setting(
 
 
 def eval_model(
-    args: argparse.Namespace, label: str, checkpoint: str, out: pathlib.Path, log: Any, sigterm: _Sigterm
+    args: argparse.Namespace,
+    label: str,
+    checkpoint: str,
+    out: pathlib.Path,
+    log: Any,
+    sigterm: _Sigterm,
+    keep: Callable[[], None] = lambda: None,
 ) -> pathlib.Path:
     """Evaluate one model on every task (one eval result per task, skipped when it exists) and merge
-    them into results/<label>.json, the file `analyze report` reads for this row."""
+    them into results/<label>.json, the file `analyze report` reads for this row. `keep` runs after
+    each task's result is written (the record's save: a machine lost during the next task keeps it)."""
     from agentrefine_jax.eval.cli import main as eval_main
 
     files = eval_files(args, label, out)
@@ -335,6 +342,7 @@ def eval_model(
         # Which machine played it: a run continued elsewhere (--record) may span several.
         write_json(path.with_suffix(".machine.json"), {"machine": machine_line(), "seconds": seconds})
         log(f"{label}/{task}: evaluated in {seconds}s")
+        keep()
     return merged_result(args, label, out)
 
 
@@ -640,9 +648,16 @@ class Stages:
     evaluation is unfinished, or it is agentrefine and the onpolicy row's rows are not collected."""
 
     def __init__(
-        self, args: argparse.Namespace, out: pathlib.Path, steps: int, log: Any, sigterm: _Sigterm
+        self,
+        args: argparse.Namespace,
+        out: pathlib.Path,
+        steps: int,
+        log: Any,
+        sigterm: _Sigterm,
+        keep: Callable[[], None],
     ) -> None:
         self.args, self.out, self.steps, self.log, self.sigterm = args, out, steps, log, sigterm
+        self.keep = keep  # the record's save, after every stage that made something
         self.data: dict[str, Any] = {}
         self.trained: dict[str, dict[str, Any]] = {}
 
@@ -680,11 +695,13 @@ class Stages:
             source = lambda: self.train(ONPOLICY_FROM, need_checkpoint=True)  # noqa: E731
             demo = self.demo()
             self.data[ONPOLICY] = onpolicy_data(self.args, self.out, source, demo, self.log, self.sigterm)
+            self.keep()
             files = self.data[ONPOLICY]["files"]
         else:
             files = [self.demo()["file"]]
         args, out = self.args, self.out
         self.trained[setting] = train_setting(args, setting, out, self.steps, files, self.log, self.sigterm)
+        self.keep()
         return self.trained[setting]
 
     def model(self, label: str) -> pathlib.Path:
@@ -694,7 +711,7 @@ class Stages:
         else:
             unfinished = not all(f.exists() for f in eval_files(self.args, label, self.out))
             checkpoint = self.train(label, need_checkpoint=unfinished)["run_dir"]
-        return eval_model(self.args, label, checkpoint, self.out, self.log, self.sigterm)
+        return eval_model(self.args, label, checkpoint, self.out, self.log, self.sigterm, self.keep)
 
 
 def verdict(rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -742,7 +759,8 @@ def run(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(f"[{TOOL}] {msg}", flush=True)
 
-    def keep() -> None:  # after every stage: a machine lost later loses nothing the stage made
+    def keep() -> None:  # after every stage (a model's training, each task's evaluation, the on-policy
+        # data) and every model: a machine lost later loses nothing the stage made
         if record is not None:
             _record.save(out, record, RECORD_FILES, transient=JOURNALS)
 
@@ -761,7 +779,7 @@ def run(args: argparse.Namespace) -> int:
     stages: Stages | None = None
     try:
         with _Sigterm() as sigterm:
-            stages = Stages(args, out, steps, log, sigterm)
+            stages = Stages(args, out, steps, log, sigterm, keep)
             for label in only:
                 try:
                     stages.model(label)

@@ -310,3 +310,41 @@ def test_record_keeps_a_journal_only_while_its_evaluation_is_unfinished(tmp_path
         _record.prepare(foreign, {"tokens": 1}, tool="mini_paper", what="mini-paper")
     with pytest.raises(_outdir.OutDirError, match="--record .* other settings"):
         _record.prepare(record, {"tokens": 2}, tool="mini_paper", what="mini-paper")
+
+
+def test_record_keeps_each_finished_task_when_the_machine_is_lost_mid_model(base_dir, tmp_path):
+    """The record is saved after every task's evaluation, not only after a whole model: a machine
+    lost (SIGKILL: nothing runs after it) while base plays its second task still has the first
+    task's result in the record, and a new --out with that record evaluates only the second."""
+    import signal
+    import time
+
+    out, record = tmp_path / "mini", tmp_path / "record"
+    cmd = [sys.executable, str(SCRIPT), "--base", str(base_dir), "--out", str(out), "--record", str(record),
+           "--tasks", "babyai", "--episodes", "1", "--demo-episodes", "2", "--max-steps", "2",
+           "--max-new-tokens", "6", "-q", "--only", "base"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+    lines: list[str] = []
+    deadline = time.monotonic() + 600
+    for line in proc.stdout:  # until the second task starts
+        lines.append(line)
+        if "base/babyai: evaluating" in line:
+            break
+        assert time.monotonic() < deadline, "".join(lines)
+    else:
+        raise AssertionError("".join(lines))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert "base/demo_world: evaluated in" in "".join(lines)
+    kept = json.loads((record / "eval" / "base" / "demo_world.json").read_text())
+    assert len(kept["episodes"]) == 4  # 2 worlds x (original, one rewording)
+    assert (record / "eval" / "base" / "demo_world.machine.json").exists()
+    assert not (record / "eval" / "base" / "babyai.json").exists()
+    elsewhere = [*cmd[:5], str(tmp_path / "elsewhere"), *cmd[6:]]
+    r = subprocess.run(elsewhere, capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "base/demo_world: evaluated earlier, skipped" in r.stdout
+    assert r.stdout.count("evaluating") == 1 and "base/babyai: evaluating" in r.stdout, r.stdout
