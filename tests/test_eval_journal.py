@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from agentrefine_jax.eval.journal import NAME_BYTES, Journal, journal_path
+from agentrefine_jax.eval.journal import FORMAT, NAME_BYTES, Journal, journal_path
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # A cheap built-in task and a deterministic policy (the random policy draws from per-episode seeds).
@@ -47,9 +47,9 @@ def _eval(out: pathlib.Path, *extra: str, fault: str | None = None) -> subproces
 
 
 def _timeless(x):
-    """The results without wall times (the only thing a resumed run may change)."""
+    """The results without wall times and sittings (the only things a resumed run may change)."""
     if isinstance(x, dict):
-        return {k: _timeless(v) for k, v in x.items() if k != "seconds"}
+        return {k: _timeless(v) for k, v in x.items() if k not in ("seconds", "sittings")}
     if isinstance(x, list):
         return [_timeless(v) for v in x]
     return x
@@ -72,12 +72,19 @@ def test_sigkill_mid_run_then_rerun_equals_uninterrupted(tmp_path, uninterrupted
     assert not out.exists()  # --out only at the end
     lines = pathlib.Path(journal_path(str(out))).read_text().splitlines()
     assert len(lines) == 1 + 3 and json.loads(lines[0])["journal"].startswith("agentrefine_jax.eval/journal")
+    entries = [json.loads(line) for line in lines[1:]]
+    assert [e["sitting"] for e in entries] == [1, 1, 1]
+    elapsed = [e["elapsed"] for e in entries]
+    assert elapsed == sorted(elapsed) and elapsed[-1] > 0  # the first sitting's time when each episode ended
 
     resumed = _eval(out)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming: 3 finished episodes" in resumed.stderr
     assert resumed.stderr.count("babyai original episode") == 3  # only the other three ran
-    assert _timeless(json.loads(out.read_text())) == uninterrupted
+    doc = json.loads(out.read_text())
+    assert _timeless(doc) == uninterrupted
+    # The time is both sittings' (the first counted to its last kept episode), not the second's alone.
+    assert doc["sittings"] == 2 and doc["seconds"] > elapsed[-1]
     assert not os.path.exists(journal_path(str(out)))
 
 
@@ -121,6 +128,27 @@ def test_journal_name_is_bounded_and_a_cut_line_is_dropped(tmp_path):
     again.append(["t", 2], {"x": 3})
     again.close()
     assert Journal(path, {"a": 1}).resumed == 3
+
+
+def test_sittings_add_up_and_an_untimed_line_makes_the_total_unknown(tmp_path):
+    """Each sitting counts up to its last journaled episode; a new sitting numbers itself after them; a line
+    of an older version (no timing) leaves the total unknown rather than too small."""
+    path = tmp_path / "j.jsonl"
+    lines = [{"journal": FORMAT, "settings": {"a": 1}}]
+    lines += [{"key": f'["t", {i}]', "record": {}, "sitting": s, "elapsed": e}
+              for i, (s, e) in enumerate([(1, 10.0), (1, 40.5), (2, 7.0), (2, 30.0)])]  # fmt: skip
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    j = Journal(str(path), {"a": 1})
+    assert (j.resumed, j.prior_sittings, j.sitting, j.prior_seconds) == (4, 2, 3, 70.5)
+    assert j.total_seconds(12.25) == 82.8
+    j.append(["t", 9], {})
+    j.close()
+    last = json.loads(path.read_text().splitlines()[-1])
+    assert last["sitting"] == 3 and last["elapsed"] >= 0
+    old = tmp_path / "old.jsonl"
+    old.write_text(json.dumps(lines[0]) + "\n" + json.dumps({"key": '["t", 0]', "record": {}}) + "\n")
+    o = Journal(str(old), {"a": 1})
+    assert (o.resumed, o.prior_sittings, o.prior_seconds, o.total_seconds(5.0)) == (1, 1, None, None)
 
 
 def test_a_journal_write_failure_warns_once_and_the_run_goes_on(tmp_path):

@@ -12,6 +12,11 @@ into a result of two models. A write failure (a full disk) warns once and the ev
 
 A kill can cut the last line short; the reader drops a line that does not end in a newline (truncating the
 file there before appending), never a complete one.
+
+Each line also says which *sitting* (invocation) wrote it and how long that sitting had run when the episode
+ended, so a result resumed over several sittings reports the evaluation time of all of them (each earlier
+sitting counted up to its last journaled episode: what it ran after that, episodes in flight when it was
+killed, produced nothing kept), not only the last sitting's — an evaluation's episodes per hour stay true.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -60,10 +66,19 @@ class Journal:
         self.failed = False
         self.appended = 0  # lines this process wrote
         self._file: Any = None
+        # Earlier sittings' evaluation seconds (None: a line of an older version has no timing) and count.
+        self.prior_seconds: float | None = 0.0
+        self.prior_sittings = 0
+        self.sitting = 1
+        self._t0 = time.perf_counter()
         outputs.check_file(path, flag="journal")
         if os.path.exists(path):
             self._read()
         self.resumed = len(self.records)
+
+    def begin(self) -> None:
+        """This sitting's evaluation starts now (after model loading): lines record their time from here."""
+        self._t0 = time.perf_counter()
 
     def _read(self) -> None:
         with open(self.path, "rb") as f:
@@ -91,6 +106,8 @@ class Journal:
                 f"{describe(self.header.get('model'))}; resuming would mix two models in one result: "
                 f"{again}or remove the journal to start over"
             )
+        spans: dict[int, float] = {}  # sitting -> its time at its last journaled episode
+        untimed = 0
         for n, line in enumerate(lines[1:], 2):
             try:
                 entry = json.loads(line.decode("utf-8"))
@@ -99,6 +116,14 @@ class Journal:
                 raise JournalMismatch(
                     f"{self.path}:{n}: not a journal record; remove the journal to start over"
                 ) from None
+            sitting, elapsed = entry.get("sitting"), entry.get("elapsed")
+            if isinstance(sitting, int) and isinstance(elapsed, int | float):
+                spans[sitting] = max(spans.get(sitting, 0.0), float(elapsed))
+            else:
+                untimed += 1
+        self.prior_sittings = len(spans) + (1 if untimed else 0)
+        self.prior_seconds = None if untimed else round(sum(spans.values()), 1)
+        self.sitting = max(spans, default=0) + 1
         if len(complete) < len(data):
             with open(self.path, "r+b") as f:  # the next append starts on a line of its own
                 f.truncate(len(complete))
@@ -123,7 +148,9 @@ class Journal:
                 if new:
                     self._file.write(dumps(self.header) + "\n")
                     outputs.fsync_dir(os.path.dirname(os.path.abspath(self.path)))
-            self._file.write(dumps({"key": key, "record": record}) + "\n")
+            elapsed = round(time.perf_counter() - self._t0, 1)
+            line = {"key": key, "record": record, "sitting": self.sitting, "elapsed": elapsed}
+            self._file.write(dumps(line) + "\n")
             self._file.flush()
             os.fsync(self._file.fileno())
             self.appended += 1
@@ -135,6 +162,10 @@ class Journal:
             )
             return
         faults.point("after_episode", self.appended)
+
+    def total_seconds(self, this_sitting: float) -> float | None:
+        """The evaluation's seconds over every sitting, this one's `this_sitting` included (None: unknown)."""
+        return None if self.prior_seconds is None else round(self.prior_seconds + this_sitting, 1)
 
     def remove(self) -> None:
         """The results are written: the journal has served (a rerun starts afresh)."""

@@ -126,13 +126,22 @@ def run(
     interrupted run finished (under `phase`, then the pass's name) are taken from it."""
     runs: dict[str, TaskRun] = {}
     t0 = time.perf_counter()
+    if journal is not None:
+        journal.begin()
     for handle in source.tasks():
         name, task = source.open(handle)
         try:
             runs[name] = _run_task(source, name, task, log, journal, phase)
         finally:
             task.close()
-    return source.document(runs, round(time.perf_counter() - t0, 1))
+    seconds = round(time.perf_counter() - t0, 1)
+    if journal is None or not journal.resumed:
+        return source.document(runs, seconds)
+    # A resumed result: its time is every sitting's (per-task seconds stay this sitting's).
+    doc = source.document(runs, seconds)
+    doc["seconds"] = journal.total_seconds(seconds)
+    doc["sittings"] = journal.prior_sittings + 1
+    return doc
 
 
 def _run_task(
