@@ -343,7 +343,7 @@ def format_summary(doc: dict[str, Any]) -> str:
         lo, hi = s["success_ci95"]
         lines.append(
             f"| {label} | {s['episodes']} | {pct(s['success_rate'])} [{pct(lo)}–{pct(hi)}] | "
-            f"{pct(s['progress_rate'])} | {pct(s['format_error_rate'])} | {s['eval_seconds']} |"
+            f"{pct(s['progress_rate'])} | {pct(s['format_error_rate'])} | {s['eval_seconds'] or '–'} |"
         )
     head = (
         "| phase | reward mean ± std | success % | progress | groups with signal | sampled tokens "
