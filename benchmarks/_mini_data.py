@@ -12,6 +12,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -35,6 +36,30 @@ def child_env() -> dict[str, str]:
     their path, so a checkout run without an install works as the script itself does."""
     path = os.environ.get("PYTHONPATH", "")
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), path) if p)}
+
+
+def export_hf(step_dir: pathlib.Path, hf: pathlib.Path, log: Callable[[str], None]) -> pathlib.Path:
+    """Checkpoint step `step_dir` as a Hugging Face directory `hf` (`export to-hf`, float32 kept), written
+    to the sibling `HF.partial` and renamed into place once whole; kept when already there. Evaluating the
+    export rather than the step binds an evaluation's journal to the parameters' content (an HF directory's
+    identity, eval/model_identity.py), not to the checkpoint's files, which differ between two saves of the
+    same parameters (Orbax names its data files at random): a model trained again on another machine
+    resumes the journal its first training began. RuntimeError on failure."""
+    if (hf / "config.json").is_file():  # renamed into place whole
+        log(f"exported earlier ({hf}), skipped")
+        return hf
+    partial = hf.with_name(hf.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # ours: a killed export's leftovers
+    cmd = [sys.executable, "-m", "agentrefine_jax.export", "to-hf", "--checkpoint", str(step_dir)]
+    cmd += ["--out", str(partial), "--mesh", "none"]
+    log(f"exporting {step_dir} to {hf}")
+    r = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), check=False)
+    if r.returncode != 0:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise RuntimeError(f"{step_dir}: export to-hf exited {r.returncode}: {tail[0]}")
+    hf.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(partial, hf)
+    return hf
 
 
 class DataError(Exception):

@@ -44,10 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
-import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -118,22 +115,11 @@ def start_hf(pinned: dict[str, Any], out: pathlib.Path, log: Any) -> pathlib.Pat
     (written to a sibling, renamed into place once whole)."""
     if pinned["kind"] == "hf":
         return pathlib.Path(pinned["path"])
-    hf = out / "start_hf"
-    if (hf / "config.json").is_file():  # renamed into place whole
-        log(f"start: exported earlier ({hf}), skipped")
-        return hf
     step_dir = pathlib.Path(pinned["root"]) / str(pinned["step"])
-    partial = out / "start_hf.partial"
-    shutil.rmtree(partial, ignore_errors=True)  # ours: a killed export's leftovers
-    cmd = [sys.executable, "-m", "agentrefine_jax.export", "to-hf", "--checkpoint", str(step_dir)]
-    cmd += ["--out", str(partial), "--mesh", "none"]
-    log(f"start: exporting {step_dir} to {hf}")
-    r = subprocess.run(cmd, capture_output=True, text=True, env=_mini_data.child_env(), check=False)
-    if r.returncode != 0:
-        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise GrpoRealError(f"--start {step_dir}: export to-hf exited {r.returncode}: {tail[0]}")
-    os.replace(partial, hf)
-    return hf
+    try:
+        return _mini_data.export_hf(step_dir, out / "start_hf", lambda msg: log(f"start: {msg}"))
+    except RuntimeError as e:
+        raise GrpoRealError(f"--start {e}") from None
 
 
 # ------------------------------------------------------------------------------------------- stages

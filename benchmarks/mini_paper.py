@@ -708,9 +708,21 @@ class Stages:
         """Train (a setting) and evaluate model `label`: its merged result."""
         if label == BASE:
             checkpoint = str(pathlib.Path(self.args.base).resolve())
+        elif all(f.exists() for f in eval_files(self.args, label, self.out)):
+            checkpoint = self.train(label, need_checkpoint=False)["run_dir"]  # nothing left to play
         else:
-            unfinished = not all(f.exists() for f in eval_files(self.args, label, self.out))
-            checkpoint = self.train(label, need_checkpoint=unfinished)["run_dir"]
+            # Played as an HF export of its final step: the evaluation's journal is then bound to the
+            # parameters' content, so on another machine the same model, trained again, resumes it.
+            from agentrefine_jax.checkpoint import resolve_checkpoint
+
+            run_dir = self.train(label, need_checkpoint=True)["run_dir"]
+            root, step = resolve_checkpoint(run_dir)
+            hf = self.out / "hf" / label
+            log = lambda msg: self.log(f"{label}: {msg}")  # noqa: E731
+            try:
+                checkpoint = str(_mini_data.export_hf(pathlib.Path(root) / str(step), hf, log))
+            except RuntimeError as e:
+                raise RuntimeError(f"{label}: {e}") from None
         return eval_model(self.args, label, checkpoint, self.out, self.log, self.sigterm, self.keep)
 
 
