@@ -309,6 +309,7 @@ def eval_model(
     log: Any,
     sigterm: _Sigterm,
     keep: Callable[[], None] = lambda: None,
+    run_config: dict[str, Any] | None = None,
 ) -> pathlib.Path:
     """Evaluate one model on every task (one eval result per task, skipped when it exists) and merge
     them into results/<label>.json, the file `analyze report` reads for this row. `keep` runs after
@@ -339,6 +340,8 @@ def eval_model(
         if rc != 0:
             raise RuntimeError(f"{label}/{task}: eval exited {rc}")
         seconds = round(time.perf_counter() - t0, 1)
+        if run_config is not None:  # what analyze's Table 2 reads, kept with the result (and the record)
+            write_json(path, json.loads(path.read_text()) | {"run_config": run_config})
         # Which machine played it: a run continued elsewhere (--record) may span several.
         write_json(path.with_suffix(".machine.json"), {"machine": machine_line(), "seconds": seconds})
         log(f"{label}/{task}: evaluated in {seconds}s")
@@ -369,7 +372,10 @@ def merge_results(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "episodes": {t: d["config"]["episodes"] for d in docs for t in d["config"]["tasks"]},
     }
     variants = task_metrics(episodes)
-    seconds = round(sum(float(d.get("seconds", 0)) for d in docs), 1)
+    known = [d.get("seconds") for d in docs]
+    seconds = None if None in known else round(sum(float(x or 0) for x in known), 1)
+    # The training settings analyze's Table 2 reads (a tuned row is played as an HF export, which has none).
+    run_config = {"run_config": docs[0]["run_config"]} if all("run_config" in d for d in docs) else {}
     return results_document(
         "builtin",
         docs[0]["agent"],
@@ -377,7 +383,7 @@ def merge_results(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         tasks=variants.get("original", {}),
         variants=variants,
         episodes=episodes,
-        extra={"policy": docs[0]["agent"], "seconds": seconds},
+        extra={"policy": docs[0]["agent"], "seconds": seconds, **run_config},
     )
 
 
@@ -706,6 +712,7 @@ class Stages:
 
     def model(self, label: str) -> pathlib.Path:
         """Train (a setting) and evaluate model `label`: its merged result."""
+        run_config = None
         if label == BASE:
             checkpoint = str(pathlib.Path(self.args.base).resolve())
         elif all(f.exists() for f in eval_files(self.args, label, self.out)):
@@ -713,17 +720,19 @@ class Stages:
         else:
             # Played as an HF export of its final step: the evaluation's journal is then bound to the
             # parameters' content, so on another machine the same model, trained again, resumes it.
-            from agentrefine_jax.checkpoint import resolve_checkpoint
+            from agentrefine_jax.checkpoint import read_meta, resolve_checkpoint
 
             run_dir = self.train(label, need_checkpoint=True)["run_dir"]
             root, step = resolve_checkpoint(run_dir)
+            run_config = read_meta(root, step).config
             hf = self.out / "hf" / label
             log = lambda msg: self.log(f"{label}: {msg}")  # noqa: E731
             try:
                 checkpoint = str(_mini_data.export_hf(pathlib.Path(root) / str(step), hf, log))
             except RuntimeError as e:
                 raise RuntimeError(f"{label}: {e}") from None
-        return eval_model(self.args, label, checkpoint, self.out, self.log, self.sigterm, self.keep)
+        a = self.args
+        return eval_model(a, label, checkpoint, self.out, self.log, self.sigterm, self.keep, run_config)
 
 
 def verdict(rows: Sequence[dict[str, Any]]) -> list[str]:
