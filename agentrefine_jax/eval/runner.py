@@ -135,12 +135,11 @@ def run(
         finally:
             task.close()
     seconds = round(time.perf_counter() - t0, 1)
-    if journal is None or not journal.resumed:
-        return source.document(runs, seconds)
-    # A resumed result: its time is every sitting's (per-task seconds stay this sitting's).
     doc = source.document(runs, seconds)
-    doc["seconds"] = journal.total_seconds(seconds)
-    doc["sittings"] = journal.prior_sittings + 1
+    if journal is not None and journal.resumed:
+        # A resumed result: its time is every sitting's (per-task seconds stay this sitting's).
+        doc["seconds"] = journal.total_seconds(seconds)
+        doc["sittings"] = journal.prior_sittings + 1
     return doc
 
 
