@@ -96,8 +96,9 @@ ONPOLICY_FROM = "agentrefine"
 # into a new --out: all but the summary and report, which every invocation writes afresh. The data a
 # run generates (deterministic from the flags) and the checkpoints are made again where needed.
 # (eval/*/*.json: each task's result and the `.machine.json` beside it; an evaluation stopped part way
-# (SIGTERM) keeps its journal there until it finishes, so a new machine goes on from its episodes.)
-JOURNALS = ("eval/*/*.journal.jsonl",)
+# (SIGTERM) keeps its journal there until it finishes, so a new machine goes on from its episodes; so
+# does the on-policy collection, beside its rows.)
+JOURNALS = ("eval/*/*.journal.jsonl", "data/onpolicy.jsonl.journal.jsonl")
 RESTORED_FILES = ("runs/*.done.json", "runs/*.log", "eval/*/*.json", *JOURNALS, "data/onpolicy.jsonl")
 RECORD_FILES = (*RESTORED_FILES, "summary.json", "summary.md", "report/report.md")
 
@@ -596,22 +597,22 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 def onpolicy_data(
     args: argparse.Namespace,
     out: pathlib.Path,
-    source: Callable[[], dict[str, Any]],
+    source: Callable[[], str],
     demo: dict[str, Any],
     log: Any,
     sigterm: _Sigterm,
 ) -> dict[str, Any]:
-    """The onpolicy row's data: the trained agentrefine run (`source()`, called only when the rows are
-    not collected yet) plays `--onpolicy-episodes` training worlds (seeds 0.., the worlds the demo data
-    starts with: only who made the mistakes differs), then its rows are mixed with demo rows to the
-    size every row's data has."""
+    """The onpolicy row's data: the trained agentrefine model (`source()`, its HF export, called only when
+    the rows are not collected yet) plays `--onpolicy-episodes` training worlds (seeds 0.., the worlds the
+    demo data starts with: only who made the mistakes differs), then its rows are mixed with demo rows to
+    the size every row's data has."""
     rows_file = out / "data" / "onpolicy.jsonl"
     if rows_file.exists():
         log(f"{ONPOLICY}: collected earlier ({rows_file}), skipped")
     else:
         argv = [
             "--checkpoint",
-            source()["run_dir"],
+            source(),
             "--tasks",
             DEMO_TASK,
             "--episodes",
@@ -697,8 +698,10 @@ class Stages:
             # CPU kind; its log and record then say so twice).
             self.log(f"{setting}: trained earlier on another machine; its checkpoint is not here, so again")
         if setting == ONPOLICY:
-            # The collection plays agentrefine's checkpoint: trained here, again if need be (deterministic).
-            source = lambda: self.train(ONPOLICY_FROM, need_checkpoint=True)  # noqa: E731
+            # The collection plays agentrefine's HF export (trained here, again if need be: deterministic),
+            # as its evaluation does: a collection stopped on one machine resumes on the next (its journal
+            # is in the record, bound to the parameters' content).
+            source = lambda: self.export(ONPOLICY_FROM)[0]  # noqa: E731
             demo = self.demo()
             self.data[ONPOLICY] = onpolicy_data(self.args, self.out, source, demo, self.log, self.sigterm)
             self.keep()
@@ -718,21 +721,24 @@ class Stages:
         elif all(f.exists() for f in eval_files(self.args, label, self.out)):
             checkpoint = self.train(label, need_checkpoint=False)["run_dir"]  # nothing left to play
         else:
-            # Played as an HF export of its final step: the evaluation's journal is then bound to the
-            # parameters' content, so on another machine the same model, trained again, resumes it.
-            from agentrefine_jax.checkpoint import read_meta, resolve_checkpoint
-
-            run_dir = self.train(label, need_checkpoint=True)["run_dir"]
-            root, step = resolve_checkpoint(run_dir)
-            run_config = read_meta(root, step).config
-            hf = self.out / "hf" / label
-            log = lambda msg: self.log(f"{label}: {msg}")  # noqa: E731
-            try:
-                checkpoint = str(_mini_data.export_hf(pathlib.Path(root) / str(step), hf, log))
-            except RuntimeError as e:
-                raise RuntimeError(f"{label}: {e}") from None
+            checkpoint, run_config = self.export(label)
         a = self.args
         return eval_model(a, label, checkpoint, self.out, self.log, self.sigterm, self.keep, run_config)
+
+    def export(self, setting: str) -> tuple[str, dict[str, Any]]:
+        """`setting`'s final step as an HF directory (OUT/hf/SETTING, trained and exported where needed) and
+        its training config. What plays a tuned model: an evaluation's or collection's journal is then bound
+        to the parameters' content, so on another machine the same model, trained again, resumes it."""
+        from agentrefine_jax.checkpoint import read_meta, resolve_checkpoint
+
+        root, step = resolve_checkpoint(self.train(setting, need_checkpoint=True)["run_dir"])
+        hf = self.out / "hf" / setting
+        log = lambda msg: self.log(f"{setting}: {msg}")  # noqa: E731
+        try:
+            exported = _mini_data.export_hf(pathlib.Path(root) / str(step), hf, log)
+        except RuntimeError as e:
+            raise RuntimeError(f"{setting}: {e}") from None
+        return str(exported), read_meta(root, step).config
 
 
 def verdict(rows: Sequence[dict[str, Any]]) -> list[str]:

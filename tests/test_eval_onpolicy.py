@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -205,6 +206,24 @@ def test_a_killed_collection_resumes_to_the_same_file(checkpoint, collected, tmp
     assert "resuming: 3 finished episodes" in resumed.stderr
     assert resumed.stderr.count(" refinement(s) of ") == len(TASKS) * EPISODES - 3  # only the others ran
     assert out.read_bytes() == whole.read_bytes()
+
+
+def test_a_killed_collection_is_not_resumed_by_another_model_at_the_same_path(tmp_path):
+    # The journal names the model that played it, not the --checkpoint string: another model saved in the
+    # run directory's place (trained again, or trained on) must not add its episodes to the same rows.
+    run = tmp_path / "run"
+    save_random_checkpoint(run, CFG, seed=0)
+    out = tmp_path / "onpolicy.jsonl"
+    killed = _collect(str(run), out, fault="after_episode@1:KILL")
+    assert killed.returncode == -signal.SIGKILL
+    header = json.loads(pathlib.Path(journal_path(str(out))).read_text().splitlines()[0])
+    assert header["model"]["step"] == 1 and "checkpoint" not in header["settings"], header
+    shutil.rmtree(run)
+    save_random_checkpoint(run, CFG, seed=1)
+    refused = _collect(str(run), out)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "mix two models" in refused.stderr and "Traceback" not in refused.stderr
+    assert not out.exists()
 
 
 def test_the_model_s_own_valid_turns_are_context_and_the_row_ends_at_the_last_refinement():

@@ -350,35 +350,57 @@ def test_record_keeps_each_finished_task_when_the_machine_is_lost_mid_model(base
     assert r.stdout.count("evaluating") == 1 and "base/babyai: evaluating" in r.stdout, r.stdout
 
 
-def test_a_tuned_rows_unfinished_evaluation_resumes_on_another_machine(base_dir, tmp_path):
-    """A tuned row is evaluated from an HF export of its final step, so its evaluation's journal is bound
-    to the parameters' content: stopped after one episode, its machine lost (--out gone, the record kept),
-    the same command trains the row again and the journal resumes. Evaluated from the checkpoint itself,
-    the journal was bound to Orbax's files, whose names differ between two saves of the same parameters,
-    and the next machine's evaluation was refused."""
+def test_a_tuned_rows_unfinished_evaluation_and_collection_resume_on_another_machine(base_dir, tmp_path):
+    """A tuned row is evaluated, and the onpolicy row's data collected, from an HF export of agentrefine's
+    final step, so each journal is bound to the parameters' content: stopped after one episode, its machine
+    lost (--out gone, the record kept), the same command trains the row again and the journal resumes.
+    Played from the checkpoint itself, a journal was bound to Orbax's files, whose names differ between two
+    saves of the same parameters, and the next machine's evaluation was refused; the collection's journal
+    was not in the record at all."""
     import shutil
 
     record, out = tmp_path / "record", tmp_path / "mini"
     cmd = [sys.executable, str(SCRIPT), "--base", str(base_dir), "--out", str(out), "--record", str(record),
            "--tokens", "2048", "--batch", "1", "--max-length", "1024", "--tasks", "babyai", "--episodes", "1",
-           "--demo-episodes", "2", "--max-steps", "2", "--max-new-tokens", "6", "--settings", "agentrefine",
-           "--only", "agentrefine", "--eval-batch", "1", "-q"]  # fmt: skip
+           "--demo-episodes", "2", "--max-steps", "2", "--max-new-tokens", "6", "--settings",
+           "agentrefine,onpolicy", "--onpolicy-episodes", "2", "--eval-batch", "1", "-q"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "AGENTREFINE_FAULT")}
-    fault = {**env, "AGENTREFINE_FAULT": "after_episode@1:TERM"}  # SIGTERM after the first journaled episode
-    stopped = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=fault)
-    assert stopped.returncode == 75, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+
+    def run(only: str, stop_after_one: bool) -> subprocess.CompletedProcess:
+        # SIGTERM after the first episode this process journals
+        fault = {"AGENTREFINE_FAULT": "after_episode@1:TERM"} if stop_after_one else {}
+        r = subprocess.run(
+            [*cmd, "--only", only], capture_output=True, text=True, timeout=900, env=env | fault
+        )
+        assert r.returncode == (75 if stop_after_one else 0), r.stdout[-3000:] + r.stderr[-3000:]
+        assert "holds episodes of" not in r.stdout + r.stderr, r.stderr[-3000:]
+        return r
+
+    stopped = run("agentrefine", stop_after_one=True)
     journal = record / "eval" / "agentrefine" / "demo_world.json.journal.jsonl"
     header, *episodes = journal.read_text().splitlines()
     assert len(episodes) == 1
     shutil.rmtree(out)  # the machine is lost: checkpoint, export and all; the record survives
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    said = again.stdout + again.stderr
-    assert again.returncode == 0, said[-4000:]
+    again = run("agentrefine", stop_after_one=False)
     assert "agentrefine: trained earlier on another machine" in again.stdout
-    assert "holds episodes of" not in said and "error:" not in again.stdout, said[-4000:]
+    assert "error:" not in again.stdout, again.stdout[-4000:]
     doc = json.loads((record / "eval" / "agentrefine" / "demo_world.json").read_text())
     # 2 worlds x 2 wordings, the first from the lost machine's sitting: the journal was resumed
     assert len(doc["episodes"]) == 4 and doc["sittings"] == 2 and doc["compute_dtype"] == "float32"
     hf = out / "hf" / "agentrefine"  # what was played, both times: the export
     assert json.loads(header)["model"]["checkpoint"] == doc["model"]["checkpoint"] == str(hf)
     assert "agentrefine: exporting" in stopped.stdout and "agentrefine: exporting" in again.stdout
+    assert not journal.exists()  # finished: the record keeps the result, not the journal
+
+    # The collection plays the same export; stopped after its first episode, then the machine is lost.
+    run("onpolicy", stop_after_one=True)
+    collected = record / "data" / "onpolicy.jsonl.journal.jsonl"
+    header, *episodes = collected.read_text().splitlines()
+    assert len(episodes) == 1 and json.loads(header)["model"]["checkpoint"] == str(hf)
+    shutil.rmtree(out)
+    resumed = run("onpolicy", stop_after_one=True)  # trained again, exported, resumed: stops after the 2nd
+    assert "agentrefine: trained earlier on another machine" in resumed.stdout
+    # one episode restored + the one this sitting played (started afresh, it would hold one)
+    assert "2 finished episodes kept" in resumed.stderr, resumed.stderr[-3000:]
+    header2, *episodes = collected.read_text().splitlines()
+    assert len(episodes) == 2 and json.loads(header2)["model"] == json.loads(header)["model"]

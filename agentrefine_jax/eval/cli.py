@@ -549,11 +549,16 @@ def run_onpolicy(args: argparse.Namespace) -> int:
     try:
         # every episode is checked against the eval split before the model loads
         episodes = plan(tasks, args.episodes, seed=args.seed, workdir=workdir, max_steps=args.max_steps)
-        journal = _JOURNAL.journal = open_journal(args)
+        # Pinned to one step now, and the journal bound to that model's identity (as eval's run is), not to
+        # the --checkpoint string: a run directory that names a newer step, or a model trained again in
+        # its place, must not resume episodes another model played into one file of rows.
+        model = identify(args.checkpoint, None, None)
+        args.load_from = model["checkpoint"]
+        journal = _JOURNAL.journal = open_journal(args, model)
         with progress.Progress(args.progress_every, log):
             sampling = SamplingParams(args.temperature, args.top_p, args.max_new_tokens, DEFAULT_STOP)
             policy = CheckpointPolicy(
-                args.checkpoint, sampling, template=args.template, kv_reuse=args.kv_reuse, dtype=args.dtype
+                args.load_from, sampling, template=args.template, kv_reuse=args.kv_reuse, dtype=args.dtype
             )
             result = collect(policy, episodes, batch_size=args.batch_size, journal=journal)
     finally:
