@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import multiprocessing
 import os
 import signal
@@ -105,6 +106,21 @@ def exit_with(code: int) -> None:
     save Orbax leaves non-daemon threads waiting out their timeout (minutes); the error is already
     reported, so do not wait for them."""
     if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def leave(code: int) -> NoReturn:
+    """Exit with `code`; a run stopped by SIGTERM (75: its work kept, its last line printed) leaves without
+    the interpreter's teardown. A tool that ran XLA in its own process (eval, the miniature) was seen to
+    die in that teardown after a clean SIGTERM stop — SIGSEGV on an XLA:CPU worker thread (in the slinky
+    simplifier its fused kernels use), twice in the miniature's run — so the exit code a scheduler reads
+    to mean "run the same command again" became a crash. Nothing left to do needs the teardown: the
+    journal and outputs are written and fsync'd before the stop line."""
+    if code == TERMINATED:
+        logging.shutdown()  # flush every log handler, as teardown would
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -64,7 +64,7 @@ if str(REPO) not in sys.path:  # run from a checkout without an install
     sys.path.insert(0, str(REPO))
 
 from agentrefine_jax.analyze.tables import wilson_interval  # noqa: E402
-from agentrefine_jax.cli_errors import TERMINATED, redeliver_swallowed_signals  # noqa: E402 - the trainer's and eval's exit after SIGTERM
+from agentrefine_jax.cli_errors import TERMINATED, leave, redeliver_swallowed_signals  # noqa: E402 - the trainer's and eval's exit after SIGTERM
 from agentrefine_jax.outputs import write_json, write_text  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -895,4 +895,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     redeliver_swallowed_signals()  # eval, run in-process, stops by raising from its SIGTERM handler
-    sys.exit(main())
+    leave(main())

@@ -1,13 +1,11 @@
 """`python -m agentrefine_jax.eval ...` (see agentrefine_jax/eval/cli.py)."""
 
-import sys
-
-from agentrefine_jax.cli_errors import run_main
+from agentrefine_jax.cli_errors import leave, run_main
 
 
 def entry() -> None:
     """`python -m agentrefine_jax.eval` and the `agentrefine-eval` console script."""
-    sys.exit(run_main("eval", "agentrefine_jax.eval.cli"))
+    leave(run_main("eval", "agentrefine_jax.eval.cli"))
 
 
 if __name__ == "__main__":
