@@ -35,6 +35,7 @@ tunable not already set.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import platform
@@ -124,3 +125,40 @@ def relaunch_with_huge_pages() -> None:
         os.execve(sys.executable, sys.orig_argv, env)
     except OSError:  # cannot exec (a sandbox, a vanished interpreter): run as started
         return
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryNow:
+    """Bytes: this process's resident set and its high-water mark, the host's available and total memory."""
+
+    rss: int
+    peak: int
+    available: int
+    total: int
+
+
+def memory_now() -> MemoryNow | None:
+    """This process's and the host's memory now, from /proc (Linux); None where /proc does not say.
+
+    Why: a long evaluation's KV cache grows with its episodes' histories; the miniature's base model on
+    PDDL (16 episodes in flight, ~30 turns in) reached 18 GB and the kernel killed it without a word in
+    its log. Eval's progress line shows these figures, and warns while the host runs low."""
+    try:
+        mine = _proc_fields("/proc/self/status", ("VmRSS", "VmHWM"))
+        host = _proc_fields("/proc/meminfo", ("MemAvailable", "MemTotal"))
+    except (OSError, ValueError):
+        return None
+    if len(mine) < 2 or len(host) < 2:
+        return None
+    return MemoryNow(mine["VmRSS"], mine["VmHWM"], host["MemAvailable"], host["MemTotal"])
+
+
+def _proc_fields(path: str, names: tuple[str, ...]) -> dict[str, int]:
+    """`name: <n> kB` lines of a /proc file, in bytes."""
+    out: dict[str, int] = {}
+    with open(path, encoding="ascii") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in names:
+                out[name] = int(rest.split()[0]) * 1024
+    return out

@@ -113,3 +113,39 @@ def test_the_heartbeat_beats_without_any_event():
     assert "on the policy" in lines[0]
     with pytest.raises(ValueError, match="> 0"):
         progress.Progress(0)
+
+
+def test_the_heartbeat_shows_this_process_s_memory_and_the_host_s():
+    import resource
+
+    import numpy as np
+
+    block = np.ones(300_000_000 // 8)  # 300 MB, touched
+    p = progress.Progress(3600, lambda _m: None)
+    m = re.search(
+        r"memory ([\d.]+) GB \(peak ([\d.]+)\), host ([\d.]+) of ([\d.]+) GB free, elapsed", p.line()
+    )
+    assert m, p.line()
+    rss, peak, free, total = map(float, m.groups())
+    # The kernel's own count of the peak, read another way (getrusage: kB on Linux).
+    assert abs(peak - resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9) <= 0.1
+    assert 0.3 <= rss <= peak and 0 < free <= total
+    assert os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 == pytest.approx(total, abs=0.1)
+    del block
+
+
+def test_a_low_memory_warning_once_per_spell():
+    from agentrefine_jax.host_memory import MemoryNow
+
+    free_gb = iter([12.0, 1.8, 1.5, 3.0, 6.0, 1.0])  # of 20: fine, low, still low, not yet back, back, low
+    lines: list[str] = []
+    p = progress.Progress(
+        3600, lines.append, memory=lambda: MemoryNow(int(9e9), int(10e9), int(next(free_gb) * 1e9), int(20e9))
+    )
+    warnings = [p.memory_warning() for _ in range(6)]
+    assert [w is not None for w in warnings] == [False, True, False, False, False, True]
+    assert warnings[1].startswith(
+        "warning: memory low: 1.8 of 20.0 GB free on this host, this process 9.0 GB"
+    )
+    assert "--batch-size" in warnings[1]
+    assert progress.Progress(3600, lines.append, memory=lambda: None).memory_warning() is None

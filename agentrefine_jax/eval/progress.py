@@ -4,7 +4,13 @@ On a CPU a single batched model call (8 episodes x a 256-token reply) can take m
 per-episode lines alone leave long silences; a background thread prints, every `interval`
 seconds, what the loop has done so far:
 
-    progress: 3/16 episodes done, 5 in flight, 41 steps (0.31/s), waiting 45s on the policy, elapsed 2m12s
+    progress: 3/16 episodes done, 5 in flight, 41 steps (0.31/s), waiting 45s on the policy,
+    memory 4.2 GB (peak 5.1), host 17.9 of 23.4 GB free, elapsed 2m12s
+
+The memory figures (this process's resident set and peak, the host's available memory; Linux) are
+there because an evaluation's KV cache grows with its episodes' histories: a run killed by the kernel
+for memory leaves no line of its own, so the last heartbeats say what happened, and while the host's
+available memory is under LOW_MEMORY of its total a warning line says so, once per such spell.
 
 One `Progress` covers a whole `eval` run (every task and phase); the episode loop
 (`core.run_loop`) reports into the active one through four calls — `add_jobs(n)` when it gets its
@@ -21,8 +27,14 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
+from agentrefine_jax import host_memory
+
 # Seconds between heartbeat lines (`eval --progress-every`).
 DEFAULT_INTERVAL = 30.0
+# The host's available memory, as a share of its total, under which a heartbeat warns (and, once it is
+# back above twice this, warns again at the next dip).
+LOW_MEMORY = 0.10
+GB = 1e9
 
 _active: Progress | None = None
 
@@ -44,10 +56,16 @@ def _duration(s: float) -> str:
 class Progress:
     """Counters the episode loop updates, and the thread that prints them every `interval` s."""
 
-    def __init__(self, interval: float = DEFAULT_INTERVAL, log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        interval: float = DEFAULT_INTERVAL,
+        log: Callable[[str], None] = print,
+        memory: Callable[[], host_memory.MemoryNow | None] = host_memory.memory_now,
+    ) -> None:
         if not interval > 0:
             raise ValueError(f"the progress interval must be > 0 seconds, got {interval}")
-        self.interval, self.log = interval, log
+        self.interval, self.log, self.memory = interval, log, memory
+        self._warned = False  # a low-memory warning was given and memory has not recovered since
         self.total = self.done = self.in_flight = self.steps = 0
         self.round_t0: float | None = None  # when the policy call now under way began
         self._lock = threading.Lock()
@@ -89,11 +107,37 @@ class Progress:
             ]
             if self.round_t0 is not None:
                 parts.append(f"waiting {_duration(now - self.round_t0)} on the policy")
+        mem = self.memory()
+        if mem is not None:
+            parts.append(f"memory {mem.rss / GB:.1f} GB (peak {mem.peak / GB:.1f})")
+            parts.append(f"host {mem.available / GB:.1f} of {mem.total / GB:.1f} GB free")
         return "progress: " + ", ".join(parts) + f", elapsed {_duration(elapsed)}"
+
+    def memory_warning(self) -> str | None:
+        """A warning line when the host's available memory has just fallen under LOW_MEMORY of its total
+        (None otherwise, and again once it is back above twice that)."""
+        mem = self.memory()
+        if mem is None or mem.total <= 0:
+            return None
+        share = mem.available / mem.total
+        if share >= 2 * LOW_MEMORY:
+            self._warned = False
+        if share >= LOW_MEMORY or self._warned:
+            return None
+        self._warned = True
+        return (
+            f"warning: memory low: {mem.available / GB:.1f} of {mem.total / GB:.1f} GB free on this host, "
+            f"this process {mem.rss / GB:.1f} GB; if the kernel kills it, the journal keeps the finished "
+            "episodes (the same command resumes) but those in flight are lost; fewer episodes in flight "
+            "(--batch-size) need less"
+        )
 
     def _beat(self) -> None:
         while not self._stop.wait(self.interval):
             self.log(self.line())
+            warning = self.memory_warning()
+            if warning is not None:
+                self.log(warning)
 
     def __enter__(self) -> Progress:
         global _active
