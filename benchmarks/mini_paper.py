@@ -350,12 +350,31 @@ def eval_model(
     return merged_result(args, label, out)
 
 
-def merged_result(args: argparse.Namespace, label: str, out: pathlib.Path) -> pathlib.Path:
-    """results/<label>.json: the model's per-task results merged, the file `analyze report` reads."""
+def merged_result(
+    args: argparse.Namespace, label: str, out: pathlib.Path, log: Callable[[str], None] | None = None
+) -> pathlib.Path:
+    """results/<label>.json: the model's per-task results merged, the file `analyze report` reads; with
+    `log`, a warning where its tasks were played by different models."""
     merged = out / "results" / f"{label}.json"
     merged.parent.mkdir(parents=True, exist_ok=True)
-    write_json(merged, merge_results([json.loads(p.read_text()) for p in eval_files(args, label, out)]))
+    docs = [json.loads(p.read_text()) for p in eval_files(args, label, out)]
+    played = played_by(docs)
+    if log is not None and len(set(played.values())) > 1:
+        # A row trained again on another machine (--record) evaluates its remaining tasks with that
+        # training; on another kind of CPU it need not come out bit-identical. Said, and kept in the result.
+        log(
+            f"warning: {label}'s tasks were played by different models ("
+            + ", ".join(f"{t}: {f[:12] if f else 'unknown'}" for t, f in played.items())
+            + "): trained again on another machine, it did not come out the same; its cells are not one "
+            "model's"
+        )
+    write_json(merged, merge_results(docs))
     return merged
+
+
+def played_by(docs: Sequence[dict[str, Any]]) -> dict[str, str | None]:
+    """Task -> the fingerprint of the model that played it (eval's `model` record; None if it has none)."""
+    return {t: (d.get("model") or {}).get("fingerprint") for d in docs for t in d["config"]["tasks"]}
 
 
 def merge_results(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -377,6 +396,9 @@ def merge_results(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     seconds = None if None in known else round(sum(float(x or 0) for x in known), 1)
     # The training settings analyze's Table 2 reads (a tuned row is played as an HF export, which has none).
     run_config = {"run_config": docs[0]["run_config"]} if all("run_config" in d for d in docs) else {}
+    # The model every task was played by (eval's record), or, where they differ, each task's.
+    models = [d.get("model") for d in docs]
+    model = {"model": models[0]} if all(m == models[0] for m in models) else {"models": played_by(docs)}
     return results_document(
         "builtin",
         docs[0]["agent"],
@@ -384,7 +406,7 @@ def merge_results(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         tasks=variants.get("original", {}),
         variants=variants,
         episodes=episodes,
-        extra={"policy": docs[0]["agent"], "seconds": seconds, **run_config},
+        extra={"policy": docs[0]["agent"], "seconds": seconds, **run_config, **model},
     )
 
 
@@ -824,7 +846,7 @@ def run(args: argparse.Namespace) -> int:
     pending = []
     for label in models:
         if label not in failures and all(f.exists() for f in eval_files(args, label, out)):
-            results[label] = merged_result(args, label, out)
+            results[label] = merged_result(args, label, out, log)
         elif label not in failures:
             pending.append(label)
     if pending:

@@ -269,6 +269,37 @@ def test_verdict_names_only_rows_whose_interval_lies_above_base():
     assert "agentrefine 80.0 [" in rec and "base 10.0 [" in rec
 
 
+def test_a_row_played_by_two_different_models_says_so(tmp_path):
+    """A row's merged result names the model that played every task; where its tasks were played by
+    different models (trained again on another kind of CPU, not bit-identical) the result keeps each
+    task's and the script warns. Real per-task results: the committed record's base row."""
+    import argparse
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import mini_paper
+
+    kept = REPO / "benchmarks" / "records" / "mini_paper" / "eval" / "base"
+    if not (kept / "babyai.json").exists():
+        pytest.skip("the record's base results are not in this checkout")
+    args = argparse.Namespace(tasks=["babyai"])
+    docs = {t: json.loads((kept / f"{t}.json").read_text()) for t in ("demo_world", "babyai")}
+    for label, other in (("same", None), ("mixed", "f" * 64)):
+        for task, doc in docs.items():
+            if other and task == "babyai":
+                doc = doc | {"model": doc["model"] | {"fingerprint": other}}
+            path = tmp_path / "eval" / label / f"{task}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(doc))
+    lines: list[str] = []
+    same = json.loads(mini_paper.merged_result(args, "same", tmp_path, lines.append).read_text())
+    assert same["model"] == docs["babyai"]["model"] and "models" not in same and lines == []
+    mixed = json.loads(mini_paper.merged_result(args, "mixed", tmp_path, lines.append).read_text())
+    fingerprint = docs["demo_world"]["model"]["fingerprint"]
+    assert mixed["models"] == {"demo_world": fingerprint, "babyai": "f" * 64} and "model" not in mixed
+    assert len(lines) == 1 and lines[0].startswith("warning: mixed's tasks were played by different models")
+    assert f"demo_world: {fingerprint[:12]}" in lines[0] and len(mixed["episodes"]) == 128 + 16
+
+
 def test_record_keeps_a_journal_only_while_its_evaluation_is_unfinished(tmp_path):
     """A record (--record) copies what finished stages made and an unfinished evaluation's journal;
     once the evaluation finishes (eval removes its journal) the record's copy goes too; restoring into
