@@ -357,18 +357,17 @@ def merged_result(
     `log`, a warning where its tasks were played by different models."""
     merged = out / "results" / f"{label}.json"
     merged.parent.mkdir(parents=True, exist_ok=True)
-    docs = [json.loads(p.read_text()) for p in eval_files(args, label, out)]
-    played = played_by(docs)
-    if log is not None and len(set(played.values())) > 1:
+    doc = merge_results([json.loads(p.read_text()) for p in eval_files(args, label, out)])
+    if log is not None and "models" in doc:
         # A row trained again on another machine (--record) evaluates its remaining tasks with that
         # training; on another kind of CPU it need not come out bit-identical. Said, and kept in the result.
         log(
             f"warning: {label}'s tasks were played by different models ("
-            + ", ".join(f"{t}: {f[:12] if f else 'unknown'}" for t, f in played.items())
+            + ", ".join(f"{t}: {f[:12] if f else 'unknown'}" for t, f in doc["models"].items())
             + "): trained again on another machine, it did not come out the same; its cells are not one "
             "model's"
         )
-    write_json(merged, merge_results(docs))
+    write_json(merged, doc)
     return merged
 
 
@@ -393,12 +392,12 @@ def merge_results(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
     variants = task_metrics(episodes)
     known = [d.get("seconds") for d in docs]
-    seconds = None if None in known else round(sum(float(x or 0) for x in known), 1)
+    seconds = None if None in known else round(sum(float(x) for x in known), 1)
     # The training settings analyze's Table 2 reads (a tuned row is played as an HF export, which has none).
     run_config = {"run_config": docs[0]["run_config"]} if all("run_config" in d for d in docs) else {}
-    # The model every task was played by (eval's record), or, where they differ, each task's.
-    models = [d.get("model") for d in docs]
-    model = {"model": models[0]} if all(m == models[0] for m in models) else {"models": played_by(docs)}
+    # The model every task was played by (eval's record), or, where their fingerprints differ, each task's.
+    played = played_by(docs)
+    model = {"model": docs[0].get("model")} if len(set(played.values())) == 1 else {"models": played}
     return results_document(
         "builtin",
         docs[0]["agent"],
