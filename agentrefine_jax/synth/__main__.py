@@ -1,13 +1,11 @@
 """`python -m agentrefine_jax.synth ...` (see agentrefine_jax/synth/cli.py)."""
 
-import sys
-
-from agentrefine_jax.cli_errors import run_main
+from agentrefine_jax.cli_errors import leave, run_main
 
 
 def entry() -> None:
     """`python -m agentrefine_jax.synth` and the `agentrefine-synth` console script."""
-    sys.exit(run_main("synth", "agentrefine_jax.synth.cli"))
+    leave(run_main("synth", "agentrefine_jax.synth.cli"))
 
 
 if __name__ == "__main__":
