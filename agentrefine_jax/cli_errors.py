@@ -131,22 +131,31 @@ def leave(code: int) -> NoReturn:
     same command again" became a crash. The journal and outputs are written and fsync'd before the
     stop line.
 
-    Anything else: the interpreter's ordinary exit."""
-    if code == 0:
-        shutdown_threads = getattr(threading, "_shutdown", None)  # what Py_Finalize runs first
-        if shutdown_threads is None:
-            sys.exit(0)
+    Anything else, or a tool a host process runs in itself (pytest's `runpy`, a notebook): the
+    interpreter's ordinary exit, SystemExit and all; the host decides when its process ends."""
+    shutdown_threads = getattr(threading, "_shutdown", None)  # what Py_Finalize runs first
+    if code == 0 and shutdown_threads is not None and _tool_is_the_program():
         shutdown_threads()
         atexit._run_exitfuncs()
-    if code in (0, TERMINATED):
-        logging.shutdown()  # flush every log handler, as teardown would
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):  # a reader that went away (`| head`), a closed stream
-                pass
-        os._exit(code)
-    sys.exit(code)
+    elif code != TERMINATED:
+        sys.exit(code)
+    logging.shutdown()  # flush every log handler, as teardown would
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that went away (`| head`), a closed stream
+            pass
+    os._exit(code)
+
+
+def _tool_is_the_program() -> bool:
+    """Whether this process runs one of our tools as its program: `python -m agentrefine_jax.<tool>`
+    (its `__main__` is ours) or a console script (`agentrefine-<tool>`), not a host that called one."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None:
+        return spec.name.startswith("agentrefine_jax.")
+    return os.path.basename(getattr(main, "__file__", None) or "").startswith("agentrefine-")
 
 
 def write_failed(tool: str, message: object) -> int:

@@ -143,8 +143,10 @@ def run_main(tool: str, args: list[str], capsys) -> subprocess.CompletedProcess[
 def test_a_tools_exit_waits_for_its_threads_and_runs_its_exit_handlers(tmp_path, code):
     """`leave` skips the interpreter's finalization (~0.8 s of XLA teardown per process) but keeps what
     exit does that can matter after a success: a non-daemon thread still writing finishes, atexit
-    handlers run, buffered output reaches the pipe; the code is the tool's."""
-    script = f"""
+    handlers run, buffered output reaches the pipe; the code is the tool's. The program here is a
+    console script's (`agentrefine-...`), whose exit takes that path."""
+    script = tmp_path / "agentrefine-probe"
+    script.write_text(f"""
 import atexit, pathlib, sys, threading, time
 from agentrefine_jax.cli_errors import leave
 
@@ -156,8 +158,18 @@ threading.Thread(target=late_write).start()
 atexit.register(lambda: (out / "atexit").write_text("ran"))
 sys.stdout.write("buffered, no newline")
 leave({code})
-"""
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+""")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert r.returncode == code and r.stdout == "buffered, no newline", (r.returncode, r.stdout, r.stderr)
     if code == 0:
         assert (tmp_path / "thread").read_text() == "done" and (tmp_path / "atexit").read_text() == "ran"
+
+
+def test_a_tool_run_inside_a_host_process_exits_by_systemexit():
+    """A host that runs a tool in its own process (pytest here; test_data_templates runs `python -m
+    agentrefine_jax.data` by runpy) gets SystemExit with the code, never an exit of its whole process."""
+    from agentrefine_jax.cli_errors import leave
+
+    with pytest.raises(SystemExit) as e:
+        leave(0)
+    assert e.value.code == 0
