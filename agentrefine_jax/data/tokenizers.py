@@ -286,12 +286,12 @@ def _remembered_class(memo: pathlib.Path | None) -> type[PreTrainedTokenizerFast
 def _remember_class(memo: pathlib.Path | None, cls: type) -> None:
     if memo is None:
         return
-    import json
+    from agentrefine_jax.outputs import json_dumps
 
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"module": cls.__module__, "name": cls.__qualname__}))
+        tmp.write_text(json_dumps({"module": cls.__module__, "name": cls.__qualname__}))
         os.replace(tmp, memo)
     except OSError:
         pass
