@@ -286,14 +286,12 @@ def _remembered_class(memo: pathlib.Path | None) -> type[PreTrainedTokenizerFast
 def _remember_class(memo: pathlib.Path | None, cls: type) -> None:
     if memo is None:
         return
-    from agentrefine_jax.outputs import json_dumps
+    from agentrefine_jax import outputs
 
-    try:
+    try:  # a memo we cannot write only costs the next process AutoTokenizer's choice
         memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json_dumps({"module": cls.__module__, "name": cls.__qualname__}))
-        os.replace(tmp, memo)
-    except OSError:
+        outputs.write_json(memo, {"module": cls.__module__, "name": cls.__qualname__})
+    except (OSError, outputs.OutputWriteError):
         pass
 
 
