@@ -8,13 +8,13 @@ in a `*.done.json` beside it, so a resumed mini paper reuses it instead of makin
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
 import pathlib
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +38,17 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), path) if p)}
 
 
+def run_tool(main: Callable[[list[str]], int], argv: list[str]) -> tuple[int, str, str]:
+    """A tool's CLI `main(argv)` run in this process: (exit code, its stdout, its stderr). In this process,
+    not a `python -m` subprocess: each of those pays ~3-5 s of imports and start-up before its work (the
+    export or token count of a small model is about as long again), and this script already imports the
+    same tools for its evaluations."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = int(main(argv) or 0)
+    return rc, out.getvalue(), err.getvalue()
+
+
 def export_hf(step_dir: pathlib.Path, hf: pathlib.Path, log: Callable[[str], None]) -> pathlib.Path:
     """Checkpoint step `step_dir` as a Hugging Face directory `hf` (`export to-hf`, float32 kept), written
     to the sibling `HF.partial` and renamed into place once whole; kept when already there. Evaluating the
@@ -45,18 +56,19 @@ def export_hf(step_dir: pathlib.Path, hf: pathlib.Path, log: Callable[[str], Non
     identity, eval/model_identity.py), not to the checkpoint's files, which differ between two saves of the
     same parameters (Orbax names its data files at random): a model trained again on another machine
     resumes the journal its first training began. RuntimeError on failure."""
+    from agentrefine_jax.export.cli import main as export_main
+
     if (hf / "config.json").is_file():  # renamed into place whole
         log(f"exported earlier ({hf}), skipped")
         return hf
     partial = hf.with_name(hf.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)  # ours: a killed export's leftovers
-    cmd = [sys.executable, "-m", "agentrefine_jax.export", "to-hf", "--checkpoint", str(step_dir)]
-    cmd += ["--out", str(partial), "--mesh", "none"]
+    argv = ["to-hf", "--checkpoint", str(step_dir), "--out", str(partial), "--mesh", "none"]
     log(f"exporting {step_dir} to {hf}")
-    r = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), check=False)
-    if r.returncode != 0:
-        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise RuntimeError(f"{step_dir}: export to-hf exited {r.returncode}: {tail[0]}")
+    rc, out, err = run_tool(export_main, argv)
+    if rc != 0:
+        tail = (err or out).strip().splitlines()[-1:] or ["(no output)"]
+        raise RuntimeError(f"{step_dir}: export to-hf exited {rc}: {tail[0]}")
     hf.parent.mkdir(parents=True, exist_ok=True)
     os.replace(partial, hf)
     return hf
@@ -69,15 +81,17 @@ class DataError(Exception):
 def count_tokens(files: Sequence[pathlib.Path], base: str, max_length: int, *, drop_refinement: bool) -> dict:
     """`data stats --json` of `files` as the trainer tokenizes them (the base's tokenizer and template,
     its max length): the same code path, so the counts are the trainer's."""
-    cmd = [sys.executable, "-m", "agentrefine_jax.data", "stats", "--tokenizer", base]
-    cmd += ["--max-length", str(max_length), "--json", "-q"] + [a for f in files for a in ("-i", str(f))]
+    from agentrefine_jax.data.cli import main as data_main
+
+    argv = ["stats", "--tokenizer", base, "--max-length", str(max_length), "--json", "-q"]
+    argv += [a for f in files for a in ("-i", str(f))]
     if drop_refinement:
-        cmd.append("--drop-refinement-data")
-    r = subprocess.run(cmd, capture_output=True, text=True, check=False, env=child_env())
-    if r.returncode != 0:
-        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
-        raise DataError(f"data stats on {', '.join(map(str, files))} exited {r.returncode}: {tail}")
-    stats = json.loads(r.stdout)
+        argv.append("--drop-refinement-data")
+    rc, out, err = run_tool(data_main, argv)
+    if rc != 0:
+        tail = (err.strip().splitlines() or ["no output"])[-1]
+        raise DataError(f"data stats on {', '.join(map(str, files))} exited {rc}: {tail}")
+    stats = json.loads(out)
     return {"examples": int(stats["examples"]), "tokens": int(stats["tokens"])}
 
 

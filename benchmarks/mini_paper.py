@@ -27,7 +27,7 @@ agentrefine_jax.export from-gguf` writes; any HF directory the trainer can initi
 4. prints, per model, task and variant, success with its Wilson 95% interval, progress, the valid-action,
    format-error and recovery columns, evaluation episodes per hour, and the plain sentences (which tuned
    rows' success intervals lie above base's; recovery per model), and writes Tables 1 and 2 (plus the
-   episodes table) through `python -m agentrefine_jax.analyze report`, rows named by setting.
+   episodes table) through `agentrefine_jax.analyze report` (in this process), rows named by setting.
 
 Everything goes under `--out`: `data/` (the generated and on-policy data), `runs/<setting>/` (training
 runs and logs), `eval/<model>/<task>.json` (one eval result per model and task), `results/<model>.json`
@@ -513,9 +513,11 @@ def format_summary(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def write_report(results: dict[str, pathlib.Path], out: pathlib.Path) -> int:
-    cmd = [sys.executable, "-m", "agentrefine_jax.analyze", "report"]
-    cmd += [f"{label}={path}" for label, path in results.items()] + ["--out", str(out / "report")]
-    return subprocess.run(cmd, check=False, env=_mini_data.child_env()).returncode
+    """`analyze report` of every merged result, in this process (as the evaluations run)."""
+    from agentrefine_jax.analyze.cli import main as analyze_main
+
+    argv = ["report", *(f"{label}={path}" for label, path in results.items()), "--out", str(out / "report")]
+    return analyze_main(argv)
 
 
 # ------------------------------------------------------------------------------------------- CLI
