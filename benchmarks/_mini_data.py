@@ -56,11 +56,11 @@ def export_hf(step_dir: pathlib.Path, hf: pathlib.Path, log: Callable[[str], Non
     identity, eval/model_identity.py), not to the checkpoint's files, which differ between two saves of the
     same parameters (Orbax names its data files at random): a model trained again on another machine
     resumes the journal its first training began. RuntimeError on failure."""
-    from agentrefine_jax.export.cli import main as export_main
-
     if (hf / "config.json").is_file():  # renamed into place whole
         log(f"exported earlier ({hf}), skipped")
         return hf
+    from agentrefine_jax.export.cli import main as export_main
+
     partial = hf.with_name(hf.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)  # ours: a killed export's leftovers
     argv = ["to-hf", "--checkpoint", str(step_dir), "--out", str(partial), "--mesh", "none"]
