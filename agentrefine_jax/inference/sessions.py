@@ -227,9 +227,14 @@ def _long_rows(widths: Sequence[int], batch: int) -> list[int]:
     return sorted(best)
 
 
-def _keep(cache: dict, keep: jax.Array) -> dict:
-    """Segment 0 (never attended) for every column where `keep` is False."""
-    return {**cache, "segment_ids": jnp.where(keep, cache["segment_ids"], 0)}
+def _keep(segment_ids: jax.Array, keep: jax.Array) -> jax.Array:
+    """Segment 0 (never attended) for every column where `keep` is False.
+
+    Why the segment ids alone: a program given the whole cache returns a copy of every K and V it
+    passes through (jit does not forward undonated inputs), so each call held two caches at once -- 2x
+    the cache's bytes per turn (SmolLM2 in float32, 16 episodes at ~12k columns: 9 GB each) -- and
+    copied them all."""
+    return jnp.where(keep, segment_ids, 0)
 
 
 def _fit(a: jax.Array, columns: int, axis: int) -> jax.Array:
@@ -454,7 +459,6 @@ class SessionCache:
         stops: Stops,
         seed: int,
     ) -> list[Generation]:
-        keep = _programs()[1]
         self.calls += 1
         rows = self._assign(keys)
         row_to_req.update({r: q for r, q in zip(rows, req_ids, strict=True)})
@@ -489,7 +493,7 @@ class SessionCache:
             self.cache = self._consumed(_resize, size)
         # Mask what no row holds any more before anything attends: columns after a common
         # prefix, an evicted conversation's, and filler written by the previous call's decode.
-        self.cache = {**keep(self.cache, jnp.asarray(self._live_columns())), "index": jnp.int32(self.index)}
+        self._mask_dead(jnp.int32(self.index))
         end = self.index
         prefilled = self.stats["prefill_tokens"]
         decode = dict(
@@ -605,9 +609,18 @@ class SessionCache:
             slot = self.slots[r]
             slot.tokens, slot.columns = list(donor.tokens[:n]), list(donor.columns[:n])
             self.stats["forked_rows"] += 1
-        fork, keep = _programs()[4], _programs()[1]
-        self.cache = fork(self.cache, jnp.asarray(src))
-        self.cache = {**keep(self.cache, jnp.asarray(self._live_columns())), "index": self.cache["index"]}
+        self.cache = _programs()[4](self.cache, jnp.asarray(src))
+        self._mask_dead(self.cache["index"])
+
+    def _mask_dead(self, index: jax.Array) -> None:
+        """Mask every column no slot holds (see `_keep`); K and V are left as they are."""
+        assert self.cache is not None
+        live = jnp.asarray(self._live_columns())
+        self.cache = {
+            **self.cache,
+            "segment_ids": _programs()[1](self.cache["segment_ids"], live),
+            "index": index,
+        }
 
     def _consumed(self, f: Callable[..., dict], *args: object) -> dict:
         """`f(cache, *args)` for a function that consumes the cache (`_each_kv`): `self` lets go of it
