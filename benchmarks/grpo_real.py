@@ -54,6 +54,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without an install
     sys.path.insert(0, str(REPO))
 
+from agentrefine_jax import host_memory  # noqa: E402
 from agentrefine_jax.analyze.tables import wilson_interval  # noqa: E402
 from agentrefine_jax.cli_errors import TERMINATED, leave, redeliver_swallowed_signals  # noqa: E402 - the trainer's and eval's exit after SIGTERM
 from agentrefine_jax.outputs import atomic_path, write_json, write_text  # noqa: E402
@@ -515,5 +516,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    host_memory.bound_heap()  # eval runs in this process: its heap gives freed caches back (eval's entry)
     redeliver_swallowed_signals()  # eval, run in-process, stops by raising from its SIGTERM handler
     leave(main())

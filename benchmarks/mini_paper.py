@@ -63,6 +63,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without an install
     sys.path.insert(0, str(REPO))
 
+from agentrefine_jax import host_memory  # noqa: E402
 from agentrefine_jax.analyze.tables import wilson_interval  # noqa: E402
 from agentrefine_jax.cli_errors import TERMINATED, leave, redeliver_swallowed_signals  # noqa: E402 - the trainer's and eval's exit after SIGTERM
 from agentrefine_jax.outputs import write_json, write_text  # noqa: E402
@@ -331,7 +332,8 @@ def eval_model(
         argv += ["--seed", str(args.seed), "--max-new-tokens", str(args.max_new_tokens)]
         # Every row computes in the training dtype: an HF base would otherwise load in bfloat16 compute, a
         # trainer checkpoint in its run's float32, and the rows would not be evaluated alike.
-        argv += ["--dtype", args.dtype, "--batch-size", str(args.eval_batch)] + (["-q"] if args.quiet else [])
+        batch = args.eval_batch if task == DEMO_TASK else args.task_batch or args.eval_batch
+        argv += ["--dtype", args.dtype, "--batch-size", str(batch)] + (["-q"] if args.quiet else [])
         if args.max_steps:
             argv += ["--max-steps", str(args.max_steps)]
         log(f"{label}/{task}: evaluating {episodes} episodes")
@@ -565,6 +567,15 @@ def build_parser() -> argparse.ArgumentParser:
     # eval's own 294 s at 8 in flight, 234 s at 16, 213 s at 32 (1.38x), every episode identical;
     # peak RSS 5.4, 7.9 and 9.2 GB (docs/mini_paper.md).
     p.add_argument("--eval-batch", type=_positive, default=32, help="episodes in flight per model call")
+    # BabyAI's and PDDL's histories run to the model's context (8k tokens for SmolLM2), a demo world's to
+    # ~2k: the KV cache of 16 such episodes is ~4x that of 32 demo worlds. On a 24 GB host 16 in flight
+    # was OOM-killed (docs/mini_paper.md); this bounds those tasks without slowing the demo worlds'.
+    p.add_argument(
+        "--task-batch",
+        type=_positive,
+        help="episodes in flight for the built-in tasks (--tasks; default: --eval-batch); a task's "
+        "unfinished evaluation resumes only with the value it started with",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--only",
@@ -917,5 +928,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    host_memory.bound_heap()  # eval runs in this process: its heap gives freed caches back (eval's entry)
     redeliver_swallowed_signals()  # eval, run in-process, stops by raising from its SIGTERM handler
     leave(main())

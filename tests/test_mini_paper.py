@@ -77,7 +77,7 @@ def test_mini_paper_end_to_end_and_resume(base_dir, tmp_path):
     from agentrefine_jax.config import TrainConfig
 
     out = tmp_path / "mini"
-    r = _run(base_dir, out)
+    r = _run(base_dir, out, "--task-batch", "1")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     settings = ["agentrefine", "no_refinement_loss", "erroneous_loss", "no_refinement_data"]
     if "objective" in TrainConfig.__dataclass_fields__:
@@ -131,6 +131,8 @@ def test_mini_paper_end_to_end_and_resume(base_dir, tmp_path):
         for task in ("demo_world", "babyai"):
             result = json.loads((out / "eval" / label / f"{task}.json").read_text())
             assert result["compute_dtype"] == "float32", (label, task, result["model"])
+            # --task-batch bounds the built-in tasks' episodes in flight; demo worlds keep --eval-batch.
+            assert result["config"]["batch_size"] == (32 if task == "demo_world" else 1), (label, task)
     assert all("recovery_rate" in x and "repeated_error_rate" in x for x in summary["rows"])
     assert any(v.startswith("recovery demo_world/original") for v in summary["verdict"])
     assert "CPUs" in r.stdout and "done in" in r.stdout
@@ -146,7 +148,7 @@ def test_mini_paper_end_to_end_and_resume(base_dir, tmp_path):
     before = json.loads((record / "eval" / "agentrefine" / "babyai.json").read_text())
     (record / "eval" / "agentrefine" / "babyai.json").unlink()
     out2 = tmp_path / "mini_elsewhere"
-    r5 = _run(base_dir, out2)
+    r5 = _run(base_dir, out2, "--task-batch", "1")
     assert r5.returncode == 0, r5.stdout[-3000:] + r5.stderr[-3000:]
     assert "restored" in r5.stdout and "agentrefine: trained earlier on another machine" in r5.stdout
     assert r5.stdout.count(": training 2 steps") == 1 and r5.stdout.count("evaluating") == 1, r5.stdout
