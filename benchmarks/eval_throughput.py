@@ -386,4 +386,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from agentrefine_jax import host_memory
+
+    host_memory.bound_heap()  # as eval's own entry does; both contenders run under it
     sys.exit(main())
