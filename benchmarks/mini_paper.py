@@ -567,9 +567,10 @@ def build_parser() -> argparse.ArgumentParser:
     # eval's own 294 s at 8 in flight, 234 s at 16, 213 s at 32 (1.38x), every episode identical;
     # peak RSS 5.4, 7.9 and 9.2 GB (docs/mini_paper.md).
     p.add_argument("--eval-batch", type=_positive, default=32, help="episodes in flight per model call")
-    # BabyAI's and PDDL's histories run to the model's context (8k tokens for SmolLM2), a demo world's to
-    # ~2k: the KV cache of 16 such episodes is ~4x that of 32 demo worlds. On a 24 GB host 16 in flight
-    # was OOM-killed (docs/mini_paper.md); this bounds those tasks without slowing the demo worlds'.
+    # BabyAI's and PDDL's histories run to the model's context (8k tokens for SmolLM2), far longer than a
+    # demo world's, and the KV cache grows with them (46 KB per token and episode for SmolLM2 in float32).
+    # On a 24 GB host 16 in flight was OOM-killed (docs/mini_paper.md): this bounds those tasks without
+    # slowing the demo worlds'.
     p.add_argument(
         "--task-batch",
         type=_positive,
