@@ -25,27 +25,34 @@ def json_row(row: dict[str, Any]) -> str:
     return json_dumps(clean)
 
 
-def _summary_writer_class() -> type:
-    """tensorboardX's `SummaryWriter`, imported without torch unless torch is already loaded.
+# Imported by tensorboardX at module level but never needed by this writer, which is handed Python
+# floats only and always writes its event files to a local directory (a gs:// run dir's events go
+# to a local temporary directory and are copied beside metrics.jsonl). torch would let it accept
+# torch tensors (~2 s where installed: 1.6-2.4 s on this project's 2-core AMD box); boto3 and
+# google-cloud-storage back its own s3:// and gs:// event writers (google-cloud-storage is installed
+# with gcsfs, our gs:// support, and pulls in requests, google-auth and grpc: ~0.2 s idle, ~0.4 s on
+# a busy 2-core box, paid by every trainer, eval and server process).
+_UNNEEDED_BY_TENSORBOARDX = ("torch", "boto3", "google.cloud.storage")
 
-    tensorboardX's writer module imports torch at module level, only so that it can accept torch
-    tensors; where torch is installed that import costs every training run ~2 s (1.6-2.4 s on
-    this project's 2-core AMD box), and this writer is only handed Python floats. Hiding torch
-    for that one import makes it take its numpy-only branch (`sys.modules[name] = None` makes
-    `import name` raise ImportError); torch stays importable afterwards.
+
+def _summary_writer_class() -> type:
+    """tensorboardX's `SummaryWriter`, imported without the modules it would load but not need here.
+
+    Hiding a module for that one import (`sys.modules[name] = None` makes `import name` raise
+    ImportError) makes tensorboardX take its branch without it; a module some other code has already
+    loaded is left alone, and every hidden one stays importable afterwards.
     """
     import sys
 
-    if "torch" in sys.modules:
-        from tensorboardX import SummaryWriter
-
-        return SummaryWriter
-    sys.modules["torch"] = None  # type: ignore[assignment]
+    hidden = [name for name in _UNNEEDED_BY_TENSORBOARDX if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # type: ignore[assignment]
     try:
         from tensorboardX import SummaryWriter
     finally:
-        if sys.modules.get("torch", ...) is None:
-            del sys.modules["torch"]
+        for name in hidden:
+            if sys.modules.get(name, ...) is None:
+                del sys.modules[name]
     return SummaryWriter
 
 
