@@ -63,7 +63,8 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 # file's durations over 15 s in the 2026-12-05 run, so they are lower bounds), longest first: xdist's
 # `--dist loadfile` hands out files in collection order, so a slow file collected last would leave
 # the other worker idle for its whole length at the end of the run. Alphabetical order put
-# test_rl_loop, test_train_cpu_memory and test_real_model (~40-60 s each) near the end.
+# test_rl_loop, test_train_cpu_memory and test_real_model (~40-60 s each) near the end. xdist (3.6
+# on) first re-sorts the files by their number of tests unless told not to (`pytest_configure`).
 SLOW_FIRST = (
     "test_faults_kill.py",  # ~160 s
     "test_mini_paper.py",  # ~120 s
@@ -86,6 +87,14 @@ SLOW_FIRST = (
     "test_eval_journal.py",
     "test_family_qwen3_llama32.py",
 )
+
+
+def pytest_configure(config):
+    # xdist's default for loadfile/loadscope sorts files by how many tests they hold, most first:
+    # a file of 40 one-second parametrized cases went before a 160 s file of 11 tests, and the order
+    # below was never used (seen in a per-process log of the whole suite on xdist 3.8).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):
