@@ -42,19 +42,13 @@ tempfile.tempdir = None  # re-read $TMPDIR: something may have asked before this
 # trainer run and its resume, each server, each test building its own step), and a hit skips XLA's
 # compile. jax writes an entry in place (not by rename); with a size limit set it reads and writes
 # entries under a file lock (jax/_src/lru_cache.py), so no process — another xdist worker, the
-# second process of a multi-host test — reads an entry half-written. That size limit also turns on
-# eviction, and every write then lists the whole directory and reads each entry's access-time file
-# (~0.15 s per write at 5,000 entries on the 2-core box): caching every program (the threshold 0 this
-# file once set) filled it with thousands of one-op programs from the in-process tests, and writes
-# grew quadratically over the run — test_model_cpu_layout's decode-step test took 44 s in the suite
-# and 11 s alone (59 s alone beside 5,000 entries). Programs under 0.1 s of compile time are left
-# out: a tiny trainer run compiles 31 programs, its three steps 2.7-4.9 s each, 24 others 0.74 s
-# together (a busy box); three in-process model test files 444, 385 of them under 0.1 s. Recompiling
-# those costs little; jax's default (1 s) would also leave out the mid-sized ones (0.1-1 s) the
-# trainer, eval and export processes compile again and again.
+# second process of a multi-host test — reads an entry half-written. Every program is cached, not
+# only those over jax's default 1 s of compile time: a tiny trainer run compiles ~30 small programs
+# (init, the loss's pieces, checkpoint hashing, export) that each missed by that rule; cached too, a
+# repeated run of the tiny trainer measured 23 s instead of 31 s.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_SANDBOX, "xla-cache"))
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # A suite started in the background of a non-interactive shell (`cmd &`, nohup) inherits SIGINT
 # ignored, and an ignored signal stays ignored across exec: the Ctrl-C tests' child processes
 # would never see their SIGINT. Restore Python's handler so children start with the default.
