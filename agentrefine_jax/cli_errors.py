@@ -73,6 +73,34 @@ def redeliver_swallowed_signals() -> None:
     sys.unraisablehook = hook
 
 
+# A Ctrl-C can also be lost in plain Python code: a library's bare `except:` catches its
+# KeyboardInterrupt and goes on. jax 0.10's jax/_src/interpreters/pxla.py has several right after a
+# compile (a signal that arrives during XLA's compile raises at the next bytecode, often inside one),
+# and CI saw a trainer run on for minutes after Ctrl-C. So the handler also remembers the Ctrl-C, and
+# the long loops (training steps, evaluation rounds) raise it again at their next boundary.
+_interrupted = threading.Event()
+
+
+def _on_ctrl_c(signum: int, frame: object) -> None:
+    _interrupted.set()
+    raise KeyboardInterrupt
+
+
+def remember_ctrl_c() -> None:
+    """Make Ctrl-C raise KeyboardInterrupt as usual and also be remembered for
+    raise_if_interrupted; only where Ctrl-C has Python's default handler (not where it is ignored,
+    nor where a tool handles it itself)."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_ctrl_c)
+
+
+def raise_if_interrupted() -> None:
+    """At a long loop's boundary: raise the KeyboardInterrupt of a Ctrl-C that arrived earlier (if
+    this process is a tool's, run_main) and that was caught and dropped on its way out."""
+    if _interrupted.is_set():
+        raise KeyboardInterrupt
+
+
 def run_main(tool: str, module: str) -> int:
     """Import `module` and run its `main()`; returns its exit code.
 
@@ -81,11 +109,14 @@ def run_main(tool: str, module: str) -> int:
     (an interrupted Orbax save leaves non-daemon threads that would otherwise hold the exit).
     SIGTERM: the same with exit 75 (a tool with its own SIGTERM handling — the trainer's
     checkpoint-then-75, the server's shutdown — installs it over this one). Either signal is delivered
-    again if it first landed where its exception could not propagate (redeliver_swallowed_signals).
+    again if it first landed where its exception could not propagate (redeliver_swallowed_signals),
+    and a Ctrl-C whose exception a library caught is raised again by the next loop boundary
+    (raise_if_interrupted).
     """
     from agentrefine_jax import startup
 
     signal.signal(signal.SIGTERM, raise_terminated)
+    remember_ctrl_c()
     redeliver_swallowed_signals()
     try:
         startup.quiet_start()

@@ -18,6 +18,11 @@ and, for an evaluation (`<step>` = episodes this process has journaled):
 and, for a GRPO run (`<step>` = the rollout phase):
 
   after_rollouts   the phase's rollouts are journaled (rl/journal.py), its first update not yet run
+
+and, for a training run (`<step>` = the step just dispatched), a signal that a library drops:
+
+  dropped_in_library  the signal's exception is raised inside a bare `except:` that swallows it,
+                      as jax's pxla.py does around its post-compile calls (`swallowed`)
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ POINTS = (
     "during_export",
     "after_episode",
     "after_rollouts",
+    "dropped_in_library",
 )
 
 
@@ -53,12 +59,31 @@ def spec() -> tuple[str, int | None, signal.Signals] | None:
 _fired: set[tuple[str, int]] = set()
 
 
-def point(name: str, step: int) -> None:
-    """Signal this process if the environment names this point (and step); once per point."""
+def _due(name: str, step: int) -> signal.Signals | None:
+    """The signal to send now, if the environment names this point (and step); once per point."""
     s = spec()
     if s is None or s[0] != name or (s[1] is not None and s[1] != step) or (name, step) in _fired:
-        return
+        return None
     _fired.add((name, step))
-    os.kill(os.getpid(), s[2])
-    if s[2] == signal.SIGKILL:
+    return s[2]
+
+
+def point(name: str, step: int) -> None:
+    """Signal this process if the environment names this point (and step); once per point."""
+    if (sig := _due(name, step)) is None:
+        return
+    os.kill(os.getpid(), sig)
+    if sig == signal.SIGKILL:
         time.sleep(60)  # not reached: the kernel ends the process
+
+
+def swallowed(name: str, step: int) -> None:
+    """Like `point`, but the signal's exception (a KeyboardInterrupt for INT) is raised and dropped
+    here, in a bare `except:`, as a library can drop it: what then stops the process is ours."""
+    if (sig := _due(name, step)) is None:
+        return
+    try:
+        os.kill(os.getpid(), sig)
+        time.sleep(1)  # the handler runs at the next bytecode of this thread: in here
+    except:  # noqa: E722 -- deliberately what jax/_src/interpreters/pxla.py does
+        pass

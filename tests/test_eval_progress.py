@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -16,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from openai_fixture import chat_completion, send_json
 
+from agentrefine_jax import cli_errors
 from agentrefine_jax.eval import progress
 from agentrefine_jax.eval.core import run_loop
 
@@ -99,6 +101,35 @@ def test_the_loop_reports_jobs_rounds_and_ended_episodes():
     assert progress.active() is None and lines == []  # no beat in an hour-long interval
     # Outside a Progress block the loop runs without one.
     assert all(e.finished for e in run_loop([1, 2], _Episode, respond, width=2))
+
+
+def test_a_ctrl_c_that_a_library_drops_stops_the_loop_at_the_next_round():
+    """A Ctrl-C whose KeyboardInterrupt is caught and dropped inside a round (a bare `except:`, as
+    jax's pxla.py has after a compile) is raised again before the next round starts."""
+    rounds: list[int] = []
+
+    def respond(active: list[_Episode]) -> None:
+        rounds.append(len(active))
+        if len(rounds) == 1:
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)  # the handler runs here
+            except:  # noqa: E722 -- the library's
+                pass
+        for ep in active:
+            ep.left -= 1
+            ep.finished = ep.left == 0
+
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        cli_errors.remember_ctrl_c()
+        with pytest.raises(KeyboardInterrupt):
+            run_loop([5, 5], _Episode, respond, width=2)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        cli_errors._interrupted.clear()
+    assert rounds == [2]
 
 
 def test_the_heartbeat_beats_without_any_event():

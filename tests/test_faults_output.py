@@ -377,3 +377,15 @@ def test_ctrl_c_during_training_exits_130_with_one_line(tmp_path):
     )
     code, stderr = _interrupt_after(cmd, "[train] data[train]", tmp_path)
     _assert_interrupted(code, stderr, "train")
+
+
+def test_ctrl_c_that_a_library_drops_still_stops_training(tmp_path):
+    """The Ctrl-C's KeyboardInterrupt is raised inside a bare `except:` that drops it (as jax's
+    pxla.py does after a compile; CI saw a trainer run on minutes after Ctrl-C): the next step
+    boundary raises it again, so the run still stops with one line and 130, not 500 steps later."""
+    run = tmp_path / "run"
+    cmd = _cmd("train", "--config", "tiny", "--set", f"train.run_dir={run}", "--set", "train.max_steps=500")
+    env = _env() | {"AGENTREFINE_FAULT": "dropped_in_library@3:INT"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=TIMEOUT, cwd=tmp_path)
+    _assert_interrupted(proc.returncode, proc.stderr, "train")
+    assert "step 500/500" not in proc.stderr, proc.stderr[-3000:]

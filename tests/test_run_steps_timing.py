@@ -8,7 +8,9 @@ callable that sleeps after dispatching step k: steps k-1 and k both finish durin
 
 from __future__ import annotations
 
+import collections
 import functools
+import threading
 import time
 from typing import Any
 
@@ -37,6 +39,32 @@ def _device_step(params: jax.Array, opt_state: Any, batch: jax.Array) -> tuple[j
     return params + 1e-6 * x, opt_state, metrics
 
 
+@jax.jit
+def _busy(x: jax.Array) -> jax.Array:
+    """A few ms of device work on `x`: what a gated step waits for before it can start."""
+    for _ in range(4):
+        x = jnp.tanh(x @ x)
+    return x
+
+
+def _gated_step(gates: collections.deque[threading.Event]) -> Any:
+    """`_device_step` that first waits, on the device, for the next gate in `gates` to open: the
+    test decides when a step ends, so which steps finish while the host is away is not left to a
+    busy machine's scheduler (a step that ran inside its dispatch call is over before any stall)."""
+
+    def wait(x: np.ndarray) -> np.ndarray:
+        if not gates.popleft().wait(timeout=60):
+            raise TimeoutError("a gated step's gate never opened")
+        return x
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def gated(params: jax.Array, opt_state: Any, batch: jax.Array) -> tuple[jax.Array, Any, dict]:
+        batch = jax.pure_callback(wait, jax.ShapeDtypeStruct(batch.shape, batch.dtype), batch)
+        return _device_step.__wrapped__(params, opt_state, batch)
+
+    return gated
+
+
 class _Times(Hook):
     """What a metrics row is computed from: each step's `done_at`, and which steps a save wanted."""
 
@@ -51,16 +79,34 @@ class _Times(Hook):
         self.done_at[step] = done_at
 
 
-def _run(stall_after: int, wants: set[int]) -> dict[int, float]:
-    """Seconds charged to each step after the first (the first holds the compile)."""
+def _run(stall_after: int, wants: set[int], gates: dict[int, float]) -> dict[int, float]:
+    """Seconds charged to each step after the first (the first holds the compile). The host sleeps
+    `STALL_S` after dispatching step `stall_after`; step k in `gates` runs until `gates[k]` seconds
+    after its dispatch."""
     n = 8
     calls = {"n": 0}
+    queue: collections.deque[threading.Event] = collections.deque()
+    gated = _gated_step(queue)
+    # Compiled and run once (its gate open) before the run: dispatched while the step before still
+    # runs, a gated step is queued behind it and its call returns at once.
+    queue.append(threading.Event())
+    queue[0].set()
+    jax.block_until_ready(gated(jnp.zeros((384, 384)), (), jnp.zeros((384, 384))))
 
     def step(params, opt_state, batch):
-        out = _device_step(params, opt_state, batch)
         calls["n"] += 1
+        if calls["n"] in gates:
+            gate = threading.Event()
+            queue.append(gate)
+            threading.Timer(gates[calls["n"]], gate.set).start()
+            # XLA:CPU runs a program with a host callback inside the call when its inputs are
+            # ready (the host would wait out the gate in it): an input still being computed
+            # makes it queue instead, as a step dispatched behind a running one does.
+            out = gated(params, opt_state, _busy(batch))
+        else:
+            out = _device_step(params, opt_state, batch)
         if calls["n"] == stall_after:
-            time.sleep(STALL_S)  # the host is away; the device finishes this step and the one before
+            time.sleep(STALL_S)  # the host is away
         return out
 
     rng = np.random.default_rng(0)
@@ -87,16 +133,28 @@ def _check(dt: dict[int, float], stalled: int) -> None:
     assert max(TOKENS / t for t in dt.values()) < 8 * TOKENS / median, dt
 
 
+# Step k-1 runs until 0.3 s after its dispatch, step k (queued behind it) a few ms more: both
+# finish while the host sleeps after dispatching step k.
 def test_a_late_read_shares_the_pairs_time_between_its_steps():
-    _check(_run(stall_after=5, wants=set()), stalled=5)
+    _check(_run(stall_after=5, wants=set(), gates={4: 0.3}), stalled=5)
 
 
 def test_a_late_read_before_a_save_reads_both_steps_back_to_back():
     """A save wants step 6: steps 5 and 6 are read one after the other, both after the stall."""
-    _check(_run(stall_after=6, wants={2, 4, 6, 8}), stalled=6)
+    _check(_run(stall_after=6, wants={2, 4, 6, 8}, gates={5: 0.3}), stalled=6)
+
+
+def test_a_read_late_by_less_than_a_step_charges_the_next_step_its_time():
+    """The host comes back after step 5 finished but just before step 6 does: step 5 is found finished
+    and is charged the middle of the time it could have finished in, not the moment the host came
+    back, so step 6 is not charged a sliver (stop 64: 0.3 ms against a median of 11 ms)."""
+    dt = _run(stall_after=6, wants=set(), gates={5: 0.1, 6: STALL_S + 0.05})
+    # Step 5 ends ~0.1 s after its dispatch, step 6 ~1.05 s after its own, just after the host is
+    # back (~1 s): charging step 5 the host's return would leave step 6 ~0.05 s.
+    assert dt[6] > STALL_S / 4, dt
 
 
 def test_a_late_read_of_the_first_step_shares_the_time_from_its_dispatch():
     """The first step has no predecessor: the pair's time starts when its dispatch (the compile) returned."""
-    dt = _run(stall_after=2, wants=set())
+    dt = _run(stall_after=2, wants=set(), gates={})
     assert dt[2] > STALL_S / 4, dt

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+from agentrefine_jax import cli_errors
 from agentrefine_jax.eval import progress
 from agentrefine_jax.eval.journal import Resume
 from agentrefine_jax.eval.policies import Reply, SamplingParams, forget
@@ -331,6 +332,7 @@ def run_loop(
             on_done(ep)
 
     while queue or active:
+        cli_errors.raise_if_interrupted()  # a Ctrl-C that a library's bare `except:` dropped
         while queue and len(active) < max(1, width):
             i, job = queue.popleft()
             restored = resume.restored(job) if resume is not None else None

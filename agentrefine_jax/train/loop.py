@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from agentrefine_jax import faults
+from agentrefine_jax import cli_errors, faults
 from agentrefine_jax import sharding as shd
 from agentrefine_jax.checkpoint import (
     CheckpointIntegrityError,
@@ -135,25 +135,41 @@ def run_steps(
     A read can also return late: the host thread is descheduled or waits for the GIL (a busy
     machine, the background save's threads) while the device finishes step k-1 *and* step k. Then
     the host saw both finish at once and cannot tell where one ended: each is charged half of the
-    pair's time (CI, stop 57: step 4 of a run read 222,038 tokens/s, 260x its median)."""
-    pending: tuple[int, Any, float | None] | None = None
+    pair's time (CI, stop 57: step 4 of a run read 222,038 tokens/s, 260x its median).
+
+    Or it returns late by less than a step: the host comes back after step k-1 finished but before
+    step k did, so step k is seen finishing a moment after k-1 and would be charged a sliver of its
+    time (stop 64: 0.3 ms against a median of 11 ms). Step k-1 is then found already finished when
+    the host comes to read it: all the host knows is that it finished after the last time it was
+    seen running and before now, so it is charged the middle of that interval (the error is at most
+    half the interval, where "now" could be off by all of it)."""
+    # (step, metrics, when the host saw it finished or None, when the host last saw it running)
+    pending: tuple[int, Any, float | None, float] | None = None
     last_done: float | None = None  # when the host saw the step before `pending` finish
 
     def ready_at(metrics: Any) -> float | None:
         return time.perf_counter() if all(x.is_ready() for x in jax.tree.leaves(metrics)) else None
+
+    def seen(step_no: int, metrics: Any, running_at: float) -> tuple[int, Any, float | None, float]:
+        """Look at a step once more: finished (and when), or still running (and when seen so)."""
+        at = ready_at(metrics)
+        return (step_no, metrics, at, running_at if at is not None else time.perf_counter())
 
     def read_pending(newer: Any = None) -> None:
         """Hand the pending step's metrics to the hooks; `newer`: the metrics of the step
         dispatched after it, if any (to tell whether this read came after both had finished)."""
         nonlocal pending, last_done
         if pending is not None:
-            done, metrics, done_at = pending
+            done, metrics, done_at, running_at = pending
             pending = None
-            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
             if done_at is None:
-                done_at = time.perf_counter()
+                already = ready_at(metrics)  # finished while the host was away: it cannot say when
+                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                done_at = time.perf_counter() if already is None else (running_at + already) / 2
                 if newer is not None and last_done is not None and ready_at(newer) is not None:
-                    done_at = (last_done + done_at) / 2  # see the docstring: a late read
+                    done_at = (last_done + time.perf_counter()) / 2  # see the docstring: a late read
+            else:
+                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
             last_done = done_at
             for h in hooks:
                 h.on_metrics(done, m, done_at)
@@ -164,15 +180,17 @@ def run_steps(
         except StopIteration:
             break
         if pending is not None and pending[2] is None:
-            pending = (*pending[:2], ready_at(pending[1]))
+            pending = seen(*pending[:2], pending[3])
         state.params, state.opt_state, metrics = step(state.params, state.opt_state, batch)
         state.step += 1
+        faults.swallowed("dropped_in_library", state.step)
+        cli_errors.raise_if_interrupted()  # a Ctrl-C that a library's bare `except:` dropped
         if last_done is None:
             # This process's first step has no predecessor: a late read of it shares the time from
             # when its dispatch (and compile) returned.
             last_done = time.perf_counter()
         read_pending(metrics)  # step k-1: the device is already busy with step k
-        pending = (state.step, metrics, ready_at(metrics))
+        pending = seen(state.step, metrics, time.perf_counter())
         if any([h.wants(state.step) for h in hooks]):  # every hook is asked (no short circuit)
             read_pending()
         for h in hooks:
