@@ -2,6 +2,7 @@
 (the default) is the CPU layout on CPU devices."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -218,3 +219,42 @@ def test_decode_loop_writes_the_per_layer_cache_in_place():
     steps, out, *_ = decode(*args)  # the per-layer cache comes back per layer, in its own shape
     assert int(steps) == 16 and isinstance(out["k"], tuple)
     assert out["k"][0].shape == (4, CFG.num_kv_heads, 24, CFG.head_dim)
+
+
+def _dot_result_types(hlo: str) -> list[tuple[str, str]]:
+    """(operand element types, result element type) of every dot_general in a StableHLO text."""
+    found = []
+    for line in hlo.splitlines():
+        if "stablehlo.dot_general" in line:
+            sig = line.rsplit(":", 1)[1]  # `(tensor<..xbf16>, tensor<..xbf16>) -> tensor<..xf32>`
+            args, result = sig.split("->")
+            types = [re.findall(r"tensor<(?:[\d?]+x)*(\w+)>", part) for part in (args, result)]
+            found.append((",".join(sorted(set(types[0]))), types[1][0]))
+    return found
+
+
+def test_bfloat16_projections_with_a_cache_on_cpu_ask_for_float32():
+    """A 16-bit model's projections with a KV cache (prefill, decode) on CPU are bfloat16 x bfloat16
+    -> float32 dots, rounded once after: XLA:CPU's kernels for that form are 1.9-3.1x faster at 8-32
+    rows than bfloat16-output dots (README, Intel Xeon with AMX). Training passes keep theirs."""
+    from agentrefine_jax.models.llama import init_cache
+
+    cfg = dataclasses.replace(CFG, dtype="bfloat16", param_dtype="bfloat16", cpu_layout=True)
+    model = create(cfg, seed=1)
+    graphdef, params = nnx.graphdef(model), nnx.state(model)
+
+    def decode(p, cache):
+        return nnx.merge(graphdef, p).forward(jnp.zeros((8, 1), jnp.int32), cache=cache)
+
+    def full(p):
+        return nnx.merge(graphdef, p)(jnp.zeros((2, 16), jnp.int32))
+
+    def widened(hlo: str) -> int:
+        return sum(ops == "bf16" and r == "f32" for ops, r in _dot_result_types(hlo))
+
+    hlo = jax.jit(decode).lower(params, init_cache(cfg, 8, 16)).as_text()
+    # q, k, v, o, gate, up and down, and the attention scores (always float32), in the layer's body
+    # (once where the layers are scanned)
+    assert widened(hlo) >= 7 + 1, _dot_result_types(hlo)
+    hlo = jax.jit(full).lower(params).as_text()
+    assert widened(hlo) <= 2, _dot_result_types(hlo)  # the scores only

@@ -26,21 +26,24 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
-def project_in(x: jax.Array, w: jax.Array) -> jax.Array:
+def project_in(x: jax.Array, w: jax.Array, preferred_element_type: Any = None) -> jax.Array:
     """[B, S, D] x [D, *out] -> [B, S, *out] as one [B*S, D] @ [D, prod(out)] matmul."""
     b, s, d = x.shape
     out = w.shape[1:]
-    return (x.reshape(b * s, d) @ w.reshape(d, -1)).reshape(b, s, *out)
+    y = jnp.matmul(x.reshape(b * s, d), w.reshape(d, -1), preferred_element_type=preferred_element_type)
+    return y.reshape(b, s, *out)
 
 
-def project_out(x: jax.Array, w: jax.Array) -> jax.Array:
+def project_out(x: jax.Array, w: jax.Array, preferred_element_type: Any = None) -> jax.Array:
     """[B, S, *in] x [*in, D] -> [B, S, D] as one [B*S, prod(in)] @ [prod(in), D] matmul."""
     b, s = x.shape[:2]
     d = w.shape[-1]
-    return (x.reshape(b * s, -1) @ w.reshape(-1, d)).reshape(b, s, d)
+    y = jnp.matmul(x.reshape(b * s, -1), w.reshape(-1, d), preferred_element_type=preferred_element_type)
+    return y.reshape(b, s, d)
 
 
 def layer_views(weights: Mapping[str, Any], num_layers: int) -> tuple[dict[str, Any], ...] | None:
