@@ -12,6 +12,8 @@ continued by a run with the same settings, and nothing is written into a directo
 from __future__ import annotations
 
 import pathlib
+import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,3 +77,42 @@ def restore(
     if copied:
         log(f"restored {copied} file(s) from the record {record}")
     return copied
+
+
+class Refresher:
+    """While entered, call `save` every `every_s` seconds from a background thread, and serialise it
+    with the caller's own calls (`__call__`). Why: `save` after each stage keeps what finished stages
+    made, but a stage can run for hours (one task's evaluation: ~2 h for 128 demo worlds on 2 cores),
+    and a machine taken away without a signal (a session's end) would lose all of its journal; with
+    this it loses at most `every_s` of it. An evaluation's journal may be copied mid-append: its reader
+    drops a last line cut short (eval/journal.py)."""
+
+    def __init__(self, save: Callable[[], object], every_s: float) -> None:
+        self._save, self.every_s = save, every_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failed: str | None = None  # the first error of a background save, reported once
+
+    def __call__(self) -> None:
+        with self._lock:
+            self._save()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self()
+            except OSError as e:  # a full disk: the stage goes on; the next save after it retries
+                if self.failed is None:
+                    self.failed = str(e)
+                    print(f"[record] warning: a periodic save failed ({e}); retrying", file=sys.stderr)
+
+    def __enter__(self) -> Refresher:
+        self._thread = threading.Thread(target=self._loop, name="record-refresher", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()

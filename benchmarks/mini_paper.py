@@ -45,6 +45,7 @@ training records, on-policy rows; no checkpoints) for a new `--out` on another m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -65,7 +66,7 @@ if str(REPO) not in sys.path:  # run from a checkout without an install
 
 from agentrefine_jax import host_memory  # noqa: E402
 from agentrefine_jax.analyze.tables import wilson_interval  # noqa: E402
-from agentrefine_jax.cli_errors import TERMINATED, leave, redeliver_swallowed_signals  # noqa: E402 - the trainer's and eval's exit after SIGTERM
+from agentrefine_jax.cli_errors import TERMINATED, float_in, leave, redeliver_swallowed_signals  # noqa: E402 - the trainer's and eval's exit after SIGTERM
 from agentrefine_jax.outputs import write_json, write_text  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -588,6 +589,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a small durable copy of the run (results, training records and logs, on-policy rows, summary) "
         "kept after every stage and restored into a new --out: to go on with a run on another machine",
     )
+    p.add_argument(
+        "--record-every",
+        type=float_in(0, 86400, lo_open=True),
+        default=600,
+        metavar="S",
+        help="also refresh --record every S seconds while a stage runs (an evaluation's journal: a machine "
+        "lost without SIGTERM loses at most S seconds of its episodes; default 600)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no per-episode lines from eval")
     return p
 
@@ -821,10 +830,14 @@ def run(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(f"[{TOOL}] {msg}", flush=True)
 
-    def keep() -> None:  # after every stage (a model's training, each task's evaluation, the on-policy
-        # data) and every model: a machine lost later loses nothing the stage made
+    def save_record() -> None:
         if record is not None:
             _record.save(out, record, RECORD_FILES, transient=JOURNALS)
+
+    # After every stage (a model's training, each task's evaluation, the on-policy data) and every
+    # model, and every --record-every seconds while one runs: a machine lost later loses nothing a
+    # finished stage made, and at most that long of an unfinished evaluation's journal.
+    keep = _record.Refresher(save_record, args.record_every)
 
     if record is not None:
         _record.restore(record, out, RESTORED_FILES, log)
@@ -840,7 +853,7 @@ def run(args: argparse.Namespace) -> int:
     failures: list[str] = []
     stages: Stages | None = None
     try:
-        with _Sigterm() as sigterm:
+        with _Sigterm() as sigterm, keep if record is not None else contextlib.nullcontext():
             stages = Stages(args, out, steps, log, sigterm, keep)
             for label in only:
                 try:

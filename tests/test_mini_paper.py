@@ -437,3 +437,46 @@ def test_a_tuned_rows_unfinished_evaluation_and_collection_resume_on_another_mac
     assert "2 finished episodes kept" in resumed.stderr, resumed.stderr[-3000:]
     header2, *episodes = collected.read_text().splitlines()
     assert len(episodes) == 2 and json.loads(header2)["model"] == json.loads(header)["model"]
+
+
+def test_record_is_refreshed_while_a_long_evaluation_runs(tmp_path):
+    """Between stages the record is refreshed every --record-every seconds: an evaluation's growing
+    journal reaches it while the evaluation still runs (a session ending without SIGTERM loses at
+    most that interval of episodes), and saves by the script itself never overlap a refresh."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import time
+
+    import _record
+    import mini_paper
+
+    out, record = tmp_path / "out", tmp_path / "record"
+    _record.prepare(record, {"tokens": 1}, tool="mini_paper", what="mini-paper")
+    journal = out / "eval" / "base" / "demo_world.json.journal.jsonl"
+    journal.parent.mkdir(parents=True)
+    copy = record / journal.relative_to(out)
+    calls = []
+
+    def save() -> None:
+        calls.append(time.monotonic())
+        _record.save(out, record, mini_paper.RECORD_FILES, transient=mini_paper.JOURNALS)
+
+    def reaches_record(text: str) -> bool:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if copy.exists() and copy.read_text() == text:
+                return True
+            time.sleep(0.05)
+        return False
+
+    with _record.Refresher(save, every_s=0.2) as keep:
+        journal.write_text('{"journal": 1}\n{"key": "[0]", "record": {}}\n')
+        assert reaches_record(journal.read_text())  # no stage has ended: the refresh copied it
+        with journal.open("a") as f:
+            f.write('{"key": "[1]", "record": {}}\n')
+        assert reaches_record(journal.read_text())
+        keep()  # the script's own save, serialised with the thread's
+    n = len(calls)
+    time.sleep(0.6)
+    assert len(calls) == n  # no refresh after the block
+    args = mini_paper.build_parser().parse_args(["--base", "b", "--out", "o"])
+    assert args.record_every == 600
