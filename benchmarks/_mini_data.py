@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from agentrefine_jax.data.demo_world import write_split
-from agentrefine_jax.outputs import open_atomic, write_json
+from agentrefine_jax.outputs import open_atomic, write_json, write_text
 
 # Data tokens per budget token: packing leaves ~2-13% of a row's slots empty, so data of at least
 # 1.2x the budget in tokens gives more packed rows than the run takes; every run records its epochs
@@ -55,8 +55,11 @@ def export_hf(step_dir: pathlib.Path, hf: pathlib.Path, log: Callable[[str], Non
     export rather than the step binds an evaluation's journal to the parameters' content (an HF directory's
     identity, eval/model_identity.py), not to the checkpoint's files, which differ between two saves of the
     same parameters (Orbax names its data files at random): a model trained again on another machine
-    resumes the journal its first training began. RuntimeError on failure."""
-    if (hf / "config.json").is_file():  # renamed into place whole
+    resumes the journal its first training began. The step it came from is kept in the sibling
+    `HF.source`: an export of any other step (or of an unknown one) is ours, and is replaced. RuntimeError
+    on failure."""
+    source = hf.with_name(hf.name + ".source")
+    if (hf / "config.json").is_file() and source.is_file() and source.read_text() == str(step_dir):
         log(f"exported earlier ({hf}), skipped")
         return hf
     from agentrefine_jax.export.cli import main as export_main
@@ -70,7 +73,13 @@ def export_hf(step_dir: pathlib.Path, hf: pathlib.Path, log: Callable[[str], Non
         tail = (err or out).strip().splitlines()[-1:] or ["(no output)"]
         raise RuntimeError(f"{step_dir}: export to-hf exited {rc}: {tail[0]}")
     hf.parent.mkdir(parents=True, exist_ok=True)
+    stale = hf.with_name(hf.name + ".stale")
+    if hf.exists():  # an export of another step, made by this script: out of the way, then removed
+        shutil.rmtree(stale, ignore_errors=True)
+        os.replace(hf, stale)
     os.replace(partial, hf)
+    write_text(source, str(step_dir))
+    shutil.rmtree(stale, ignore_errors=True)
     return hf
 
 

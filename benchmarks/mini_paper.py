@@ -274,6 +274,18 @@ def epochs_trained(log_file: pathlib.Path, steps: int) -> float | None:
     return round(steps / int(found[-1]), 3) if found and int(found[-1]) > 0 else None
 
 
+def final_step(run_dir: pathlib.Path) -> int | None:
+    """The newest checkpoint step saved in `run_dir`, or None (no directory, no checkpoint yet)."""
+    from agentrefine_jax.checkpoint import resolve_checkpoint
+
+    if not run_dir.is_dir():
+        return None
+    try:
+        return resolve_checkpoint(str(run_dir))[1]
+    except (FileNotFoundError, ValueError):
+        return None
+
+
 def train_setting(
     args: argparse.Namespace,
     setting: str,
@@ -727,8 +739,11 @@ class Stages:
     def train(self, setting: str, *, need_checkpoint: bool) -> dict[str, Any]:
         """`setting`'s run record, training it (and making its data) where needed."""
         run_dir = self.out / "runs" / setting
-        # A record of the training is enough unless the checkpoint itself is needed and absent.
-        usable = run_dir.is_dir() or not need_checkpoint
+        # A record of the training is enough unless the checkpoint itself is needed and absent. A run
+        # directory holding fewer steps is a training again that was stopped part way (the record's
+        # `done` came from another machine): it resumes, it is not the model (stop 65 evaluated such
+        # a run's step 47 of 80 before this check).
+        usable = final_step(run_dir) == self.steps or not need_checkpoint
         if setting in self.trained and usable:
             return self.trained[setting]
         done = run_dir.parent / f"{setting}.done.json"

@@ -247,6 +247,20 @@ def test_sigterm_stops_the_whole_script_with_75(base_dir, tmp_path):
     ), stdout
     assert "Traceback" not in stdout
     assert any((out / "runs" / "agentrefine" / "checkpoints").iterdir())  # the trainer saved on SIGTERM
+    # The same run with a record's `done` from another machine (what --record restores): the stopped
+    # training is not the model; it resumes, and nothing is exported or evaluated before it ends.
+    (out / "runs" / "agentrefine.done.json").write_text('{"setting": "agentrefine", "steps": 16}')
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    seen, first = [], ""  # the first line that says what the script does with the setting
+    for line in proc.stdout:
+        seen.append(line)
+        if ": training" in line or "exporting" in line or "evaluating" in line:
+            first = line
+            break
+    proc.send_signal(signal.SIGTERM)
+    seen.append(proc.communicate(timeout=600)[0])
+    assert ": training 16 steps" in first, "".join(seen)
+    assert not (out / "hf" / "agentrefine").exists(), "".join(seen)
 
 
 def test_verdict_names_only_rows_whose_interval_lies_above_base():
