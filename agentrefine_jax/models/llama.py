@@ -89,9 +89,10 @@ def layer_forward(
     proj_out = cpu_layout.project_out if flat else _project_out
     # With a KV cache (prefill and decode), 16-bit projections on CPU ask for a float32 result and
     # round it once: XLA:CPU then runs its bfloat16 x bfloat16 -> float32 kernels, 1.9-3.1x faster
-    # than the bfloat16-output dots at 8-32 rows (Intel Xeon with AMX, 30 layers of 576x1536; the
-    # values are the same: XLA:CPU accumulates in float32 either way). Not in training: the float32
-    # result would make the backward's dots mixed-precision. Other platforms keep the dot as written.
+    # than the bfloat16-output dots at 8-32 rows (Intel Xeon with AMX, 30 layers of 576x1536). A lone
+    # dot gives the same values either way (XLA:CPU accumulates in float32); in the model the fusions
+    # around it may round differently. Not in training: the float32 result would make the backward's
+    # dots mixed-precision. Other platforms keep the dot as written.
     acc = jnp.float32 if kv is not None and plan.platform == "cpu" and dt.itemsize == 2 else None
 
     def proj(matmul: Any, h: jax.Array, name: str) -> jax.Array:

@@ -162,14 +162,13 @@ def run_steps(
         if pending is not None:
             done, metrics, done_at, running_at = pending
             pending = None
+            # Found finished before the read: it ended while the host was away, it cannot say when.
+            already = ready_at(metrics) if done_at is None else None
+            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
             if done_at is None:
-                already = ready_at(metrics)  # finished while the host was away: it cannot say when
-                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 done_at = time.perf_counter() if already is None else (running_at + already) / 2
                 if newer is not None and last_done is not None and ready_at(newer) is not None:
                     done_at = (last_done + time.perf_counter()) / 2  # see the docstring: a late read
-            else:
-                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
             last_done = done_at
             for h in hooks:
                 h.on_metrics(done, m, done_at)
