@@ -49,6 +49,23 @@ tempfile.tempdir = None  # re-read $TMPDIR: something may have asked before this
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_SANDBOX, "xla-cache"))
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+def _skip_cache_eviction_scan() -> None:
+    """jax's size-limited cache keeps the file lock above, but before every write it also lists and
+    stats every entry and reads each one's access-time file to find what to evict: the suite's
+    ~3,500 writes made that quadratic (one write 0.1-0.2 s at 5,000 entries; 264 s of the 2026-12-07
+    run, 225 s of it in the two xdist workers, holding the lock the other process waits on). This
+    cache lives in the sandbox, is removed with it and never nears its 8 GiB limit, so in this
+    process the scan is skipped; the lock, the only thing it is configured for, stays. Subprocesses
+    that tests start (their ~15% of the writes) keep jax's behaviour. A jax without this method:
+    nothing to patch."""
+    from jax._src import lru_cache
+
+    if callable(getattr(lru_cache.LRUCache, "_evict_if_needed", None)):
+        lru_cache.LRUCache._evict_if_needed = lambda self, *, additional_size=0: None
+
+
 # A suite started in the background of a non-interactive shell (`cmd &`, nohup) inherits SIGINT
 # ignored, and an ignored signal stays ignored across exec: the Ctrl-C tests' child processes
 # would never see their SIGINT. Restore Python's handler so children start with the default.
@@ -57,6 +74,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 # Nothing in the suite may reach a model hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+_skip_cache_eviction_scan()  # imports jax: after every variable above is set
 
 
 # The slowest files (each ~40 s or more of test time on a 2-core machine; the figures sum each
