@@ -54,7 +54,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 def _skip_cache_eviction_scan() -> None:
     """jax's size-limited cache keeps the file lock above, but before every write it also lists and
     stats every entry and reads each one's access-time file to find what to evict: the suite's
-    ~3,500 writes made that quadratic (one write 0.1-0.2 s at 5,000 entries; 264 s of the 2026-12-07
+    ~3,300 writes made that quadratic (one write ~0.2 s at 5,000 entries; 264 s of the 2026-12-07
     run, 225 s of it in the two xdist workers, holding the lock the other process waits on). This
     cache lives in the sandbox, is removed with it and never nears its 8 GiB limit, so in this
     process the scan is skipped; the lock, the only thing it is configured for, stays. Subprocesses

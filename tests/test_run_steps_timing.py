@@ -23,7 +23,7 @@ from agentrefine_jax.train.loop import run_steps
 
 TOKENS = 512.0
 STALL_S = 1.0
-# A step is ~40-80 ms on the 2-core box (12 matmuls of DIM x DIM): the scheduler's jitter on a busy
+# A step is ~20-40 ms on the 2-core box (12 matmuls of DIM x DIM): the scheduler's jitter on a busy
 # machine (another worker's threads) must stay well under a step, or a read that returns a few ms late
 # charges an ungated step a sliver of its time; with 384 (~10 ms steps) that happened under load.
 DIM = 512
