@@ -311,9 +311,21 @@ def train_setting(
     epochs = epochs_trained(run_dir.parent / f"{setting}.log", steps)
     record = {"setting": setting, "run_dir": str(run_dir), "steps": steps, "train_seconds": seconds}
     record |= {"train_files": list(map(str, files)), "epochs": epochs, "machine": machine_line()}
-    write_json(done, record)
+    write_json(done, with_earlier(done, record))
     log(f"{setting}: trained in {seconds}s ({epochs} epochs of its data)")
     return record
+
+
+def with_earlier(done: pathlib.Path, record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with the trainings `done` already recorded under `earlier`, oldest first. A setting is
+    trained again where its checkpoint is gone but still needed (another machine, a lost disk): the
+    cells its first training played stay attributed to that training's machine and time."""
+    try:
+        prior = json.loads(done.read_text())
+    except FileNotFoundError:
+        return record
+    earlier = prior.pop("earlier", [])
+    return record | {"earlier": [*earlier, prior]}
 
 
 def eval_model(
@@ -452,7 +464,10 @@ def stage_machines(out: pathlib.Path) -> dict[str, str]:
     found = {}
     for done in sorted((out / "runs").glob("*.done.json")):
         name = done.name.removesuffix(".done.json")
-        found[f"train {name}"] = json.loads(done.read_text()).get("machine", "?")
+        record = json.loads(done.read_text())
+        found[f"train {name}"] = record.get("machine", "?")
+        for i, prior in enumerate(record.get("earlier", []), 1):
+            found[f"train {name} (earlier {i})"] = prior.get("machine", "?")
     for side in sorted((out / "eval").glob("*/*.machine.json")):
         name = f"{side.parent.name}/{side.name.removesuffix('.machine.json')}"
         found[f"eval {name}"] = json.loads(side.read_text())["machine"]

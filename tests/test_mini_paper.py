@@ -431,6 +431,9 @@ def test_a_tuned_rows_unfinished_evaluation_and_collection_resume_on_another_mac
     again = run("agentrefine", stop_after_one=False)
     assert "agentrefine: trained earlier on another machine" in again.stdout
     assert "error:" not in again.stdout, again.stdout[-4000:]
+    # the lost machine's training stays on record beside the one that made the checkpoint now
+    trained = json.loads((record / "runs" / "agentrefine.done.json").read_text())
+    assert [t["steps"] for t in trained["earlier"]] == [trained["steps"]]
     doc = json.loads((record / "eval" / "agentrefine" / "demo_world.json").read_text())
     # 2 worlds x 2 wordings, the first from the lost machine's sitting: the journal was resumed
     assert len(doc["episodes"]) == 4 and doc["sittings"] == 2 and doc["compute_dtype"] == "float32"
@@ -449,6 +452,8 @@ def test_a_tuned_rows_unfinished_evaluation_and_collection_resume_on_another_mac
     assert "agentrefine: trained earlier on another machine" in resumed.stdout
     # one episode restored + the one this sitting played (started afresh, it would hold one)
     assert "2 finished episodes kept" in resumed.stderr, resumed.stderr[-3000:]
+    trained = json.loads((record / "runs" / "agentrefine.done.json").read_text())
+    assert len(trained["earlier"]) == 2 and "earlier" not in trained["earlier"][1]
     header2, *episodes = collected.read_text().splitlines()
     assert len(episodes) == 2 and json.loads(header2)["model"] == json.loads(header)["model"]
 
