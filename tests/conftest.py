@@ -14,10 +14,11 @@ from suite_clock import pytest_runtest_logreport, pytest_terminal_summary  # noq
 
 # LLVM at -O0 for the programs the suite compiles (XLA's HLO passes still run; the matmuls and
 # convolutions are library kernels either way): the suite compiles thousands of small programs once
-# each, and compiling, not running, is most of their time. Measured 2026-12-07 on a 2-core Intel
-# Xeon, fresh compilation cache, alternated: test_train_step.py + test_attention.py 46.6 / 43.2 s ->
-# 33.3 / 32.4 s; three real-model files (LoRA, CPU layout, HF parity) 101.6 -> 85.8 s. A test that
-# runs the CLI as a user does sets its own XLA_FLAGS and gets XLA's default level.
+# each, and for most of them compiling costs more than running. Measured 2026-12-07 on a 2-core
+# Intel Xeon, fresh compilation cache: test_train_step.py + test_attention.py alternated twice,
+# 46.6 / 43.2 s -> 33.3 / 32.4 s; three real-model files (LoRA, CPU layout, HF parity), one pair,
+# 101.6 -> 85.8 s. A test that runs the CLI as a user does sets its own XLA_FLAGS and gets XLA's
+# default level (README: -O0 did not speed those up).
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 )
