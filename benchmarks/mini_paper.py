@@ -64,6 +64,12 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without an install
     sys.path.insert(0, str(REPO))
 
+from agentrefine_jax import startup  # noqa: E402
+
+# Before JAX starts (the machine record creates its backend): no libtpu start-up lines on a host
+# without TPU chips, as every CLI's own start-up does (agentrefine_jax/startup.py).
+startup.quiet_start()
+
 from agentrefine_jax import host_memory  # noqa: E402
 from agentrefine_jax.analyze.tables import wilson_interval  # noqa: E402
 from agentrefine_jax.cli_errors import TERMINATED, float_in, leave, redeliver_swallowed_signals  # noqa: E402 - the trainer's and eval's exit after SIGTERM
