@@ -54,12 +54,6 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without an install
     sys.path.insert(0, str(REPO))
 
-from agentrefine_jax import startup  # noqa: E402
-
-# Before JAX starts (the machine record creates its backend): no libtpu start-up lines on a host
-# without TPU chips, as every CLI's own start-up does (agentrefine_jax/startup.py).
-startup.quiet_start()
-
 from agentrefine_jax import host_memory  # noqa: E402
 from agentrefine_jax.analyze.tables import wilson_interval  # noqa: E402
 from agentrefine_jax.cli_errors import TERMINATED, leave, redeliver_swallowed_signals  # noqa: E402 - the trainer's and eval's exit after SIGTERM
@@ -69,7 +63,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _machine  # noqa: E402
 import _mini_data  # noqa: E402
 import _outdir  # noqa: E402
-import mini_paper  # noqa: E402 - its SIGTERM forwarding, machine record and eval-result rows
+import mini_paper  # noqa: E402 - its SIGTERM forwarding, machine record, eval-result rows and quiet start-up
 
 TOOL = "grpo_real"
 TASK = "demo_world"
