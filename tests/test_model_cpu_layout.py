@@ -203,8 +203,9 @@ def test_decode_loop_writes_the_per_layer_cache_in_place():
     assert cache["k"][0].shape == (4, CFG.num_kv_heads, 24, CFG.head_dim)
     head = engine.head_weight(model)
     args = (graphdef, 16, True, state, layers, head, cache, logits, jnp.asarray([3, 5, 1, 1], jnp.int32),
-            jnp.asarray([False, False, True, True]), jnp.int32(0), jnp.int32(16), jax.random.key(0),
-            jnp.float32(0), jnp.float32(1), engine.Stops(()).array)  # fmt: skip
+            jnp.asarray([False, False, True, True]), jnp.arange(4, dtype=jnp.int32), jnp.int32(0),
+            jnp.int32(16), jax.random.key(0), jnp.float32(0), jnp.float32(1),
+            engine.Stops(()).array)  # fmt: skip
     hlo = decode.lower(*args).compile().as_text()
     body = re.search(r"while\(%[\w.\-]+\), condition=%[\w.\-]+, body=%([\w.\-]+)", hlo).group(1)
     start = hlo.index(f"%{body} (")

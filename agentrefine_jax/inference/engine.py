@@ -29,7 +29,7 @@ from flax import nnx
 
 from agentrefine_jax.inference.sampling import row_keys, sample
 from agentrefine_jax.models import cpu_layout, params
-from agentrefine_jax.models.llama import Transformer, flat_heads, init_cache, unflat_heads
+from agentrefine_jax.models.llama import Transformer, flat_heads, init_cache, map_kv, unflat_heads
 
 DEFAULT_CHUNK = 16
 # Long prompts are prefilled in query blocks of this many tokens (exact), so the attention
@@ -210,6 +210,7 @@ def _decode_chunk(
     logits: jax.Array,
     pos: jax.Array,
     done: jax.Array,
+    row_ids: jax.Array,
     step0: jax.Array,
     n_left: jax.Array,
     base_key: jax.Array,
@@ -223,6 +224,8 @@ def _decode_chunk(
     positions, done, tokens [B, chunk] of which the first `steps` columns are valid, and their
     log-probabilities [B, chunk] float32 under the raw logits). The log-probabilities are read
     off the logits the token was sampled from and never feed back, so the tokens are the same.
+    `row_ids`: each row's number in the call's batch, which seeds its sampling key, so a row
+    draws the same tokens when the batch has been narrowed to fewer rows (`decode_rows`).
     """
     model = nnx.merge(graphdef, state)
     b = logits.shape[0]
@@ -236,7 +239,7 @@ def _decode_chunk(
 
     def body(c: tuple) -> tuple:
         i, cache, logits, pos, done, out, lps = c
-        tok = sample(logits, row_keys(base_key, rows, step0 + i), temperature, top_p, greedy=greedy)
+        tok = sample(logits, row_keys(base_key, row_ids, step0 + i), temperature, top_p, greedy=greedy)
         tok = jnp.where(done, 0, tok)  # finished rows emit filler the host ignores
         out = out.at[:, i].set(tok)
         lps = lps.at[:, i].set(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)[rows, tok])
@@ -271,6 +274,44 @@ def _compiled() -> tuple[Callable, Callable]:
     return prefill, decode
 
 
+def gather_rows(cache: dict, src: jax.Array) -> dict:
+    """Cache row r becomes a copy of row src[r] (K, V, segments and positions)."""
+    return {
+        **map_kv(cache, lambda a: a[src]),
+        "segment_ids": cache["segment_ids"][src],
+        "positions": cache["positions"][src],
+        "index": cache["index"],
+    }
+
+
+def scatter_rows(cache: dict, sub: dict, rows: jax.Array) -> dict:
+    """`cache` with its rows `rows` replaced by `sub`'s (a `gather_rows` sub-batch, written on since)."""
+
+    def put(a: jax.Array | tuple, b: jax.Array | tuple) -> jax.Array | tuple:
+        if isinstance(a, tuple):  # per layer, or stacked ([layers, ...]: vmapped over the layers)
+            return tuple(x.at[rows].set(y) for x, y in zip(a, b, strict=True))
+        return jax.vmap(lambda x, y: x.at[rows].set(y))(a, b)
+
+    return {
+        "k": put(cache["k"], sub["k"]),
+        "v": put(cache["v"], sub["v"]),
+        "segment_ids": cache["segment_ids"].at[rows].set(sub["segment_ids"]),
+        "positions": cache["positions"].at[rows].set(sub["positions"]),
+        "index": sub["index"],
+    }
+
+
+@functools.cache
+def row_programs() -> tuple[Callable, Callable]:
+    """(gather, scatter): a sub-batch of the cache's rows (the cache kept, to scatter them back into),
+    and the scatter, which donates the cache it writes into."""
+    return jax.jit(gather_rows), jax.jit(scatter_rows, donate_argnums=0)
+
+
+def _single_device(cache: dict) -> bool:
+    return len(cache["segment_ids"].sharding.device_set) == 1
+
+
 @dataclasses.dataclass
 class Stops:
     """When a row ends: a stop token id (kept as the row's last token) or `should_stop`; every
@@ -302,6 +343,7 @@ def decode_rows(
     chunk_size: int = DEFAULT_CHUNK,
     layers: Layers = None,
     head: jax.Array | None = None,
+    narrow: bool | None = None,
 ) -> tuple[dict[int, Generation], dict[str, jax.Array], int]:
     """Sample up to `max_new_tokens` tokens for the cache rows in `live` from their next-token
     `logits`; every row's next token goes at `positions[row]`. Rows not in `live` run as filler
@@ -312,6 +354,14 @@ def decode_rows(
     tokens in segment 1 that a cache kept across calls must mask: see `inference/sessions.py`).
     `layers`: the model's `layer_weights` (None: the decode loop slices the stacked weights). The
     cache is donated: use the returned one.
+
+    `narrow` (default: when the cache is on one device): between chunks, once the unfinished rows fit
+    a power of two at most half the rows decoding, the next chunks run on those rows alone (gathered
+    with filler up to that power of two; scattered back at the end). A call decodes until its longest
+    reply ends, and each step reads every decoding row's K/V (~46 KB per row and column for
+    SmolLM2): when one row of 32 writes 128 tokens and the rest stop after ~40, the last ~90 steps
+    ran all 32 rows. Each row computes the same tokens either way (its own logits; sampling keys
+    follow its row number in the call, `row_ids`).
     """
     batch = logits.shape[0]
     host_done = np.ones(batch, bool)
@@ -330,6 +380,10 @@ def decode_rows(
     _, decode = _compiled()
     base_key, temp, tp = jax.random.key(seed), jnp.float32(temperature), jnp.float32(top_p)
     cur_pos = jnp.asarray(positions, jnp.int32)
+    if narrow is None:
+        narrow = _single_device(cache)
+    decoding = np.arange(batch)  # the call's row held by each row of the decoding batch
+    full: dict[str, jax.Array] | None = None  # the call's cache while a narrowed batch decodes
     steps = 0
     while steps < max_new_tokens and not host_done.all():
         if stops.cancelled is not None and stops.cancelled():
@@ -337,16 +391,21 @@ def decode_rows(
                 if not host_done[r]:
                     host_done[r], reason[r] = True, CANCELLED
             break
+        unfinished = [int(r) for r in decoding if not host_done[r]]
+        if narrow and batch_bucket(len(unfinished)) < len(decoding):
+            narrowed = _narrowed(cache, full, logits, cur_pos, decoding, unfinished)
+            cache, full, logits, cur_pos, decoding = narrowed
         n, cache, logits, cur_pos, _, new, new_lp = decode(
             graphdef, chunk, temperature == 0.0, state, layers, head, cache, logits, cur_pos,
-            jnp.asarray(host_done), jnp.int32(steps), jnp.int32(max_new_tokens - steps), base_key, temp, tp,
-            stops.array,
+            jnp.asarray(host_done[decoding]), jnp.asarray(decoding, jnp.int32), jnp.int32(steps),
+            jnp.int32(max_new_tokens - steps), base_key, temp, tp, stops.array,
         )  # fmt: skip
         n, new, new_lp = int(n), np.asarray(new), np.asarray(new_lp)
+        at = {int(r): i for i, r in enumerate(decoding)}
         for r in live:  # append this chunk's tokens; a stop token ends the row (and is kept)
             if host_done[r]:
                 continue
-            for t, lp in zip(new[r, :n].tolist(), new_lp[r, :n].tolist(), strict=True):
+            for t, lp in zip(new[at[r], :n].tolist(), new_lp[at[r], :n].tolist(), strict=True):
                 out[r].append(t)
                 logp[r].append(lp)
                 if t in stop_set:
@@ -355,7 +414,34 @@ def decode_rows(
             if not host_done[r] and stops.should_stop is not None and stops.should_stop(r, out[r]):
                 host_done[r], reason[r] = True, "stop"
         steps += n
+    if full is not None:
+        cache = row_programs()[1](full, cache, jnp.asarray(decoding, jnp.int32))
     return {r: Generation(out[r], reason[r], logp[r]) for r in live}, cache, steps
+
+
+def _narrowed(
+    cache: dict[str, jax.Array],
+    full: dict[str, jax.Array] | None,
+    logits: jax.Array,
+    pos: jax.Array,
+    decoding: np.ndarray,
+    unfinished: list[int],
+) -> tuple[dict[str, jax.Array], dict[str, jax.Array], jax.Array, jax.Array, np.ndarray]:
+    """The decoding batch cut to `unfinished` plus finished rows as filler, up to a power of two:
+    (its cache, the call's cache it came from, logits, positions, the call's row of each row).
+    Rows of the call are gathered from its cache, into which a batch narrowed before is first
+    written back, so at most the call's cache and one sub-batch exist at once."""
+    gather, scatter = row_programs()
+    n = batch_bucket(len(unfinished))
+    filler = [int(r) for r in decoding if int(r) not in set(unfinished)][: n - len(unfinished)]
+    pick = np.asarray(unfinished + filler)
+    local = jnp.asarray([int(np.flatnonzero(decoding == r)[0]) for r in pick], jnp.int32)
+    logits, pos = logits[local], pos[local]
+    if full is None:
+        full = cache
+    else:
+        full = scatter(full, cache, jnp.asarray(decoding, jnp.int32))
+    return gather(full, jnp.asarray(pick, jnp.int32)), full, logits, pos, pick
 
 
 def generate(

@@ -31,7 +31,7 @@ batch, then the long rows' block on just those rows (gathered out of the cache a
 
 Episodes of one task start alike (the system prompt and the task's instructions: 99 of ~300 tokens
 for demo_world, 326 of ~470 for BabyAI). A new conversation whose prompt shares at least FORK_MIN
-tokens with what another row holds copies that row (`_fork_rows`, the other columns then masked)
+tokens with what another row holds copies that row (`gather_rows`, the other columns then masked)
 instead of prefilling them; new conversations of one call that share such a prefix and have no row to
 copy it from have it written once, on one of their rows, which the others then copy (`_share_plan`).
 
@@ -61,11 +61,14 @@ from agentrefine_jax.inference.engine import (
     batch_bucket,
     bucket,
     decode_rows,
+    gather_rows,
     head_weight,
     layer_weights,
+    row_programs,
+    scatter_rows,
     validate_request,
 )
-from agentrefine_jax.models.llama import Transformer, init_cache, map_kv
+from agentrefine_jax.models.llama import Transformer, init_cache
 
 
 @dataclasses.dataclass
@@ -96,19 +99,8 @@ def _extend(
     the cache and their columns written back, the other rows' untouched; logits [len(rows), vocab].
     """
     if rows is not None:
-        sub = map_kv(cache, lambda a: a[rows])
-        sub = {**sub, "segment_ids": cache["segment_ids"][rows], "positions": cache["positions"][rows]}
-        logits, sub = _extend(graphdef, state, layers, sub, ids, pos, seg, last, end)
-        back = {
-            "k": _map(lambda a, b: a.at[rows].set(b), cache["k"], sub["k"]),
-            "v": _map(lambda a, b: a.at[rows].set(b), cache["v"], sub["v"]),
-        }
-        return logits, {
-            **back,
-            "segment_ids": cache["segment_ids"].at[rows].set(sub["segment_ids"]),
-            "positions": cache["positions"].at[rows].set(sub["positions"]),
-            "index": end,
-        }
+        logits, sub = _extend(graphdef, state, layers, gather_rows(cache, rows), ids, pos, seg, last, end)
+        return logits, scatter_rows(cache, sub, rows)  # the index moves to `end` with `sub`'s
     model = nnx.merge(graphdef, state)
     if ids.shape[1] > PREFILL_BLOCK and not model.plan.attention_block_size:
         model.plan = dataclasses.replace(model.plan, attention_block_size=query_block(ids.shape[1]))
@@ -300,36 +292,6 @@ def _compact(cache: dict, src: jax.Array, valid: jax.Array, index: jax.Array) ->
     }
 
 
-def _fork_rows(cache: dict, src: jax.Array) -> dict:
-    """Cache row r becomes a copy of row src[r] (K, V, segments and positions)."""
-    return {
-        **map_kv(cache, lambda a: a[src]),
-        "segment_ids": cache["segment_ids"][src],
-        "positions": cache["positions"][src],
-        "index": cache["index"],
-    }
-
-
-def _scatter_rows(cache: dict, sub: dict, rows: jax.Array) -> dict:
-    """`cache` with its rows `rows` replaced by `sub`'s (a gathered sub-batch, `_fork_rows`, written on)."""
-    return {
-        "k": _map(lambda a, b: a.at[rows].set(b), cache["k"], sub["k"]),
-        "v": _map(lambda a, b: a.at[rows].set(b), cache["v"], sub["v"]),
-        "segment_ids": cache["segment_ids"].at[rows].set(sub["segment_ids"]),
-        "positions": cache["positions"].at[rows].set(sub["positions"]),
-        "index": sub["index"],
-    }
-
-
-def _map(
-    f: Callable[[jax.Array, jax.Array], jax.Array], a: jax.Array | tuple, b: jax.Array | tuple
-) -> jax.Array | tuple:
-    """`f` on K (or V) and its rows' update, per layer or vmapped over the stacked layers."""
-    if isinstance(a, tuple):
-        return tuple(f(x, y) for x, y in zip(a, b, strict=True))
-    return jax.vmap(f)(a, b)
-
-
 @functools.cache
 def _programs() -> tuple:
     # The cache is donated to the extension (every caller replaces it with the returned one), so
@@ -339,9 +301,8 @@ def _programs() -> tuple:
         jax.jit(_keep),
         jax.jit(_fit, static_argnums=(1, 2)),  # per array (`_each_kv`)
         jax.jit(_take, static_argnums=2),
-        jax.jit(_fork_rows, donate_argnums=0),
-        jax.jit(_fork_rows),  # a gather of rows (the cache is kept: they are scattered back)
-        jax.jit(_scatter_rows, donate_argnums=0),
+        jax.jit(gather_rows, donate_argnums=0),
+        *row_programs(),  # a gather of rows (the cache kept: they are scattered back), the scatter
     )
 
 
