@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
             w.kill()
     ratio = res["ratio"]["xla"]
     names = list(last["xla"]["per_product"])
-    per = {n: {k: round(last[k]["per_product"][n], 1) for k in KINDS} for n in names}
+    # Significant digits, not decimals: a toy product's rate (the test's widths, a busy host) can be
+    # well under 0.05 GFLOP/s, and one decimal recorded it as 0.
+    per = {n: {k: float(f"{last[k]['per_product'][n]:.4g}") for k in KINDS} for n in names}
     print(f"{'product':12s} {'xla GF/s':>9s} {'torch GF/s':>11s}  (last round)")
     for n, v in per.items():
         print(f"{n:12s} {v['xla']:9.1f} {v['torch']:11.1f}")
