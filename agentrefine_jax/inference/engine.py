@@ -432,10 +432,11 @@ def _narrowed(
     Rows of the call are gathered from its cache, into which a batch narrowed before is first
     written back, so at most the call's cache and one sub-batch exist at once."""
     gather, scatter = row_programs()
-    n = batch_bucket(len(unfinished))
-    filler = [int(r) for r in decoding if int(r) not in set(unfinished)][: n - len(unfinished)]
+    n, keep = batch_bucket(len(unfinished)), set(unfinished)
+    filler = [int(r) for r in decoding if int(r) not in keep][: n - len(unfinished)]
     pick = np.asarray(unfinished + filler)
-    local = jnp.asarray([int(np.flatnonzero(decoding == r)[0]) for r in pick], jnp.int32)
+    where = {int(r): i for i, r in enumerate(decoding)}
+    local = jnp.asarray([where[int(r)] for r in pick], jnp.int32)
     logits, pos = logits[local], pos[local]
     if full is None:
         full = cache
