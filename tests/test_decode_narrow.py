@@ -89,3 +89,24 @@ def test_conversations_go_on_after_a_narrowed_call_as_after_a_whole_one(model, g
         for k, g in zip(keys, got, strict=True):
             prompts[k] = prompts[k] + g.tokens + rng.integers(1, vocab, int(rng.integers(3, 20))).tolist()
     assert narrowed.stats["resets"] == 0 and narrowed.stats["reused_tokens"] > 0
+
+
+def test_a_narrowed_call_holds_the_calls_cache_and_one_sub_batch(model, monkeypatch) -> None:
+    """At every narrowing the K/V alive are the call's cache alone: the batch narrowed before has been
+    written back and let go (held, each narrowing would add its sub-batch: up to 1.75x the cache)."""
+    import jax
+
+    gather, scatter = engine.row_programs()
+    alive: list[tuple[int, int]] = []  # (K/V bytes alive, the call's cache's K/V bytes) at each gather
+
+    def watched(cache, src):
+        kv = [*cache["k"], *cache["v"]] if isinstance(cache["k"], tuple) else [cache["k"], cache["v"]]
+        shapes = {a.shape[1:] for a in kv}  # a layer's K or V, any batch size
+        live = [a for a in jax.live_arrays() if a.ndim == len(kv[0].shape) and a.shape[1:] in shapes]
+        alive.append((sum(a.nbytes for a in live), sum(a.nbytes for a in kv)))
+        return gather(cache, src)
+
+    monkeypatch.setattr(engine, "row_programs", lambda: (watched, scatter))
+    prompts = _prompts(model, np.random.default_rng(2))
+    generate(model, prompts, max_new_tokens=NEW, stop_token_ids=(), should_stop=_stop)
+    assert len(alive) == 3 and all(live == full for live, full in alive), alive

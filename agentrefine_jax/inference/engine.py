@@ -393,8 +393,14 @@ def decode_rows(
             break
         unfinished = [int(r) for r in decoding if not host_done[r]]
         if narrow and batch_bucket(len(unfinished)) < len(decoding):
-            narrowed = _narrowed(cache, full, logits, cur_pos, decoding, unfinished)
-            cache, full, logits, cur_pos, decoding = narrowed
+            gather, scatter = row_programs()
+            if full is None:
+                full, cache = cache, None
+            else:  # a batch narrowed before goes back first, and is let go before the next gather
+                full, cache = scatter(full, cache, jnp.asarray(decoding, jnp.int32)), None
+            local, decoding = _narrowed(decoding, unfinished)
+            logits, cur_pos = logits[local], cur_pos[local]
+            cache = gather(full, jnp.asarray(decoding, jnp.int32))
         n, cache, logits, cur_pos, _, new, new_lp = decode(
             graphdef, chunk, temperature == 0.0, state, layers, head, cache, logits, cur_pos,
             jnp.asarray(host_done[decoding]), jnp.asarray(decoding, jnp.int32), jnp.int32(steps),
@@ -419,30 +425,14 @@ def decode_rows(
     return {r: Generation(out[r], reason[r], logp[r]) for r in live}, cache, steps
 
 
-def _narrowed(
-    cache: dict[str, jax.Array],
-    full: dict[str, jax.Array] | None,
-    logits: jax.Array,
-    pos: jax.Array,
-    decoding: np.ndarray,
-    unfinished: list[int],
-) -> tuple[dict[str, jax.Array], dict[str, jax.Array], jax.Array, jax.Array, np.ndarray]:
+def _narrowed(decoding: np.ndarray, unfinished: list[int]) -> tuple[jax.Array, np.ndarray]:
     """The decoding batch cut to `unfinished` plus finished rows as filler, up to a power of two:
-    (its cache, the call's cache it came from, logits, positions, the call's row of each row).
-    Rows of the call are gathered from its cache, into which a batch narrowed before is first
-    written back, so at most the call's cache and one sub-batch exist at once."""
-    gather, scatter = row_programs()
+    (where each of its rows sits in the batch decoding now, the call's row of each)."""
     n, keep = batch_bucket(len(unfinished)), set(unfinished)
     filler = [int(r) for r in decoding if int(r) not in keep][: n - len(unfinished)]
     pick = np.asarray(unfinished + filler)
     where = {int(r): i for i, r in enumerate(decoding)}
-    local = jnp.asarray([where[int(r)] for r in pick], jnp.int32)
-    logits, pos = logits[local], pos[local]
-    if full is None:
-        full = cache
-    else:
-        full = scatter(full, cache, jnp.asarray(decoding, jnp.int32))
-    return gather(full, jnp.asarray(pick, jnp.int32)), full, logits, pos, pick
+    return jnp.asarray([where[int(r)] for r in pick], jnp.int32), pick
 
 
 def generate(
