@@ -288,9 +288,9 @@ def scatter_rows(cache: dict, sub: dict, rows: jax.Array) -> dict:
     """`cache` with its rows `rows` replaced by `sub`'s (a `gather_rows` sub-batch, written on since)."""
 
     def put(a: jax.Array | tuple, b: jax.Array | tuple) -> jax.Array | tuple:
-        if isinstance(a, tuple):  # per layer, or stacked ([layers, ...]: vmapped over the layers)
+        if isinstance(a, tuple):  # one array per layer
             return tuple(x.at[rows].set(y) for x, y in zip(a, b, strict=True))
-        return jax.vmap(lambda x, y: x.at[rows].set(y))(a, b)
+        return jax.vmap(lambda x, y: x.at[rows].set(y))(a, b)  # stacked [layers, ...]
 
     return {
         "k": put(cache["k"], sub["k"]),
