@@ -1,4 +1,4 @@
-"""A call's decode narrows to its unfinished rows (inference/engine.py `decode_rows`, `narrow`): once
+"""A call's decode narrows to its unfinished rows (inference/engine.py `decode_rows`): once
 the rows still writing fit a power of two at most half the decoding batch, the next chunks run on
 them alone. Every row must write the same tokens, with the same log-probabilities and finish
 reasons, as when the whole batch decodes to the end -- greedy and sampled -- and a conversation kept

@@ -343,7 +343,6 @@ def decode_rows(
     chunk_size: int = DEFAULT_CHUNK,
     layers: Layers = None,
     head: jax.Array | None = None,
-    narrow: bool | None = None,
 ) -> tuple[dict[int, Generation], dict[str, jax.Array], int]:
     """Sample up to `max_new_tokens` tokens for the cache rows in `live` from their next-token
     `logits`; every row's next token goes at `positions[row]`. Rows not in `live` run as filler
@@ -355,7 +354,7 @@ def decode_rows(
     `layers`: the model's `layer_weights` (None: the decode loop slices the stacked weights). The
     cache is donated: use the returned one.
 
-    `narrow` (default: when the cache is on one device): between chunks, once the unfinished rows fit
+    Narrowing (when the cache is on one device): between chunks, once the unfinished rows fit
     a power of two at most half the rows decoding, the next chunks run on those rows alone (gathered
     with filler up to that power of two; scattered back at the end). A call decodes until its longest
     reply ends, and each step reads every decoding row's K/V (~46 KB per row and column for
@@ -380,9 +379,10 @@ def decode_rows(
     _, decode = _compiled()
     base_key, temp, tp = jax.random.key(seed), jnp.float32(temperature), jnp.float32(top_p)
     cur_pos = jnp.asarray(positions, jnp.int32)
-    if narrow is None:
-        narrow = _single_device(cache)
+    narrow = _single_device(cache)
     decoding = np.arange(batch)  # the call's row held by each row of the decoding batch
+    row_ids = jnp.asarray(decoding, jnp.int32)  # the same, on the device
+    at = {r: r for r in range(batch)}  # the call's row -> its row in the decoding batch
     full: dict[str, jax.Array] | None = None  # the call's cache while a narrowed batch decodes
     steps = 0
     while steps < max_new_tokens and not host_done.all():
@@ -397,17 +397,18 @@ def decode_rows(
             if full is None:
                 full, cache = cache, None
             else:  # a batch narrowed before goes back first, and is let go before the next gather
-                full, cache = scatter(full, cache, jnp.asarray(decoding, jnp.int32)), None
-            local, decoding = _narrowed(decoding, unfinished)
+                full, cache = scatter(full, cache, row_ids), None
+            decoding = _narrowed(decoding, unfinished)
+            local = jnp.asarray([at[int(r)] for r in decoding], jnp.int32)
             logits, cur_pos = logits[local], cur_pos[local]
-            cache = gather(full, jnp.asarray(decoding, jnp.int32))
+            row_ids, at = jnp.asarray(decoding, jnp.int32), {int(r): i for i, r in enumerate(decoding)}
+            cache = gather(full, row_ids)
         n, cache, logits, cur_pos, _, new, new_lp = decode(
             graphdef, chunk, temperature == 0.0, state, layers, head, cache, logits, cur_pos,
-            jnp.asarray(host_done[decoding]), jnp.asarray(decoding, jnp.int32), jnp.int32(steps),
+            jnp.asarray(host_done[decoding]), row_ids, jnp.int32(steps),
             jnp.int32(max_new_tokens - steps), base_key, temp, tp, stops.array,
         )  # fmt: skip
         n, new, new_lp = int(n), np.asarray(new), np.asarray(new_lp)
-        at = {int(r): i for i, r in enumerate(decoding)}
         for r in live:  # append this chunk's tokens; a stop token ends the row (and is kept)
             if host_done[r]:
                 continue
@@ -421,18 +422,16 @@ def decode_rows(
                 host_done[r], reason[r] = True, "stop"
         steps += n
     if full is not None:
-        cache = row_programs()[1](full, cache, jnp.asarray(decoding, jnp.int32))
+        cache = row_programs()[1](full, cache, row_ids)
     return {r: Generation(out[r], reason[r], logp[r]) for r in live}, cache, steps
 
 
-def _narrowed(decoding: np.ndarray, unfinished: list[int]) -> tuple[jax.Array, np.ndarray]:
-    """The decoding batch cut to `unfinished` plus finished rows as filler, up to a power of two:
-    (where each of its rows sits in the batch decoding now, the call's row of each)."""
+def _narrowed(decoding: np.ndarray, unfinished: list[int]) -> np.ndarray:
+    """The call's rows of the decoding batch cut to `unfinished` plus finished rows as filler, up to a
+    power of two."""
     n, keep = batch_bucket(len(unfinished)), set(unfinished)
     filler = [int(r) for r in decoding if int(r) not in keep][: n - len(unfinished)]
-    pick = np.asarray(unfinished + filler)
-    where = {int(r): i for i, r in enumerate(decoding)}
-    return jnp.asarray([where[int(r)] for r in pick], jnp.int32), pick
+    return np.asarray(unfinished + filler)
 
 
 def generate(
