@@ -98,6 +98,9 @@ def test_grpo_real_end_to_end_and_resume(base_dir, tmp_path):  # noqa: F811 - th
     steps = {x["step"]: x for x in rows if "phase" not in x}
     train_s = sum(steps[p["step"]]["tokens"] / p["train_tokens_per_sec"] for p in phase_rows)
     assert math.isclose(t["train_seconds"], train_s)
+    med = summary["throughput"]["median_phase_after_0"]  # one later phase: its own rates
+    assert med["phases"] == 1 and med["rollout_tokens_per_sec"] == phase_rows[1]["rollout_tokens_per_sec"]
+    assert med["train_tokens_per_sec"] == phase_rows[1]["train_tokens_per_sec"]
     assert summary["verdict"].startswith(("GRPO raised", "GRPO lowered", "No difference shown"))
     md = (out / "summary.md").read_text()
     assert "| start (before) | 2 |" in md and "| GRPO (after) | 2 |" in md and summary["verdict"] in md
