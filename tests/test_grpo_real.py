@@ -140,3 +140,22 @@ def test_grpo_real_from_an_hf_directory(base_dir, tmp_path):  # noqa: F811 - the
         "before": "float32",
         "after": "float32",
     }
+
+
+def test_the_median_phase_is_not_moved_by_one_paused_phase():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import grpo_real
+
+    def phase(i: int, rollout_s: float, train_s: float) -> dict:
+        return {"phase": i, "sampled_tokens": 1000, "rollout_seconds": rollout_s,
+                "rollout_tokens_per_sec": 1000 / rollout_s, "train_tokens": 2000.0, "train_seconds": train_s,
+                "train_tokens_per_sec": 2000 / train_s}  # fmt: skip
+
+    # Phase 0 compiles; phase 2's updates were paused for a while (20x the others' time).
+    phases = [phase(0, 50, 100), phase(1, 10, 20), phase(2, 10, 400), phase(3, 12, 25)]
+    t = grpo_real.throughput(phases)
+    median = {"rollout_tokens_per_sec": 1000 / 10, "train_tokens_per_sec": 2000 / 25, "phases": 3}
+    assert t["median_phase_after_0"] == median
+    # The time-weighted total of the same phases is dragged far below every unpaused phase's rate.
+    assert t["after_phase_0"]["train_tokens_per_sec"] == 6000 / 445 < 2000 / 25
+    assert grpo_real.throughput(phases[:1])["median_phase_after_0"] is None
