@@ -367,7 +367,7 @@ def format_summary(doc: dict[str, Any]) -> str:
     if later:
         lines[-1] += (f" Without phase 0 (compilation): {later['rollout_tokens_per_sec']:.1f} vs "
                       f"{later['train_tokens_per_sec']:.1f}.")  # fmt: skip
-    med = doc["throughput"].get("median_phase_after_0")
+    med = doc["throughput"]["median_phase_after_0"]
     if med:
         lines[-1] += (f" Median phase of phases 1–{med['phases']} (one paused or loaded phase does not "
                       f"move it): {med['rollout_tokens_per_sec']:.1f} vs "
