@@ -17,6 +17,8 @@ import importlib.util
 import logging
 import os
 
+from agentrefine_jax import compile_cache
+
 
 def prepare_tpu_env(accelerator: str = "v5p-8") -> None:
     """Let libtpu initialise quietly on a host without TPU chips.
@@ -49,6 +51,7 @@ class _DropOrbaxSaveWait(logging.Filter):
 
 def quiet_start() -> None:
     """Environment and log filters for a quiet run; call before jax, transformers or Orbax start."""
+    compile_cache.enable()  # first: prepare_tpu_env imports jax where libtpu is installed
     prepare_tpu_env()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's C++ INFO/WARNING chatter
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")

@@ -5,6 +5,7 @@ against the devices libtpu itself describes."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from importlib import metadata
@@ -20,9 +21,9 @@ from agentrefine_jax.train import topology as T  # noqa: E402
 TINY = ["--set", "model.num_layers=1", "--set", "data.max_length=128", "--set", "train.loss_chunk_size=64"]
 
 
-def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+def run(*args: str, timeout: int = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, check=False
+        [sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, check=False, env=env
     )
 
 
@@ -53,9 +54,25 @@ def test_slice_table_matches_libtpu() -> None:
         T.get_slice("v5p-63")
 
 
-def test_plan_compile_json_tiny_on_v5p8() -> None:
-    r = run("agentrefine_jax.plan", "--config", "tiny", "--topology", "v5p-8", "--compile", "--json", *TINY)
+def test_plan_compile_json_tiny_on_v5p8(tmp_path) -> None:
+    # The compile is the measurement: with a persistent compilation cache configured (compile_cache.py),
+    # nothing is read from it or written to it (every program cached, however quick to compile).
+    cache = tmp_path / "xla-cache"
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache)}
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    r = run(
+        "agentrefine_jax.plan",
+        "--config",
+        "tiny",
+        "--topology",
+        "v5p-8",
+        "--compile",
+        "--json",
+        *TINY,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
+    assert not cache.exists() or not any(cache.iterdir()), sorted(p.name for p in cache.iterdir())
     out = json.loads(r.stdout)
     b = out["compiled"]["bytes_per_device"]
     assert b["total"] == b["arguments"] + b["outputs"] - b["aliased"] + b["temp"]

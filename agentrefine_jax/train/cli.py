@@ -75,7 +75,12 @@ def compile_only(
     config: str, overrides: list[str], topology: str | None, num_slices: int, as_json: bool, tool: str
 ) -> int:
     """`train --compile-only` and `plan --compile`: 0 fits, 1 does not, 2 bad input."""
+    import jax
 
+    # The compile is what this reports (its seconds, the compiler's memory figures): never a program
+    # read back from the persistent cache (compile_cache.py). Set before this process's first compile,
+    # where jax decides once whether the cache is used.
+    jax.config.update("jax_enable_compilation_cache", False)
     from agentrefine_jax.config import ConfigError
     from agentrefine_jax.train import aot
     from agentrefine_jax.train.topology import UnknownTopology

@@ -1,0 +1,87 @@
+"""XLA's persistent compilation cache for every tool: a program compiled once is read back next time.
+
+Why. An evaluation compiles one decode program per batch size and cache length it reaches and one
+prefill per block width (inference/sessions.py: tens of programs), each 10 s to minutes on a 2-core
+CPU (the layers are unrolled there: one program for SmolLM2 took 2 min 24 s at XLA's default level).
+jax keeps them for the life of the process only, so every run, a resumed one included, compiled them
+all again; the programs depend on the model's shapes, not its weights, so the next checkpoint's
+evaluation is the same programs. MaxText turns jax's cache on by default for the same reason.
+
+Where. `$XDG_CACHE_HOME/agentrefine_jax/xla/<host>/` (default `~/.cache/...`), `<host>` a hash of the
+CPU's model name and feature flags: XLA:CPU compiles for the features of the CPU it runs on and jax's
+own cache key does not name them, so a home directory shared by an Intel and an AMD machine (NFS) must
+not hand one the other's programs. jax's key covers the rest (its version, the program, the XLA flags,
+the compile options, the backend's platform version).
+
+Settings. `AGENTREFINE_COMPILE_CACHE=off` (or `0`, `false`, `no`) turns it off; any other value is the
+directory to use. A `JAX_COMPILATION_CACHE_DIR` already set is left alone (the user's, or the test
+suite's). jax's own rules otherwise apply: only programs that took >= 1 s to compile are written
+(`JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`), and the cache is capped at MAX_BYTES, least recently
+used entries evicted first (`JAX_COMPILATION_CACHE_MAX_SIZE` overrides it). Runs before the first
+compile (`startup.quiet_start` calls `enable`, before a tool imports jax).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import platform
+import sys
+
+ENV = "AGENTREFINE_COMPILE_CACHE"
+OFF = frozenset({"off", "0", "false", "no"})
+# Programs of a 135M model are 1-10 MB each; an evaluation writes tens of them. 4 GiB holds the
+# programs of several models and task mixes, and jax evicts the least recently used beyond it.
+MAX_BYTES = 4 << 30
+CPUINFO = "/proc/cpuinfo"
+
+
+def host_key(cpuinfo: str | None = None) -> str:
+    """A short hash of the first processor's model name and feature flags (`platform` facts where
+    there is no /proc/cpuinfo): what XLA:CPU compiles for."""
+    if cpuinfo is None:
+        try:
+            with open(CPUINFO, encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    model, flags = "", ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not model:
+            model = value.strip()
+        elif key in ("flags", "Features") and not flags:  # x86 / arm64 spellings
+            flags = " ".join(sorted(value.split()))
+    if not model and not flags:
+        model, flags = platform.processor(), platform.machine()
+    return hashlib.sha256(f"{model}\n{flags}".encode()).hexdigest()[:16]
+
+
+def default_dir(cpuinfo: str | None = None) -> pathlib.Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "agentrefine_jax" / "xla" / host_key(cpuinfo)
+
+
+def enable() -> str | None:
+    """Point jax's persistent compilation cache at this host's directory unless told otherwise;
+    returns the directory in effect (None: off). Only fills environment variables that are unset."""
+    chosen = os.environ.get(ENV, "").strip()
+    if chosen.lower() in OFF:
+        return None
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]
+    path = os.path.abspath(os.path.expanduser(chosen)) if chosen else str(default_dir())
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:  # a read-only home: compile as before rather than fail the run
+        return None
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(MAX_BYTES))
+    if "jax" in sys.modules:  # imported already (a tool's main called from Python): jax read its
+        import jax  # variables then; the cache itself starts at the first compile, so this still holds
+
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+    return path
