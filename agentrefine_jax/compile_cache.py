@@ -26,37 +26,23 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
-import platform
 import sys
+
+from agentrefine_jax import host_cpu
 
 ENV = "AGENTREFINE_COMPILE_CACHE"
 OFF = frozenset({"off", "0", "false", "no"})
-# Programs of a 135M model are 1-10 MB each; an evaluation writes tens of them. 4 GiB holds the
-# programs of several models and task mixes, and jax evicts the least recently used beyond it.
+# Entries are compressed executables: SmolLM2's evaluation wrote 18 in 3.7 MB. 4 GiB holds the programs
+# of many models, shapes and task mixes; jax evicts the least recently used beyond it.
 MAX_BYTES = 4 << 30
-CPUINFO = "/proc/cpuinfo"
 
 
 def host_key(cpuinfo: str | None = None) -> str:
-    """A short hash of the first processor's model name and feature flags (`platform` facts where
-    there is no /proc/cpuinfo): what XLA:CPU compiles for."""
-    if cpuinfo is None:
-        try:
-            with open(CPUINFO, encoding="utf-8", errors="replace") as f:
-                cpuinfo = f.read()
-        except OSError:
-            cpuinfo = ""
-    model, flags = "", ""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and not model:
-            model = value.strip()
-        elif key in ("flags", "Features") and not flags:  # x86 / arm64 spellings
-            flags = " ".join(sorted(value.split()))
-    if not model and not flags:
-        model, flags = platform.processor(), platform.machine()
-    return hashlib.sha256(f"{model}\n{flags}".encode()).hexdigest()[:16]
+    """A short hash of the CPU's model name and feature flags (`cpuinfo`: that file's text; None: this
+    host's): what XLA:CPU compiles for."""
+    info = host_cpu.read() if cpuinfo is None else host_cpu.parse(cpuinfo)
+    flags = " ".join(sorted(info.flags)) if info is not None else ""
+    return hashlib.sha256(f"{host_cpu.model_name(info)}\n{flags}".encode()).hexdigest()[:16]
 
 
 def default_dir(cpuinfo: str | None = None) -> pathlib.Path:

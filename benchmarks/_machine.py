@@ -4,7 +4,8 @@ The same benchmark gives different ratios on an Intel Xeon with AVX-512-BF16 and
 oneDNN uses them) and on an AMD EPYC without AMX, so every benchmark's JSON carries `machine()` and
 its header prints `header()`: a figure without its CPU kind cannot be compared with another.
 
-ISA flags are read from /proc/cpuinfo's `flags` line (the kernel's names, as `lscpu` shows them):
+ISA flags are read from /proc/cpuinfo's `flags` line (agentrefine_jax/host_cpu.py; the kernel's names, as
+`lscpu` shows them):
 the AVX-512 subsets that matter for float32/bfloat16 matmuls, AMX (tile + bf16) and AVX2.
 XLA flags: the `XLA_FLAGS` environment variable as this process sees it (the benchmarks that start
 workers record the child's, which they set). The execution plan (models/execution.py) sets no XLA
@@ -14,10 +15,9 @@ flags today; when it does, `PLAN_XLA_FLAGS` is where they are recorded.
 from __future__ import annotations
 
 import os
-import platform
 from typing import Any
 
-CPUINFO = "/proc/cpuinfo"
+from agentrefine_jax import host_cpu
 
 # Kernel flag names (arch/x86/include/asm/cpufeatures.h) worth naming beside a CPU figure.
 ISA_FLAGS = (
@@ -38,31 +38,22 @@ ISA_FLAGS = (
 PLAN_XLA_FLAGS: tuple[str, ...] = ()
 
 
+def _described(cpu: host_cpu.CpuInfo) -> dict[str, Any]:
+    return {"cpu_model": cpu.model, "isa": {f: f in cpu.flags for f in ISA_FLAGS}}
+
+
 def parse_cpuinfo(text: str) -> dict[str, Any]:
     """The first processor's model name and the ISA flags above that it has (True/False each)."""
-    model, flags = "", set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and not model:
-            model = value.strip()
-        elif key == "flags" and not flags:
-            flags = set(value.split())
-        if model and flags:
-            break
-    return {"cpu_model": model, "isa": {f: f in flags for f in ISA_FLAGS}}
+    return _described(host_cpu.parse(text))
 
 
 def machine(xla_flags: str | None = None) -> dict[str, Any]:
     """This host's CPU, ISA, cores and the XLA flags in effect (`xla_flags`: a child process's, when a
     benchmark sets them for its workers rather than for itself)."""
-    try:
-        with open(CPUINFO, encoding="utf-8", errors="replace") as f:
-            info = parse_cpuinfo(f.read())
-    except OSError:  # not Linux: the model from `platform`, the ISA unknown
-        info = {"cpu_model": "", "isa": {}}
-    if not info["cpu_model"]:
-        info["cpu_model"] = platform.processor() or platform.machine()
+    cpu = host_cpu.read()
+    # Not Linux: the model from `platform`, the ISA unknown.
+    info = {"cpu_model": "", "isa": {}} if cpu is None else _described(cpu)
+    info["cpu_model"] = host_cpu.model_name(cpu)
     env = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
     try:
         cores = len(os.sched_getaffinity(0))

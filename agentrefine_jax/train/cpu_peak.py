@@ -27,10 +27,9 @@ import hashlib
 import json
 import os
 import pathlib
-import platform
 import time
 
-from agentrefine_jax import outputs
+from agentrefine_jax import host_cpu, outputs
 
 # Bump when the measurement changes: old cache entries are then not reused. 2: entries of version 1
 # could hold one step's rate, which a late read made up to 260x the host's real peak (CI, stop 57).
@@ -42,17 +41,6 @@ REPEATS = 8
 def cache_root() -> pathlib.Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return pathlib.Path(base) / "agentrefine_jax" / "cpu_peak"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _cores() -> int:
@@ -69,7 +57,7 @@ def machine_key() -> str:
 
     facts = {
         "v": MEASURE_VERSION,
-        "cpu": _cpu_model(),
+        "cpu": host_cpu.model_name(host_cpu.read()),
         "cores": _cores(),
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
@@ -147,7 +135,7 @@ def _record(path: pathlib.Path, flops: float, method: str) -> None:
         "version": MEASURE_VERSION,
         "flops": flops,
         "method": method,
-        "cpu": _cpu_model(),
+        "cpu": host_cpu.model_name(host_cpu.read()),
         "cores": _cores(),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "load_avg_1m": os.getloadavg()[0],
